@@ -1,0 +1,1 @@
+"""The edge: the OpenAI-compatible HTTP API in front of the nodes."""

@@ -1,0 +1,255 @@
+"""The OpenAI endpoints (`/v1/chat/completions`, `/v1/responses`) as one lean ASGI handler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.types import Message, Receive, Scope, Send
+
+from iop import wire
+from iop.errors import BadRequest, NotFound, PayloadTooLarge, RequestError, Unauthorized, error_body
+
+if TYPE_CHECKING:
+    from iop.edge.server import Edge
+
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+class ChatHead(msgspec.Struct):
+    """The few fields of a chat request the edge reads; the rest passes through untouched."""
+
+    model: str
+    stream: bool = False
+    messages: msgspec.Raw = msgspec.Raw(b"")
+
+
+class ResponsesHead(msgspec.Struct):
+    model: str
+    stream: bool = False
+    input: msgspec.Raw = msgspec.Raw(b"")
+
+
+_chat_head = msgspec.json.Decoder(ChatHead).decode
+_responses_head = msgspec.json.Decoder(ResponsesHead).decode
+_json = msgspec.json.Encoder().encode
+
+
+def parse_head(api: wire.Api, body: bytes) -> tuple[str, bool]:
+    """The model and stream flag, after checking the body is a request of this API at all."""
+    try:
+        if api == "chat":
+            chat = _chat_head(body)
+            if not bytes(chat.messages).startswith(b"["):
+                raise BadRequest("'messages' must be a list of messages", param="messages")
+            return chat.model, chat.stream
+        resp = _responses_head(body)
+        raw = bytes(resp.input)
+        if not (raw.startswith(b"[") or raw.startswith(b'"')):
+            raise BadRequest("'input' must be a string or a list of input items", param="input")
+        return resp.model, resp.stream
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid request body: {_path_message(exc)}", param=_param(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _path_message(exc: msgspec.ValidationError) -> str:
+    return str(exc).replace("`$.", "`").replace(" - at `$`", "")
+
+
+def _param(exc: msgspec.ValidationError) -> str | None:
+    msg = str(exc)
+    if "`$." in msg:
+        return msg.split("`$.", 1)[1].split("`", 1)[0]
+    if "missing required field `" in msg:
+        return msg.split("missing required field `", 1)[1].split("`", 1)[0]
+    return None
+
+
+class ApiEndpoint:
+    """One OpenAI API endpoint. Plain ASGI: the request path is measured, so nothing runs twice."""
+
+    def __init__(self, edge: Edge, api: wire.Api) -> None:
+        self.edge = edge
+        self.api: wire.Api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "POST":
+            await _send_error(send, 405, error_body("use POST", "invalid_request_error", "method_not_allowed"))
+            return
+        headers_sent = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal headers_sent
+            if message["type"] == "http.response.start":
+                headers_sent = True
+            await send(message)
+
+        try:
+            self.edge.authorize(scope)
+            body = await _read_body(scope, receive, self.edge.max_body_bytes)
+            model, stream = parse_head(self.api, body)
+            await self._serve(body, model, stream, receive, tracked_send)
+        except RequestError as exc:
+            if not headers_sent:
+                await _send_error(send, exc.status, exc.body(), exc.headers)
+
+    async def _serve(self, body: bytes, model: str, stream: bool, receive: Receive, send: Send) -> None:
+        edge = self.edge
+        pool = edge.catalog.pools.get(model)
+        route = edge.catalog.routes.get(model)
+        if pool is None and route is None:
+            raise NotFound(f"model '{model}' does not exist; GET /v1/models lists the models", param="model")
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        ch = edge.relay.open()
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.create_task(_watch_disconnect(receive, task))
+        item = wire.WorkItem(
+            id=ch.id,
+            api=self.api,
+            stream=stream,
+            alias=model,
+            body=body,
+            reply_to=edge.relay.reply_to(ch),
+            deadline=time.time() + edge.queue_timeout_s,
+            edge=edge.edge_id,
+        )
+        start_deadline: float | None = None
+        try:
+            if pool is not None:
+                deadline = arrived + edge.queue_timeout_s
+                slot = await edge.scheduler.acquire(model, deadline)
+                ch.node, ch.provider = slot.node, slot.id
+                ch.on_end = lambda: edge.scheduler.release(slot)
+                try:
+                    await edge.relay.dispatch_pool(ch, slot.id, item)
+                except BaseException:
+                    ch.end()
+                    raise
+                start_deadline = deadline
+            else:
+                assert route is not None
+                ch.node, ch.provider = route
+                await edge.relay.dispatch_direct(ch, route[0], route[1], item)
+            replies = edge.relay.replies(ch, start_deadline)
+            if stream:
+                await _relay_stream(self.api, replies, send, ch.provider, arrived, ch)
+            else:
+                await _relay_whole(replies, send, ch.provider, arrived, ch)
+        except asyncio.CancelledError:
+            # The client went away (the watcher cancelled us): the relay cancels the node's work.
+            if task.cancelling():
+                task.uncancel()
+            return
+        finally:
+            watcher.cancel()
+            edge.relay.close(ch)
+
+
+def _timing_headers(provider: str, arrived: float, started: float) -> list[tuple[bytes, bytes]]:
+    queue_ms = max(0.0, (started - arrived) * 1000) if started else 0.0
+    return [(b"x-iop-provider", provider.encode()), (b"x-iop-queue-ms", f"{queue_ms:.1f}".encode())]
+
+
+async def _relay_whole(replies: AsyncIterator[bytes], send: Send, provider: str, arrived: float, ch: Any) -> None:
+    parts = [data async for data in replies]
+    started = _mono_to_loop(ch.started_mono)
+    body = parts[0] if len(parts) == 1 else b"".join(parts)
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": _JSON + _timing_headers(provider, arrived, started)}
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _relay_stream(
+    api: wire.Api, replies: AsyncIterator[bytes], send: Send, provider: str, arrived: float, ch: Any
+) -> None:
+    # Wait for the first bytes before answering 200: a failure before them is a clean HTTP error.
+    it = replies.__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        first = b""
+    headers = _SSE + _timing_headers(provider, arrived, _mono_to_loop(ch.started_mono))
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": first, "more_body": True})
+    try:
+        async for data in it:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+    except RequestError as exc:
+        # Started streams end with an error event the client sees, never a silent cut.
+        await send({"type": "http.response.body", "body": stream_error_event(api, exc), "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def stream_error_event(api: wire.Api, exc: RequestError) -> bytes:
+    err = {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
+    if api == "chat":
+        return b"data: " + _json({"error": err}) + b"\n\n"
+    event = {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param, "error": err,
+             "sequence_number": 0}
+    return b"event: error\ndata: " + _json(event) + b"\n\n"
+
+
+def _mono_to_loop(mono: float) -> float:
+    # asyncio's loop clock is time.monotonic() on every platform we run on.
+    return mono
+
+
+async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            task.cancel()
+            return
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            with contextlib.suppress(ValueError):
+                if int(value) > limit:
+                    raise PayloadTooLarge(f"request body is larger than the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    more = True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise asyncio.CancelledError
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body is larger than the limit of {limit} bytes")
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _send_error(send: Send, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+    extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": _JSON + extra})
+    await send({"type": "http.response.body", "body": body})
+
+
+def check_bearer(scope: Scope, keys: list[bytes]) -> None:
+    """Constant-time check of `Authorization: Bearer <key>` against every configured key."""
+    given = b""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            given = value[7:].strip() if value[:7].lower() == b"bearer " else b""
+            break
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(given, key)
+    if not ok:
+        raise Unauthorized("missing or invalid API key (send Authorization: Bearer <key>)")

@@ -1,0 +1,143 @@
+"""Which nodes are connected: hellos and heartbeats in, presence and live counts out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from iop import config, wire
+from iop.edge.scheduler import Scheduler
+
+log = logging.getLogger("iop.edge")
+
+LOST_AFTER_S = wire.HEARTBEAT_INTERVAL_S * wire.HEARTBEATS_MISSED
+
+
+@dataclass
+class NodeState:
+    cfg: config.Node
+    connected: bool = False
+    instance: str | None = None
+    last_seen: float | None = None
+    """Wall-clock time of the last heartbeat (shown in status)."""
+    last_seen_mono: float = 0.0
+    started_at: float | None = None
+    version: str = ""
+    live: dict[str, wire.ProviderLive] = field(default_factory=dict)
+
+
+class Registry:
+    """Tracks node presence from heartbeats; tells the scheduler and the relay when a node comes or goes."""
+
+    def __init__(
+        self,
+        deployment: config.Deployment,
+        scheduler: Scheduler,
+        edge_id: str,
+        on_node_lost: Callable[[str, str], None],
+    ) -> None:
+        self.nodes = {n.id: NodeState(cfg=n) for n in deployment.nodes}
+        self.scheduler = scheduler
+        self.edge_id = edge_id
+        self.on_node_lost = on_node_lost
+        self._refused_logged: dict[tuple[str, str], float] = {}
+        self._nc: NATS | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, nc: NATS) -> None:
+        self._nc = nc
+        await nc.subscribe(wire.HEARTBEAT_WILDCARD, cb=self._on_heartbeat, pending_msgs_limit=100_000)
+        await nc.subscribe(wire.HELLO_WILDCARD, cb=self._on_hello)
+        self._task = asyncio.create_task(self._watch())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def bus_reconnected(self) -> None:
+        """While the edge itself was cut off it heard nothing: restart every node's clock."""
+        now = time.monotonic()
+        for st in self.nodes.values():
+            st.last_seen_mono = max(st.last_seen_mono, now)
+
+    def _admit(self, node_id: str, instance: str) -> tuple[NodeState | None, str]:
+        st = self.nodes.get(node_id)
+        if st is None:
+            return None, f"node '{node_id}' is not in this deployment"
+        if st.connected and st.instance not in (None, instance):
+            return None, f"node '{node_id}' is already connected (instance {st.instance})"
+        return st, ""
+
+    def _refuse(self, node_id: str, instance: str, reason: str) -> None:
+        key = (node_id, instance)
+        now = time.monotonic()
+        if now - self._refused_logged.get(key, -1e9) > 30:
+            log.warning("refused node %s (instance %s): %s", node_id, instance, reason)
+            self._refused_logged[key] = now
+
+    async def _on_hello(self, msg: Msg) -> None:
+        try:
+            hello = wire.decode_hello(msg.data)
+        except Exception:
+            return
+        st, reason = self._admit(hello.node, hello.instance)
+        if st is None:
+            self._refuse(hello.node, hello.instance, reason)
+        if msg.reply and self._nc is not None:
+            welcome = wire.Welcome(accepted=st is not None, edge=self.edge_id, reason=reason)
+            await self._nc.publish(msg.reply, wire.encode(welcome))
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            hb = wire.decode_heartbeat(msg.data)
+        except Exception:
+            return
+        st, reason = self._admit(hb.node, hb.instance)
+        if st is None:
+            self._refuse(hb.node, hb.instance, reason)
+            return
+        if hb.leaving:
+            if st.connected:
+                self._lose(st, "node stopped")
+            st.instance = None
+            return
+        if not st.connected:
+            log.info("node %s connected (instance %s)", hb.node, hb.instance)
+        st.connected = True
+        st.instance = hb.instance
+        st.last_seen = time.time()
+        st.last_seen_mono = time.monotonic()
+        st.started_at = hb.started_at
+        st.version = hb.version
+        st.live = {p.id: p for p in hb.providers}
+        for p in st.cfg.providers:
+            if p.capacity is not None:
+                self.scheduler.set_connected(p.id, p.id in st.live)
+
+    def _lose(self, st: NodeState, reason: str) -> None:
+        st.connected = False
+        log.warning("node %s lost: %s", st.cfg.id, reason)
+        for p in st.cfg.providers:
+            self.scheduler.set_connected(p.id, False)
+        self.on_node_lost(st.cfg.id, reason)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(wire.HEARTBEAT_INTERVAL_S / 4)
+            if self._nc is not None and not self._nc.is_connected:
+                continue
+            now = time.monotonic()
+            for st in self.nodes.values():
+                if st.connected and now - st.last_seen_mono > LOST_AFTER_S:
+                    self._lose(st, f"no heartbeat for {now - st.last_seen_mono:.1f}s")
+                    st.instance = None
+
+    def connected(self, node_id: str) -> bool:
+        st = self.nodes.get(node_id)
+        return bool(st and st.connected)

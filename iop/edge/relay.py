@@ -1,0 +1,194 @@
+"""Carries one request to a node and its answer back: dispatch, the reply inbox, cancel and loss."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from iop import wire
+from iop.errors import Unavailable, UpstreamError, error_for_status
+
+log = logging.getLogger("iop.edge")
+
+
+@dataclass(eq=False)
+class Channel:
+    """The replies of one request, in order, plus what the edge must undo if it ends early."""
+
+    id: str
+    queue: asyncio.Queue[wire.Started | wire.Chunk | wire.Done | wire.Failure] = field(
+        default_factory=asyncio.Queue
+    )
+    node: str = ""
+    provider: str = ""
+    stream_seq: int = 0
+    """The work message's JetStream sequence, to delete it if the request ends before it starts."""
+    started: bool = False
+    ended: bool = False
+    on_end: Callable[[], None] | None = None
+    """Runs once when the node reports the end (frees the edge's slot before the client has read it all)."""
+    started_mono: float = 0.0
+    ack_subject: str = ""
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            if self.on_end is not None:
+                self.on_end()
+
+
+class Relay:
+    """One wildcard subscription receives every reply for this edge; a dict routes it to its request."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext, edge_id: str) -> None:
+        self.nc = nc
+        self.js = js
+        self.edge_id = edge_id
+        self.prefix = wire.reply_prefix(edge_id)
+        self.channels: dict[str, Channel] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        await self.nc.subscribe(
+            self.prefix + ".>",
+            cb=self._on_reply,
+            pending_msgs_limit=10_000_000,
+            pending_bytes_limit=2 * 1024 * 1024 * 1024,
+        )
+
+    def open(self) -> Channel:
+        rid = secrets.token_hex(12)
+        ch = Channel(rid)
+        self.channels[rid] = ch
+        return ch
+
+    def reply_to(self, ch: Channel) -> str:
+        return f"{self.prefix}.{ch.id}"
+
+    async def _on_reply(self, msg: Msg) -> None:
+        try:
+            reply = wire.decode_reply(msg.data)
+        except Exception:
+            log.warning("undecodable reply on %s dropped", msg.subject)
+            return
+        if isinstance(reply, wire.Claim):
+            ch = self.channels.get(reply.id)
+            go = ch is not None and not ch.started and not ch.ended
+            if msg.reply:
+                await self.nc.publish(msg.reply, wire.encode(wire.Verdict(go)))
+            return
+        if isinstance(reply, wire.Accepted):
+            return
+        ch = self.channels.get(reply.id)
+        if ch is None:
+            return
+        if isinstance(reply, wire.Started):
+            ch.started = True
+            ch.started_mono = time.monotonic()
+            ch.ack_subject = reply.ack
+        elif isinstance(reply, wire.Done | wire.Failure):
+            ch.end()
+        ch.queue.put_nowait(reply)
+
+    def node_lost(self, node: str, reason: str) -> None:
+        """Fail every request running on (or sent to) a node that is gone."""
+        for ch in list(self.channels.values()):
+            if ch.node == node and not ch.ended:
+                ch.end()
+                ch.queue.put_nowait(
+                    wire.Failure(ch.id, -1, 502, "node_lost", f"node {node} was lost: {reason}")
+                )
+                self._spawn(self._abandon(ch, tell_node=False))
+
+    async def dispatch_pool(self, ch: Channel, provider: str, item: wire.WorkItem) -> None:
+        """Publish the work to the provider's JetStream subject (the broker enforces its capacity)."""
+        try:
+            ack = await self.js.publish(
+                wire.work_subject(provider),
+                wire.encode(item),
+                headers={"Nats-Msg-Id": item.id},  # a retried publish is not queued twice
+                timeout=5.0,
+            )
+        except (nats.errors.Error, TimeoutError) as exc:
+            reason = str(exc) or type(exc).__name__
+            raise Unavailable(f"cannot queue the request on NATS: {reason}", code="bus_error") from exc
+        ch.stream_seq = ack.seq
+
+    async def dispatch_direct(self, ch: Channel, node: str, resource: str, item: wire.WorkItem) -> None:
+        """Hand the request to a CLI resource by core request-reply (no queue, no capacity)."""
+        try:
+            await self.nc.request(wire.cli_subject(node, resource), wire.encode(item), timeout=5.0)
+        except nats.errors.NoRespondersError as exc:
+            raise Unavailable(
+                f"CLI resource '{resource}' on node '{node}' is not connected", code="no_provider"
+            ) from exc
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise Unavailable(
+                f"CLI resource '{resource}' on node '{node}' did not answer", code="node_unresponsive"
+            ) from exc
+
+    async def replies(self, ch: Channel, start_deadline: float | None) -> AsyncIterator[bytes]:
+        """The answer's bytes in order; raises a RequestError for a failure.
+
+        `start_deadline` (loop clock) bounds the wait for the node to start the item: past it, the
+        request has waited longer than the queue timeout allows.
+        """
+        expected = 0
+        q = ch.queue
+        while True:
+            if not ch.started and start_deadline is not None:
+                try:
+                    async with asyncio.timeout_at(start_deadline):
+                        reply = await q.get()
+                except TimeoutError:
+                    raise Unavailable(
+                        "the request was not started within the queue timeout", code="queue_timeout"
+                    ) from None
+            else:
+                reply = q.get_nowait() if not q.empty() else await q.get()
+            if isinstance(reply, wire.Chunk):
+                if reply.seq != expected:
+                    raise UpstreamError("part of the answer was lost between node and edge", code="relay_gap")
+                expected += 1
+                yield reply.data
+            elif isinstance(reply, wire.Done):
+                if reply.chunks != expected:
+                    raise UpstreamError("part of the answer was lost between node and edge", code="relay_gap")
+                return
+            elif isinstance(reply, wire.Failure):
+                raise error_for_status(reply.status, reply.message, reply.code)
+
+    def close(self, ch: Channel) -> None:
+        """Forget the request; if the node may still work on it, cancel it there."""
+        self.channels.pop(ch.id, None)
+        if not ch.ended:
+            ch.end()
+            self._spawn(self._abandon(ch))
+
+    async def _abandon(self, ch: Channel, *, tell_node: bool = True) -> None:
+        """Client gone, request failed at the edge, or node lost: stop the work, free the broker slot."""
+        with contextlib.suppress(nats.errors.Error, OSError, TimeoutError):
+            if tell_node and ch.node:
+                await self.nc.publish(wire.cancel_subject(ch.node), wire.encode(wire.Cancel(ch.id)))
+            if ch.ack_subject and not tell_node:
+                # The node is gone and cannot ack: terminate its delivery so the slot frees now,
+                # not after ack_wait (the redelivery would be dropped by the claim anyway).
+                await self.nc.publish(ch.ack_subject, b"+TERM")
+            elif ch.stream_seq and not ch.started:
+                # Still in the stream (never fetched): remove it so it can never run later.
+                await self.js.delete_msg(wire.WORK_STREAM, ch.stream_seq)
+
+    def _spawn(self, coro: object) -> None:
+        t: asyncio.Task[None] = asyncio.create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)

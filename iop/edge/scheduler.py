@@ -1,0 +1,184 @@
+"""The edge's pool scheduler: one FIFO per pool, late binding to the provider with the most free slots.
+
+The broker's `max_ack_pending` is the hard cap; this schedules on top of it so that a request
+never waits in the broker while another provider of its pool has a free slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from iop.errors import QueueFull, Unavailable
+
+CONNECT_GRACE_S = 2.5
+"""How long a request waits for a provider of its pool to connect before 503 (edge or node start)."""
+
+
+@dataclass(eq=False)
+class ProviderSlots:
+    """This edge's view of one provider: its capacity and how many requests it has sent there."""
+
+    id: str
+    node: str
+    capacity: int
+    pools: list[PoolQueue] = field(default_factory=list)
+    in_flight: int = 0
+    connected: bool = False
+    dispatched: int = 0
+    """Requests ever dispatched to it (status, tests)."""
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.in_flight if self.connected else 0
+
+
+@dataclass(eq=False)
+class Waiter:
+    future: asyncio.Future[ProviderSlots]
+    since: float
+    order: int
+
+
+@dataclass(eq=False)
+class PoolQueue:
+    """The requests waiting for one alias, oldest first."""
+
+    alias: str
+    providers: list[ProviderSlots]
+    waiters: deque[Waiter] = field(default_factory=deque)
+    rotate: int = 0
+
+    def best(self) -> ProviderSlots | None:
+        """The connected provider with the most free slots; ties rotate so load spreads evenly."""
+        best: ProviderSlots | None = None
+        n = len(self.providers)
+        for i in range(n):
+            p = self.providers[(self.rotate + i) % n]
+            if p.free > 0 and (best is None or p.free > best.free):
+                best = p
+        if best is not None:
+            self.rotate = (self.rotate + 1) % n
+        return best
+
+    @property
+    def connected(self) -> bool:
+        return any(p.connected for p in self.providers)
+
+    def has_free(self) -> bool:
+        return any(p.free > 0 for p in self.providers)
+
+
+class Scheduler:
+    """Admission for pool aliases: take a slot now, or wait in the pool's FIFO until one frees."""
+
+    def __init__(self, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+        self.providers: dict[str, ProviderSlots] = {}
+        self.pools: dict[str, PoolQueue] = {}
+        self._order = itertools.count()
+        self._connected = asyncio.Event()
+
+    def add_provider(self, provider: str, node: str, capacity: int) -> ProviderSlots:
+        slots = self.providers.get(provider)
+        if slots is None:
+            slots = self.providers[provider] = ProviderSlots(provider, node, capacity)
+        return slots
+
+    def add_pool(self, alias: str, members: list[str]) -> None:
+        pool = PoolQueue(alias, [self.providers[m] for m in members])
+        self.pools[alias] = pool
+        for p in pool.providers:
+            p.pools.append(pool)
+
+    async def acquire(self, alias: str, deadline: float) -> ProviderSlots:
+        """A slot of a provider of `alias`; `deadline` is on the loop's clock.
+
+        Raises QueueFull when `max_waiting` requests already wait, Unavailable when no provider of
+        the pool is connected or the wait outlasts the deadline.
+        """
+        pool = self.pools[alias]
+        if not pool.waiters:
+            slot = pool.best()
+            if slot is not None:
+                slot.in_flight += 1
+                slot.dispatched += 1
+                return slot
+        if not pool.connected:
+            await self._await_connected(pool, deadline)
+            return await self.acquire(alias, deadline)
+        if len(pool.waiters) >= self.max_waiting:
+            raise QueueFull(
+                f"model '{alias}': {len(pool.waiters)} requests already wait for a free slot; retry later",
+                headers={"Retry-After": "1"},
+            )
+        loop = asyncio.get_running_loop()
+        waiter = Waiter(loop.create_future(), time.monotonic(), next(self._order))
+        pool.waiters.append(waiter)
+        try:
+            async with asyncio.timeout_at(deadline):
+                slot = await waiter.future
+        except BaseException as exc:
+            if waiter.future.done() and not waiter.future.cancelled():
+                # Granted in the same instant as the timeout or the client leaving: give it back.
+                self.release(waiter.future.result())
+            else:
+                waiter.future.cancel()
+                pool.waiters.remove(waiter)
+            if isinstance(exc, TimeoutError):
+                raise Unavailable(
+                    f"model '{alias}': no slot became free within the queue timeout", code="queue_timeout"
+                ) from None
+            raise
+        return slot
+
+    async def _await_connected(self, pool: PoolQueue, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        until = min(deadline, loop.time() + CONNECT_GRACE_S)
+        while not pool.connected:
+            self._connected.clear()
+            try:
+                async with asyncio.timeout_at(until):
+                    await self._connected.wait()
+            except TimeoutError:
+                raise Unavailable(
+                    f"model '{pool.alias}': no provider of its pool is connected", code="no_provider"
+                ) from None
+
+    def release(self, slot: ProviderSlots) -> None:
+        slot.in_flight -= 1
+        self._pump(slot.pools)
+
+    def set_connected(self, provider: str, connected: bool) -> None:
+        slot = self.providers.get(provider)
+        if slot is None or slot.connected == connected:
+            return
+        slot.connected = connected
+        if connected:
+            self._connected.set()
+            self._pump(slot.pools)
+
+    def _pump(self, pools: list[PoolQueue]) -> None:
+        """Hand free slots to the oldest waiters of the given pools."""
+        while True:
+            oldest: PoolQueue | None = None
+            for pool in pools:
+                while pool.waiters and pool.waiters[0].future.done():
+                    pool.waiters.popleft()
+                older = oldest is None or (pool.waiters and pool.waiters[0].order < oldest.waiters[0].order)
+                if pool.waiters and older and pool.has_free():
+                    oldest = pool
+            if oldest is None:
+                return
+            slot = oldest.best()
+            assert slot is not None
+            waiter = oldest.waiters.popleft()
+            slot.in_flight += 1
+            slot.dispatched += 1
+            waiter.future.set_result(slot)
+
+    def waiting(self, alias: str) -> int:
+        return len(self.pools[alias].waiters)

@@ -1,0 +1,339 @@
+"""A running node: fetch loops per provider, a subscriber per CLI resource, heartbeats, cancels."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from iop import __version__, bus, config, wire
+from iop.errors import BusError, IopError, RequestError
+from iop.node import adapters
+
+log = logging.getLogger("iop.node")
+
+FETCH_TIMEOUT_S = 1.0
+"""How long one pull request waits; bounds how fast an idle worker notices the node stopping."""
+CANCEL_MEMORY_S = 120.0
+
+
+class NodeRefused(IopError):
+    """The edge refused this node (unknown id, or another process holds the id)."""
+
+
+@dataclass
+class Resource:
+    """One entry of the node's catalog with its adapter and live counts."""
+
+    cfg: config.Provider
+    adapter: adapters.Adapter
+    kind: str  # "pool" or "cli"
+    in_flight: int = 0
+    peak_in_flight: int = 0
+    served: int = 0
+    failed: int = 0
+    workers: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def live(self) -> wire.ProviderLive:
+        return wire.ProviderLive(
+            id=self.cfg.id,
+            kind="pool" if self.kind == "pool" else "cli",
+            capacity=self.cfg.capacity,
+            in_flight=self.in_flight,
+            peak_in_flight=self.peak_in_flight,
+            served=self.served,
+            failed=self.failed,
+        )
+
+
+class NodeRuntime:
+    """Serves one node's catalog over NATS. There is no node-wide limit of any kind."""
+
+    def __init__(self, deployment: config.Deployment, node_id: str, nats_url: str) -> None:
+        self.node = deployment.node(node_id)
+        self.nats_url = nats_url
+        self.instance = secrets.token_hex(6)
+        self.started_at = time.time()
+        self.nc: NATS | None = None
+        self._adapters = {a.id: adapters.build(a) for a in self.node.adapters}
+        self.resources: dict[str, Resource] = {}
+        for p in self.node.providers:
+            a = self.node.adapter(p.adapter)
+            kind = "cli" if isinstance(a, config.CliAdapter) else "pool"
+            self.resources[p.id] = Resource(cfg=p, adapter=self._adapters[a.id], kind=kind)
+        self._running: dict[str, tuple[asyncio.Task[None], Msg | None]] = {}
+        self._cancelled: dict[str, float] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stopping = False
+        self._hb_seq = 0
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self, *, connect_wait_s: float | None = None) -> None:
+        self.nc = await bus.connect(self.nats_url, f"iop-node-{self.node.id}", wait_s=connect_wait_s)
+        await self._hello()
+        js = self.nc.jetstream()
+        pool = [r for r in self.resources.values() if r.kind == "pool"]
+        if pool:
+            await bus.ensure_work_stream(js)
+        for r in pool:
+            assert r.cfg.capacity is not None
+            await bus.ensure_provider_consumer(js, r.cfg.id, r.cfg.capacity, update=False)
+            psub = await js.pull_subscribe_bind(
+                durable=wire.consumer_name(r.cfg.id), stream=wire.WORK_STREAM
+            )
+            # One outstanding fetch(batch=1) per slot: never a batch larger than the free slots.
+            r.workers = [asyncio.create_task(self._fetch_loop(r, psub)) for _ in range(r.cfg.capacity)]
+        for r in self.resources.values():
+            if r.kind == "cli":
+                await self.nc.subscribe(
+                    wire.cli_subject(self.node.id, r.cfg.id),
+                    cb=self._cli_handler(r),
+                    pending_msgs_limit=100_000,
+                )
+        await self.nc.subscribe(wire.cancel_subject(self.node.id), cb=self._on_cancel)
+        self._spawn(self._heartbeat_loop())
+        self._spawn(self._progress_loop())
+        await self._heartbeat()
+        log.info(
+            "node %s serving %d providers, %d CLI resources (instance %s)",
+            self.node.id,
+            len(pool),
+            len(self.resources) - len(pool),
+            self.instance,
+        )
+
+    async def stop(self, grace_s: float = 30.0) -> None:
+        """Stop taking work, let running items finish up to `grace_s`, fail the rest, leave."""
+        self._stopping = True
+        workers = [w for r in self.resources.values() for w in r.workers]
+        if workers:
+            # Fetches are never cancelled (a cancelled pull request can swallow a message): they
+            # time out within FETCH_TIMEOUT_S and the loops end by themselves.
+            await asyncio.wait(workers, timeout=FETCH_TIMEOUT_S * 3)
+        running = [t for t, _ in self._running.values()]
+        if running:
+            log.info("node %s: waiting up to %gs for %d running requests", self.node.id, grace_s, len(running))
+            _, pending = await asyncio.wait(running, timeout=grace_s)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=5.0)
+        for t in list(self._tasks):
+            t.cancel()
+        if self.nc is not None and self.nc.is_connected:
+            with contextlib.suppress(Exception):
+                await self._heartbeat(leaving=True)
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+        for a in self._adapters.values():
+            await a.close()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def _hello(self) -> None:
+        assert self.nc is not None
+        hello = wire.Hello(node=self.node.id, instance=self.instance, providers=list(self.resources))
+        try:
+            reply = await self.nc.request(wire.hello_subject(self.node.id), wire.encode(hello), timeout=2.0)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            log.warning("node %s: no edge answered yet; serving, the edge will see our heartbeats", self.node.id)
+            return
+        welcome = wire.decode_welcome(reply.data)
+        if not welcome.accepted:
+            raise NodeRefused(f"edge {welcome.edge} refused node {self.node.id}: {welcome.reason}")
+
+    # --- heartbeats -----------------------------------------------------------------------------
+
+    async def _heartbeat(self, *, leaving: bool = False) -> None:
+        assert self.nc is not None
+        self._hb_seq += 1
+        hb = wire.NodeHeartbeat(
+            node=self.node.id,
+            instance=self.instance,
+            started_at=self.started_at,
+            seq=self._hb_seq,
+            providers=[r.live() for r in self.resources.values()],
+            legacy_concurrency=self.node.legacy_concurrency(),
+            version=__version__,
+            leaving=leaving,
+        )
+        await self.nc.publish(wire.heartbeat_subject(self.node.id), wire.encode(hb))
+        if leaving:
+            await self.nc.flush(timeout=2)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(wire.HEARTBEAT_INTERVAL_S)
+            try:
+                await self._heartbeat()
+            except (nats.errors.Error, OSError) as exc:
+                log.debug("heartbeat not sent: %s", exc)
+
+    async def _progress_loop(self) -> None:
+        # Long answers outlive ack_wait; tell the broker they are alive so it never redelivers them.
+        while True:
+            await asyncio.sleep(wire.ACK_WAIT_S / 3)
+            for _, msg in list(self._running.values()):
+                if msg is not None:
+                    with contextlib.suppress(Exception):
+                        await msg.in_progress()
+
+    # --- pool work ------------------------------------------------------------------------------
+
+    async def _fetch_loop(self, r: Resource, psub: Any) -> None:
+        while not self._stopping:
+            try:
+                msgs = await psub.fetch(1, timeout=FETCH_TIMEOUT_S)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except nats.errors.ConnectionClosedError:
+                return
+            except (nats.errors.Error, OSError) as exc:
+                # Disconnected: nats-py reconnects by itself; don't spin meanwhile.
+                log.debug("fetch for %s failed: %s", r.cfg.id, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                await self._take(r, msg)
+
+    async def _take(self, r: Resource, msg: Msg) -> None:
+        try:
+            item = wire.decode_work(msg.data)
+        except Exception:
+            log.error("provider %s: undecodable work message dropped", r.cfg.id)
+            await msg.term()
+            return
+        if item.id in self._cancelled:
+            await msg.term()
+            return
+        if msg.metadata.num_delivered > 1 and not await self._claim(item):
+            # Redelivered: the earlier delivery may have run. Only the edge knows whether the client
+            # still waits for it, and it never lets a request run twice once a byte reached the client.
+            await msg.term()
+            return
+        if time.time() > item.deadline:
+            await msg.term()
+            await self._publish(item, wire.Failure(item.id, 0, 503, "queue_timeout", "waited past its deadline"))
+            return
+        task = asyncio.create_task(self._run(r, item, msg))
+        self._running[item.id] = (task, msg)
+        await asyncio.wait({task})
+
+    async def _claim(self, item: wire.WorkItem) -> bool:
+        assert self.nc is not None
+        try:
+            reply = await self.nc.request(item.reply_to, wire.encode(wire.Claim(item.id)), timeout=2.0)
+        except (nats.errors.Error, TimeoutError):
+            return False
+        return wire.decode_verdict(reply.data).go
+
+    # --- running an item (pool or CLI) --------------------------------------------------------
+
+    async def _run(self, r: Resource, item: wire.WorkItem, msg: Msg | None) -> None:
+        r.in_flight += 1
+        if r.in_flight > r.peak_in_flight:
+            r.peak_in_flight = r.in_flight
+        chunks = 0
+
+        async def send(data: bytes) -> None:
+            nonlocal chunks
+            await self._publish(item, wire.Chunk(item.id, chunks, data))
+            chunks += 1
+
+        try:
+            ack = msg.reply if msg is not None else ""
+            await self._publish(item, wire.Started(item.id, self.node.id, self.instance, ack))
+            usage = await r.adapter.run(item, r.cfg.model, send)
+            if msg is not None:
+                await msg.ack()  # before Done: the slot is free by the time the edge hears of it
+            await self._publish(item, wire.Done(item.id, chunks, usage))
+            r.served += 1
+        except asyncio.CancelledError:
+            r.failed += 1
+            if msg is not None:
+                await _quietly(msg.term())
+            reason = "node is stopping" if self._stopping else "cancelled"
+            await _quietly(self._publish(item, wire.Failure(item.id, chunks, 503, "cancelled", reason)))
+        except RequestError as exc:
+            r.failed += 1
+            if msg is not None:
+                await _quietly(msg.term())
+            await _quietly(self._publish(item, wire.Failure(item.id, chunks, exc.status, exc.code, exc.message)))
+        except Exception as exc:
+            r.failed += 1
+            log.exception("provider %s: request %s failed", r.cfg.id, item.id)
+            if msg is not None:
+                await _quietly(msg.term())
+            failure = wire.Failure(item.id, chunks, 502, "node_error", f"{type(exc).__name__}: {exc}")
+            await _quietly(self._publish(item, failure))
+        finally:
+            r.in_flight -= 1
+            self._running.pop(item.id, None)
+
+    async def _publish(self, item: wire.WorkItem, message: Any) -> None:
+        assert self.nc is not None
+        await self.nc.publish(item.reply_to, wire.encode(message))
+
+    def _cli_handler(self, r: Resource) -> Any:
+        async def handle(msg: Msg) -> None:
+            # Subscription callbacks run one at a time: hand each request to its own task at once.
+            try:
+                item = wire.decode_work(msg.data)
+            except Exception:
+                log.error("CLI resource %s: undecodable request dropped", r.cfg.id)
+                return
+            if self._stopping:
+                return  # no Accepted: the edge reports the resource unavailable
+            assert self.nc is not None
+            if msg.reply:
+                await self.nc.publish(msg.reply, wire.encode(wire.Accepted(item.id)))
+            task = asyncio.create_task(self._run(r, item, None))
+            self._running[item.id] = (task, None)
+
+        return handle
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = wire.decode_cancel(msg.data)
+        except Exception:
+            return
+        now = time.monotonic()
+        self._cancelled[cancel.id] = now
+        if len(self._cancelled) > 10_000:
+            self._cancelled = {k: t for k, t in self._cancelled.items() if now - t < CANCEL_MEMORY_S}
+        entry = self._running.get(cancel.id)
+        if entry is not None:
+            entry[0].cancel()
+
+
+async def _quietly(aw: Any) -> None:
+    try:
+        await aw
+    except (nats.errors.Error, OSError, TimeoutError) as exc:
+        log.debug("ignored while failing a request: %s", exc)
+
+
+async def run_node(deployment: config.Deployment, node_id: str, nats_url: str, stop: asyncio.Event) -> None:
+    """Run until `stop` is set (Ctrl-C / SIGTERM), then stop gracefully."""
+    runtime = NodeRuntime(deployment, node_id, nats_url)
+    try:
+        await runtime.start()
+    except BusError:
+        raise
+    try:
+        await stop.wait()
+    finally:
+        await runtime.stop()

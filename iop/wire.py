@@ -1,0 +1,193 @@
+"""Everything that crosses NATS: subject names and the msgpack-encoded messages (see docs/wire.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+# --- subjects -------------------------------------------------------------------------------------
+
+WORK_STREAM = "IOP_WORK"
+"""The JetStream work-queue stream holding dispatched pool work, subjects `iop.work.>`."""
+WORK_SUBJECTS = "iop.work.>"
+
+HEARTBEAT_INTERVAL_S = 1.0
+"""How often a node publishes its heartbeat; the edge marks it lost after `HEARTBEATS_MISSED`."""
+HEARTBEATS_MISSED = 3
+
+ACK_WAIT_S = 30.0
+"""JetStream ack wait for work; a running item is kept with `in_progress()` every third of it."""
+
+
+def work_subject(provider: str) -> str:
+    return f"iop.work.{provider}"
+
+
+def consumer_name(provider: str) -> str:
+    return f"iop-{provider}"
+
+
+def cli_subject(node: str, resource: str) -> str:
+    return f"iop.cli.{node}.{resource}"
+
+
+def heartbeat_subject(node: str) -> str:
+    return f"iop.node.{node}.hb"
+
+
+HEARTBEAT_WILDCARD = "iop.node.*.hb"
+
+
+def hello_subject(node: str) -> str:
+    return f"iop.node.{node}.hello"
+
+
+HELLO_WILDCARD = "iop.node.*.hello"
+
+
+def cancel_subject(node: str) -> str:
+    return f"iop.node.{node}.cancel"
+
+
+def reply_prefix(edge: str) -> str:
+    """Every reply to an edge goes under this prefix; the edge holds one wildcard subscription."""
+    return f"iop.reply.{edge}"
+
+
+# --- messages -------------------------------------------------------------------------------------
+
+Api = Literal["chat", "responses"]
+
+
+class WorkItem(msgspec.Struct, kw_only=True, array_like=True):
+    """One client request, sent to a provider's work subject (pool) or a CLI resource (direct)."""
+
+    id: str
+    api: Api
+    stream: bool
+    alias: str
+    body: bytes
+    """The client's JSON body, untouched; the node sets the upstream model name."""
+    reply_to: str
+    deadline: float
+    """Unix time after which the item must not start (it has waited past the queue timeout)."""
+    edge: str = ""
+
+
+class Usage(msgspec.Struct, array_like=True):
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class Started(msgspec.Struct, tag="s", array_like=True):
+    """The node began running the item (the end of its queue wait)."""
+
+    id: str
+    node: str
+    instance: str
+    ack: str = ""
+    """The work message's JetStream ack subject: lets the edge free the slot if the node dies."""
+
+
+class Chunk(msgspec.Struct, tag="c", array_like=True):
+    """Bytes of the answer, already in the client's API and framing (SSE events or JSON)."""
+
+    id: str
+    seq: int
+    data: bytes
+
+
+class Done(msgspec.Struct, tag="d", array_like=True):
+    """The answer is complete: `chunks` chunks were sent (lets the edge detect a lost one)."""
+
+    id: str
+    chunks: int
+    usage: Usage | None = None
+
+
+class Failure(msgspec.Struct, tag="f", array_like=True):
+    """The item failed; `status` and `code` are what the HTTP client is told."""
+
+    id: str
+    chunks: int
+    status: int
+    code: str
+    message: str
+
+
+class Accepted(msgspec.Struct, tag="a", array_like=True):
+    """A CLI resource took a direct request (the reply to the core NATS request)."""
+
+    id: str
+
+
+class Claim(msgspec.Struct, tag="k", array_like=True):
+    """Asked (core request) before running a redelivered item: does the edge still want it?"""
+
+    id: str
+
+
+class Verdict(msgspec.Struct, array_like=True):
+    """The edge's answer to a Claim: run it, or drop it (done, failed over, or the client left)."""
+
+    go: bool
+
+
+Reply = Started | Chunk | Done | Failure | Accepted | Claim
+
+
+class Cancel(msgspec.Struct, array_like=True):
+    """The client went away: stop the item (close the upstream call, kill the process group)."""
+
+    id: str
+
+
+class ProviderLive(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Live counts of one provider or CLI resource on a node."""
+
+    id: str
+    kind: Literal["pool", "cli"]
+    capacity: int | None = None
+    in_flight: int = 0
+    peak_in_flight: int = 0
+    served: int = 0
+    failed: int = 0
+
+
+class NodeHeartbeat(msgspec.Struct, kw_only=True):
+    """A node's periodic announcement of itself and its catalog with live counts."""
+
+    node: str
+    instance: str
+    """Random per process start: tells a restarted node apart from a second process with the same id."""
+    started_at: float
+    seq: int
+    providers: list[ProviderLive]
+    legacy_concurrency: int | None = None
+    version: str = ""
+    leaving: bool = False
+    """Sent once by a node that stops: the edge marks it disconnected at once."""
+
+
+class Hello(msgspec.Struct, kw_only=True):
+    node: str
+    instance: str
+    providers: list[str]
+
+
+class Welcome(msgspec.Struct, kw_only=True):
+    accepted: bool
+    edge: str
+    reason: str = ""
+
+
+# Encoders and decoders are built once (msgspec's guidance) and shared.
+encode = msgspec.msgpack.Encoder().encode
+decode_work = msgspec.msgpack.Decoder(WorkItem).decode
+decode_reply = msgspec.msgpack.Decoder(Reply).decode
+decode_cancel = msgspec.msgpack.Decoder(Cancel).decode
+decode_heartbeat = msgspec.msgpack.Decoder(NodeHeartbeat).decode
+decode_hello = msgspec.msgpack.Decoder(Hello).decode
+decode_welcome = msgspec.msgpack.Decoder(Welcome).decode
+decode_verdict = msgspec.msgpack.Decoder(Verdict).decode
