@@ -403,9 +403,9 @@ class _CrossCheck:
             return f"no node {node_id!r}{_near(node_id, self.nodes)}"
         seen = self.providers.get(provider_id)
         if seen is None or seen.node != node_id:
-            on_node = _listing([p for p, s in self.providers.items() if s.node == node_id])
-            elsewhere = f"; {provider_id!r} is on node {seen.node!r}" if seen else ""
-            return f"node {node_id!r} has no provider {provider_id!r} (its providers: {on_node}){elsewhere}"
+            on_node = [p for p, s in self.providers.items() if s.node == node_id]
+            hint = f"; {provider_id!r} is on node {seen.node!r}" if seen else _near(provider_id, on_node)
+            return f"node {node_id!r} has no provider {provider_id!r} (its providers: {_listing(on_node)}){hint}"
         if seen.adapter_type is not None and seen.adapter_type != _CLI_TYPE:
             return f"{provider_id!r} is not a CLI resource (it has a capacity); put it in a pool instead"
         return None
