@@ -100,15 +100,8 @@ class EmbeddedNats:
         except BusError:
             await self.stop()
             raise
-        self._drain = asyncio.create_task(self._drain_log())
+        self._drain = asyncio.create_task(_drain_log(self.proc.stderr))
         log.info("embedded nats-server ready on %s (store %s)", self.url, self.store_dir)
-
-    async def _drain_log(self) -> None:
-        # Keep reading so the pipe never fills and blocks the server; surface warnings and errors.
-        assert self.proc is not None and self.proc.stderr is not None
-        while line := await self.proc.stderr.readline():
-            if b"[ERR]" in line or b"[WRN]" in line:
-                log.warning("nats-server: %s", line.decode(errors="replace").strip())
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, wait up to `timeout_s`, then SIGKILL; release the store lock."""
@@ -138,6 +131,13 @@ class EmbeddedNats:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+
+async def _drain_log(stderr: asyncio.StreamReader) -> None:
+    # Keep reading so the pipe never fills and blocks the server; surface warnings and errors.
+    while line := await stderr.readline():
+        if b"[ERR]" in line or b"[WRN]" in line:
+            log.warning("nats-server: %s", line.decode(errors="replace").strip())
 
 
 def _quote(s: str) -> str:

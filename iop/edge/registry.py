@@ -49,6 +49,8 @@ class Registry:
         self._refused_logged: dict[tuple[str, str], float] = {}
         self._nc: NATS | None = None
         self._task: asyncio.Task[None] | None = None
+        self.changed = asyncio.Event()
+        """Set on every heartbeat and loss (waiters clear it, then wait)."""
 
     async def start(self, nc: NATS) -> None:
         self._nc = nc
@@ -119,6 +121,7 @@ class Registry:
         for p in st.cfg.providers:
             if p.capacity is not None:
                 self.scheduler.set_connected(p.id, p.id in st.live)
+        self.changed.set()
 
     def _lose(self, st: NodeState, reason: str) -> None:
         st.connected = False
@@ -126,6 +129,7 @@ class Registry:
         for p in st.cfg.providers:
             self.scheduler.set_connected(p.id, False)
         self.on_node_lost(st.cfg.id, reason)
+        self.changed.set()
 
     async def _watch(self) -> None:
         while True:
@@ -137,6 +141,13 @@ class Registry:
                 if st.connected and now - st.last_seen_mono > LOST_AFTER_S:
                     self._lose(st, f"no heartbeat for {now - st.last_seen_mono:.1f}s")
                     st.instance = None
+
+    async def wait_connected(self, node_ids: list[str], timeout_s: float) -> None:
+        """Return once every named node is connected; TimeoutError after `timeout_s`."""
+        async with asyncio.timeout(timeout_s):
+            while not all(self.connected(n) for n in node_ids):
+                self.changed.clear()
+                await self.changed.wait()
 
     def connected(self, node_id: str) -> bool:
         st = self.nodes.get(node_id)

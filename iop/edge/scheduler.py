@@ -81,6 +81,8 @@ class Scheduler:
         self.pools: dict[str, PoolQueue] = {}
         self._order = itertools.count()
         self._connected = asyncio.Event()
+        self.changed = asyncio.Event()
+        """Set whenever a request starts or stops waiting (observers clear it, then wait)."""
 
     def add_provider(self, provider: str, node: str, capacity: int) -> ProviderSlots:
         slots = self.providers.get(provider)
@@ -118,6 +120,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         waiter = Waiter(loop.create_future(), time.monotonic(), next(self._order))
         pool.waiters.append(waiter)
+        self.changed.set()
         try:
             async with asyncio.timeout_at(deadline):
                 slot = await waiter.future
@@ -128,6 +131,7 @@ class Scheduler:
             else:
                 waiter.future.cancel()
                 pool.waiters.remove(waiter)
+                self.changed.set()
             if isinstance(exc, TimeoutError):
                 raise Unavailable(
                     f"model '{alias}': no slot became free within the queue timeout", code="queue_timeout"
@@ -179,6 +183,7 @@ class Scheduler:
             slot.in_flight += 1
             slot.dispatched += 1
             waiter.future.set_result(slot)
+            self.changed.set()
 
     def waiting(self, alias: str) -> int:
         return len(self.pools[alias].waiters)

@@ -173,7 +173,8 @@ async def run_edge(
         await serve
         await edge.stop()
         with contextlib.suppress(Exception):
-            await nc.drain()
+            await nc.flush(timeout=2)
+        await nc.close()
     finally:
         if embedded is not None:
             await embedded.stop()

@@ -132,8 +132,11 @@ class NodeRuntime:
         if self.nc is not None and self.nc.is_connected:
             with contextlib.suppress(Exception):
                 await self._heartbeat(leaving=True)
+        if self.nc is not None:
+            # Not drain(): it waits out every idle pull request. All work has ended; flush and go.
             with contextlib.suppress(Exception):
-                await self.nc.drain()
+                await self.nc.flush(timeout=2)
+            await self.nc.close()
         for a in self._adapters.values():
             await a.close()
 

@@ -1,0 +1,214 @@
+"""A fake OpenAI upstream (the outside world in tests): records peak concurrency, can hold or fail."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+
+@dataclass
+class FakeUpstream:
+    """Behaviour knobs and what it saw. `api` is what it serves: chat, responses or both."""
+
+    api: str = "both"
+    latency_s: float = 0.0
+    tokens: int = 3
+    token_interval_s: float = 0.0
+    fail_status: int | None = None
+    gate: asyncio.Event | None = None
+    """When set to an unset Event, every request waits for it before answering."""
+    in_flight: int = 0
+    peak: int = 0
+    total: int = 0
+    by_path: dict[str, int] = field(default_factory=dict)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    disconnects: int = 0
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    url: str = ""
+
+    def text(self) -> str:
+        return " ".join(f"w{i}" for i in range(self.tokens))
+
+    async def wait_for(self, predicate: Any, timeout_s: float = 10.0) -> None:
+        """Wait until `predicate(self)` holds (checked on every change), or fail the test."""
+        async with asyncio.timeout(timeout_s), self.changed:
+            await self.changed.wait_for(lambda: predicate(self))
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _enter(self, path: str, body: dict[str, Any]) -> None:
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        self.total += 1
+        self.by_path[path] = self.by_path.get(path, 0) + 1
+        self.bodies.append(body)
+        await self._notify()
+
+    async def _leave(self) -> None:
+        self.in_flight -= 1
+        await self._notify()
+
+    async def _hold(self) -> None:
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)  # the simulated model's think time, not test sync
+
+    def app(self) -> Starlette:
+        async def handle(request: Request) -> Response:
+            path = request.url.path
+            kind = "chat" if path.endswith("/chat/completions") else "responses"
+            if self.api not in ("both", kind):
+                return JSONResponse({"error": {"message": "not found", "type": "not_found"}}, 404)
+            body = json.loads(await request.body())
+            await self._enter(path, body)
+            try:
+                await self._hold()
+                if self.fail_status is not None:
+                    err = {"error": {"message": f"fake upstream fails with {self.fail_status}", "type": "x"}}
+                    return JSONResponse(err, self.fail_status)
+                if body.get("stream"):
+                    gen = self._chat_stream(body) if kind == "chat" else self._responses_stream(body)
+                    return StreamingResponse(self._tracked(gen), media_type="text/event-stream")
+                data = self._chat_body(body) if kind == "chat" else self._responses_body(body)
+                return JSONResponse(data)
+            finally:
+                if not body.get("stream") or self.fail_status is not None:
+                    await self._leave()
+
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", handle, methods=["POST"]),
+                Route("/v1/responses", handle, methods=["POST"]),
+            ]
+        )
+
+    async def _tracked(self, gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            async for piece in gen:
+                yield piece
+        except (asyncio.CancelledError, GeneratorExit):
+            self.disconnects += 1
+            raise
+        finally:
+            await self._leave()
+
+    def _chat_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model"),
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": self.text()}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 5, "completion_tokens": self.tokens, "total_tokens": 5 + self.tokens},
+        }
+
+    async def _chat_stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": body.get("model")}
+        first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "finish_reason": None}]}
+        yield b"data: " + json.dumps(first).encode() + b"\n\n"
+        for i in range(self.tokens):
+            if self.token_interval_s:
+                await asyncio.sleep(self.token_interval_s)
+            piece = ("" if i == 0 else " ") + f"w{i}"
+            chunk = {**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
+            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        last = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        yield b"data: " + json.dumps(last).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    def _response_obj(self, body: dict[str, Any], status: str, text: str | None) -> dict[str, Any]:
+        output = []
+        if text is not None:
+            output = [{"id": "msg_fake", "type": "message", "status": "completed", "role": "assistant",
+                       "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+        return {
+            "id": "resp_fake", "object": "response", "created_at": int(time.time()), "status": status,
+            "model": body.get("model"), "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
+            "tools": [], "error": None, "incomplete_details": None, "instructions": None, "metadata": {},
+            "temperature": None, "top_p": None,
+            "usage": {"input_tokens": 5, "output_tokens": self.tokens, "total_tokens": 5 + self.tokens,
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}} if text is not None else None,
+        }
+
+    def _responses_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._response_obj(body, "completed", self.text())
+
+    async def _responses_stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        seq = 0
+
+        def ev(kind: str, **data: Any) -> bytes:
+            nonlocal seq
+            payload = {"type": kind, "sequence_number": seq, **data}
+            seq += 1
+            return f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
+
+        yield ev("response.created", response=self._response_obj(body, "in_progress", None))
+        item = {"id": "msg_fake", "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+        yield ev("response.output_item.added", output_index=0, item=item)
+        part = {"type": "output_text", "text": "", "annotations": []}
+        yield ev("response.content_part.added", item_id="msg_fake", output_index=0, content_index=0, part=part)
+        for i in range(self.tokens):
+            if self.token_interval_s:
+                await asyncio.sleep(self.token_interval_s)
+            piece = ("" if i == 0 else " ") + f"w{i}"
+            yield ev("response.output_text.delta", item_id="msg_fake", output_index=0, content_index=0,
+                     delta=piece, logprobs=[])
+        yield ev("response.completed", response=self._response_obj(body, "completed", self.text()))
+
+
+def bound_socket() -> socket.socket:
+    """A listening loopback socket on a port the OS picks: its URL is known before the server runs."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    return sock
+
+
+@asynccontextmanager
+async def serve_asgi(app: Any) -> AsyncIterator[str]:
+    """Serve an ASGI app with real uvicorn on loopback; yields its base URL.
+
+    The socket is bound before uvicorn starts, so clients may connect at once (the kernel queues
+    them) and nothing needs to wait for start-up.
+    """
+    sock = bound_socket()
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="error", access_log=False, lifespan="off", timeout_graceful_shutdown=1)
+    )
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+@asynccontextmanager
+async def fake_upstream(**knobs: Any) -> AsyncIterator[FakeUpstream]:
+    up = FakeUpstream(**knobs)
+    async with serve_asgi(up.app()) as url:
+        up.url = url + "/v1"
+        yield up
