@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from collections.abc import Mapping
@@ -26,6 +27,10 @@ _RESPONSE_ERROR_CODES = frozenset(
     }
 )
 _IOP_TO_RESPONSE_ERROR = {"queue_full": "rate_limit_exceeded", "invalid_request": "invalid_prompt"}
+# How vLLM, llama.cpp and OpenAI word a prompt too long for the model; Codex needs the code to react.
+_CONTEXT_OVERFLOW = re.compile(
+    r"maximum context length|maximum model length|context size|context window|context_length_exceeded", re.I
+)
 
 
 def new_id(prefix: str) -> str:
@@ -37,6 +42,8 @@ def response_error(message: str, code: str) -> dict[str, Any]:
     mapped = _IOP_TO_RESPONSE_ERROR.get(code, code)
     if mapped not in _RESPONSE_ERROR_CODES:
         mapped = "server_error"
+    if mapped in ("server_error", "invalid_prompt") and _CONTEXT_OVERFLOW.search(message):
+        mapped = "context_length_exceeded"
     return {"code": mapped, "message": message, "type": code}
 
 
@@ -217,8 +224,16 @@ class ResponseEvents:
         # Everything in a delta event but the sequence number and the text, encoded once.
         logprobs = b'"logprobs":[],' if kind == "message" else b""
         head = (
-            b"event: " + head_type + b'\ndata: {"type":"' + head_type + b'","item_id":"' + item_id.encode()
-            + b'","output_index":' + str(index).encode() + b',"content_index":0,' + logprobs
+            b"event: "
+            + head_type
+            + b'\ndata: {"type":"'
+            + head_type
+            + b'","item_id":"'
+            + item_id.encode()
+            + b'","output_index":'
+            + str(index).encode()
+            + b',"content_index":0,'
+            + logprobs
             + b'"sequence_number":'
         )
         self._text = _TextItem(kind, item_id, index, head)

@@ -255,3 +255,11 @@ def test_answer_frames_are_plain_sse() -> None:
     responses = run(answer_writer("responses", True, "m"), ["x"], Usage())
     assert all(line.startswith(("event: ", "data: ")) or line == "" for line in _lines(responses))
     assert responses.endswith(b"\n\n") and chat.endswith(b"data: [DONE]\n\n")
+
+
+def test_answer_responses_fail_reports_a_too_long_prompt_as_context_length_exceeded() -> None:
+    # Codex reacts to this code (it is missing from the SDK's Literal, so this reads the raw JSON).
+    writer = answer_writer("responses", True, "m")
+    message = "upstream: This model's maximum context length is 4096 tokens. However, you requested 5000 tokens."
+    error = json.loads(sse(writer.fail(message, "upstream_bad_request"))[-1].data)["response"]["error"]
+    assert error == {"code": "context_length_exceeded", "message": message, "type": "upstream_bad_request"}
