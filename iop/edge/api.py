@@ -129,6 +129,7 @@ class ApiEndpoint:
                 deadline = arrived + edge.queue_timeout_s
                 slot = await edge.scheduler.acquire(model, deadline)
                 ch.node, ch.provider = slot.node, slot.id
+                ch.pool = edge.scheduler.pools[model]
                 ch.on_end = lambda: edge.scheduler.release(slot)
                 try:
                     await edge.relay.dispatch_pool(ch, slot.id, item)

@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from iop import wire
+from iop.edge.scheduler import PoolQueue
 from iop.errors import Unavailable, UpstreamError, error_for_status
 
 log = logging.getLogger("iop.edge")
@@ -39,10 +40,13 @@ class Channel:
     """Runs once when the node reports the end (frees the edge's slot before the client has read it all)."""
     started_mono: float = 0.0
     ack_subject: str = ""
+    pool: PoolQueue | None = None
 
     def end(self) -> None:
         if not self.ended:
             self.ended = True
+            if self.started and self.pool is not None:
+                self.pool.run_ended()
             if self.on_end is not None:
                 self.on_end()
 
@@ -93,9 +97,12 @@ class Relay:
         if ch is None:
             return
         if isinstance(reply, wire.Started):
-            ch.started = True
-            ch.started_mono = time.monotonic()
-            ch.ack_subject = reply.ack
+            if not ch.started and not ch.ended:
+                ch.started = True
+                ch.started_mono = time.monotonic()
+                ch.ack_subject = reply.ack
+                if ch.pool is not None:
+                    ch.pool.run_started()
         elif isinstance(reply, wire.Done | wire.Failure):
             ch.end()
         ch.queue.put_nowait(reply)

@@ -51,6 +51,17 @@ class PoolQueue:
     providers: list[ProviderSlots]
     waiters: deque[Waiter] = field(default_factory=deque)
     rotate: int = 0
+    running: int = 0
+    """Requests of this pool that a node has started and not yet finished (this edge's)."""
+    peak_running: int = 0
+
+    def run_started(self) -> None:
+        self.running += 1
+        if self.running > self.peak_running:
+            self.peak_running = self.running
+
+    def run_ended(self) -> None:
+        self.running -= 1
 
     def best(self) -> ProviderSlots | None:
         """The connected provider with the most free slots; ties rotate so load spreads evenly."""

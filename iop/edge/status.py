@@ -72,6 +72,8 @@ def status_of(edge: Edge) -> dict[str, Any]:
                 "in_flight": sum(lv.in_flight for lv in members_live),
                 "dispatched_in_flight": sum(ms.in_flight for ms in members_slots),
                 "waiting": edge.scheduler.waiting(alias),
+                "running": edge.scheduler.pools[alias].running,
+                "peak_running": edge.scheduler.pools[alias].peak_running,
             }
         )
     routes = [
