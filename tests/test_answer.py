@@ -6,13 +6,17 @@ import json
 from collections.abc import Iterator
 from typing import Any, Literal
 
-import httpx2
 import openai
 import pytest
 from openai._streaming import ServerSentEvent, SSEDecoder
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
+
+try:
+    import httpx2  # the openai SDK's HTTP client since 3.0
+except ImportError:  # older SDKs use httpx
+    import httpx as httpx2  # type: ignore[no-redef]
 
 from iop.answer import AnswerWriter, Usage, answer_writer
 
