@@ -79,8 +79,12 @@ class ChatChunks:
     def __init__(self, model: str, include_usage: bool) -> None:
         self.include_usage = include_usage
         self._envelope = (
-            b'data: {"id":"' + completion_id().encode() + b'","object":"chat.completion.chunk","created":'
-            + str(int(time.time())).encode() + b',"model":' + _encode(model)
+            b'data: {"id":"'
+            + completion_id().encode()
+            + b'","object":"chat.completion.chunk","created":'
+            + str(int(time.time())).encode()
+            + b',"model":'
+            + _encode(model)
         )
         self._choice = self._envelope + b',"choices":[{"index":0,"delta":'
         self._content_head = self._choice + b'{"content":'
