@@ -11,6 +11,7 @@ from iop.chat_events import ChatChunks, chat_completion, error_type
 from iop.errors import error_body
 from iop.responses_events import (
     ResponseEvents,
+    final_status,
     finish_response,
     message_item,
     new_id,
@@ -112,7 +113,7 @@ class _ResponsesBody(AnswerWriter):
         return b""
 
     def finish(self, usage: Usage, finish_reason: str = "stop") -> bytes:
-        status = "incomplete" if finish_reason in ("length", "content_filter") else "completed"
+        status = "completed" if final_status(finish_reason)[0] == "completed" else "incomplete"
         item = message_item(new_id("msg_"), "".join(self._pieces), status)
         return _encode(finish_response(self._response, [item], usage, finish_reason))
 
