@@ -312,14 +312,15 @@ def _alias_problem(value: str) -> str | None:
 
 
 def _port_ok(port: str) -> bool:
-    return re.fullmatch(r"[0-9]{1,5}", port) is not None and 1 <= int(port) <= 65535
+    # 0 asks the OS for a free port: `iop smoke` runs its own edge that way, and reads the bound ports back.
+    return re.fullmatch(r"[0-9]{1,5}", port) is not None and 0 <= int(port) <= 65535
 
 
 def _address_problem(value: str) -> str | None:
     host, sep, port = value.rpartition(":")
     if sep and host and not re.search(r"\s", host) and _port_ok(port):
         return None
-    return f"expected host:port with a port from 1 to 65535, got {value!r}"
+    return f"expected host:port with a port from 0 to 65535, got {value!r}"
 
 
 def _url_ok(value: str, schemes: tuple[str, ...]) -> bool:

@@ -460,14 +460,14 @@ def test_config_numbers_in_range(path: tuple[str | int, ...], value: float, mess
     assert only_problem(data) == f"{render(path)}: {message}"
 
 
-@pytest.mark.parametrize("listen", ["8080", "localhost:0", "localhost:65536", ":8080", "host:http"])
+@pytest.mark.parametrize("listen", ["8080", "localhost:65536", ":8080", "host:http", "localhost:-1"])
 def test_config_listen_is_host_port(listen: str) -> None:
     data = base()
     data["edge"]["listen"] = listen
     data["edge"]["nats"]["listen"] = listen
     assert problems(data) == [
-        f"edge.listen: expected host:port with a port from 1 to 65535, got {listen!r}",
-        f"edge.nats.listen: expected host:port with a port from 1 to 65535, got {listen!r}",
+        f"edge.listen: expected host:port with a port from 0 to 65535, got {listen!r}",
+        f"edge.nats.listen: expected host:port with a port from 0 to 65535, got {listen!r}",
     ]
 
 
@@ -476,6 +476,14 @@ def test_config_listen_accepts_hosts_and_ipv6(listen: str) -> None:
     data = base()
     data["edge"]["listen"] = listen
     assert config.parse(yaml.safe_dump(data)).deployment.edge.listen == listen
+
+
+def test_config_listen_port_0_lets_the_os_pick() -> None:
+    data = base()
+    data["edge"]["listen"] = "127.0.0.1:0"
+    data["edge"]["nats"]["listen"] = "127.0.0.1:0"
+    edge = config.parse(yaml.safe_dump(data)).deployment.edge
+    assert (edge.listen, edge.nats.listen) == ("127.0.0.1:0", "127.0.0.1:0")
 
 
 @pytest.mark.parametrize("url", ["embedded", "nats://h:4222", "nats://a:4222, tls://b:4443", "nats://u:p@h"])
