@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import fcntl
 import logging
 import os
 import re
 import signal
+import sys
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -77,7 +79,10 @@ class EmbeddedNats:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,  # Ctrl-C in a terminal reaches the edge, which stops us in order
+            # Own session: Ctrl-C in a terminal reaches only the edge, which stops the server after
+            # draining. Parent-death signal: if the edge is killed outright, the server goes too.
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         assert self.proc.stderr is not None
         tail: list[bytes] = []
@@ -131,6 +136,12 @@ class EmbeddedNats:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 async def _drain_log(stderr: asyncio.StreamReader) -> None:

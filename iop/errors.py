@@ -45,6 +45,8 @@ class RequestError(IopError):
     status = 500
     type = "server_error"
     code = "internal_error"
+    ended_stream = False
+    """True when the client's stream already carries this error as its terminal event."""
 
     def __init__(
         self,

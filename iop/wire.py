@@ -114,6 +114,8 @@ class Failure(msgspec.Struct, tag="f", array_like=True):
     status: int
     code: str
     message: str
+    ended: bool = False
+    """The node already ended the stream with an error event in the client's API (translated streams)."""
 
 
 class Accepted(msgspec.Struct, tag="a", array_like=True):

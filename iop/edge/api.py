@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -13,10 +14,13 @@ import msgspec
 from starlette.types import Message, Receive, Scope, Send
 
 from iop import wire
+from iop.edge.relay import Channel
 from iop.errors import BadRequest, NotFound, PayloadTooLarge, RequestError, Unauthorized, error_body
 
 if TYPE_CHECKING:
     from iop.edge.server import Edge
+
+log = logging.getLogger("iop.edge")
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -84,36 +88,38 @@ class ApiEndpoint:
         if scope["method"] != "POST":
             await _send_error(send, 405, error_body("use POST", "invalid_request_error", "method_not_allowed"))
             return
-        headers_sent = False
-
-        async def tracked_send(message: Message) -> None:
-            nonlocal headers_sent
-            if message["type"] == "http.response.start":
-                headers_sent = True
-            await send(message)
-
+        out = _TrackedSend(send)
         try:
             self.edge.authorize(scope)
             body = await _read_body(scope, receive, self.edge.max_body_bytes)
             model, stream = parse_head(self.api, body)
-            await self._serve(body, model, stream, receive, tracked_send)
+            await self._serve(body, model, stream, receive, out)
         except RequestError as exc:
-            if not headers_sent:
+            if not out.started:
                 await _send_error(send, exc.status, exc.body(), exc.headers)
 
-    async def _serve(self, body: bytes, model: str, stream: bool, receive: Receive, send: Send) -> None:
+    async def _serve(self, body: bytes, model: str, stream: bool, receive: Receive, out: _TrackedSend) -> None:
         edge = self.edge
-        pool = edge.catalog.pools.get(model)
-        route = edge.catalog.routes.get(model)
-        if pool is None and route is None:
+        if model not in edge.catalog.pools and model not in edge.catalog.routes:
             raise NotFound(f"model '{model}' does not exist; GET /v1/models lists the models", param="model")
-        loop = asyncio.get_running_loop()
-        arrived = loop.time()
-        ch = edge.relay.open()
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.create_task(_watch_disconnect(receive, task))
-        item = wire.WorkItem(
+        try:
+            if model in edge.catalog.pools:
+                await self._serve_pool(body, model, stream, out)
+            else:
+                await self._serve_direct(body, model, stream, out)
+        except asyncio.CancelledError:
+            # The client went away (the watcher cancelled us): the relay cancels the node's work.
+            if task.cancelling():
+                task.uncancel()
+        finally:
+            watcher.cancel()
+
+    def _item(self, ch: Channel, body: bytes, model: str, stream: bool) -> wire.WorkItem:
+        edge = self.edge
+        return wire.WorkItem(
             id=ch.id,
             api=self.api,
             stream=stream,
@@ -123,37 +129,79 @@ class ApiEndpoint:
             deadline=time.time() + edge.queue_timeout_s,
             edge=edge.edge_id,
         )
-        start_deadline: float | None = None
-        try:
-            if pool is not None:
-                deadline = arrived + edge.queue_timeout_s
-                slot = await edge.scheduler.acquire(model, deadline)
-                ch.node, ch.provider = slot.node, slot.id
-                ch.pool = edge.scheduler.pools[model]
-                ch.on_end = lambda: edge.scheduler.release(slot)
+
+    async def _serve_pool(self, body: bytes, model: str, stream: bool, out: _TrackedSend) -> None:
+        """Queue for a slot, dispatch, relay; fail over to another provider while nothing was sent."""
+        edge = self.edge
+        sched = edge.scheduler
+        arrived = asyncio.get_running_loop().time()
+        deadline = arrived + edge.queue_timeout_s
+        tried: frozenset[str] = frozenset()
+        while True:
+            slot = await sched.acquire(model, deadline, tried)
+            ch = edge.relay.open()
+            ch.node, ch.provider, ch.pool = slot.node, slot.id, sched.pools[model]
+            ch.on_end = lambda slot=slot: sched.release(slot)  # type: ignore[misc]
+            try:
                 try:
-                    await edge.relay.dispatch_pool(ch, slot.id, item)
+                    await edge.relay.dispatch_pool(ch, slot.id, self._item(ch, body, model, stream))
                 except BaseException:
                     ch.end()
                     raise
-                start_deadline = deadline
-            else:
-                assert route is not None
-                ch.node, ch.provider = route
-                await edge.relay.dispatch_direct(ch, route[0], route[1], item)
-            replies = edge.relay.replies(ch, start_deadline)
-            if stream:
-                await _relay_stream(self.api, replies, send, ch.provider, arrived, ch)
-            else:
-                await _relay_whole(replies, send, ch.provider, arrived, ch)
-        except asyncio.CancelledError:
-            # The client went away (the watcher cancelled us): the relay cancels the node's work.
-            if task.cancelling():
-                task.uncancel()
-            return
+                await self._answer(ch, stream, out, arrived, deadline)
+                sched.succeeded(slot)
+                return
+            except RequestError as exc:
+                if exc.code not in RETRYABLE:
+                    raise
+                sched.failed(slot)
+                tried |= {slot.id}
+                others = [p for p in sched.pools[model].providers if p.id not in tried]
+                if out.started or len(tried) > MAX_RETRIES or not others:
+                    raise
+                log.warning("provider %s failed before answering (%s); retrying on another", slot.id, exc.code)
+            finally:
+                edge.relay.close(ch)
+
+    async def _serve_direct(self, body: bytes, model: str, stream: bool, out: _TrackedSend) -> None:
+        edge = self.edge
+        node, resource = edge.catalog.routes[model]
+        ch = edge.relay.open()
+        ch.node, ch.provider = node, resource
+        try:
+            await edge.relay.dispatch_direct(ch, node, resource, self._item(ch, body, model, stream))
+            await self._answer(ch, stream, out, asyncio.get_running_loop().time(), None)
         finally:
-            watcher.cancel()
             edge.relay.close(ch)
+
+    async def _answer(
+        self, ch: Channel, stream: bool, out: _TrackedSend, arrived: float, start_deadline: float | None
+    ) -> None:
+        replies = self.edge.relay.replies(ch, start_deadline)
+        if stream:
+            await _relay_stream(self.api, replies, out, ch.provider, arrived, ch)
+        else:
+            await _relay_whole(replies, out, ch.provider, arrived, ch)
+
+
+RETRYABLE = frozenset(
+    {"upstream_unavailable", "upstream_error", "upstream_timeout", "node_lost", "node_error", "cancelled"}
+)
+"""Failures of the provider, not of the request: another provider of the pool may succeed."""
+MAX_RETRIES = 2
+
+
+class _TrackedSend:
+    """The ASGI send, remembering whether the response has started (then nothing can be retried)."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self.send(message)
 
 
 def _timing_headers(provider: str, arrived: float, started: float) -> list[tuple[bytes, bytes]]:
@@ -188,7 +236,8 @@ async def _relay_stream(
             await send({"type": "http.response.body", "body": data, "more_body": True})
     except RequestError as exc:
         # Started streams end with an error event the client sees, never a silent cut.
-        await send({"type": "http.response.body", "body": stream_error_event(api, exc), "more_body": True})
+        if not exc.ended_stream:
+            await send({"type": "http.response.body", "body": stream_error_event(api, exc), "more_body": True})
     await send({"type": "http.response.body", "body": b""})
 
 

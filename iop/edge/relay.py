@@ -173,7 +173,9 @@ class Relay:
                     raise UpstreamError("part of the answer was lost between node and edge", code="relay_gap")
                 return
             elif isinstance(reply, wire.Failure):
-                raise error_for_status(reply.status, reply.message, reply.code)
+                err = error_for_status(reply.status, reply.message, reply.code)
+                err.ended_stream = reply.ended and reply.chunks == expected
+                raise err
 
     def close(self, ch: Channel) -> None:
         """Forget the request; if the node may still work on it, cancel it there."""

@@ -1,7 +1,8 @@
 """The edge's pool scheduler: one FIFO per pool, late binding to the provider with the most free slots.
 
 The broker's `max_ack_pending` is the hard cap; this schedules on top of it so that a request
-never waits in the broker while another provider of its pool has a free slot.
+never waits in the broker while another provider of its pool has a free slot. A provider that
+keeps failing is taken out of rotation for a while (circuit breaker), then tried again.
 """
 
 from __future__ import annotations
@@ -16,11 +17,16 @@ from iop.errors import QueueFull, Unavailable
 
 CONNECT_GRACE_S = 2.5
 """How long a request waits for a provider of its pool to connect before 503 (edge or node start)."""
+BREAKER_FAILURES = 3
+"""Consecutive failures that take a provider out of rotation."""
+BREAKER_COOLDOWN_S = 5.0
+"""First time out of rotation; doubles on every failed trial, up to BREAKER_COOLDOWN_MAX_S."""
+BREAKER_COOLDOWN_MAX_S = 60.0
 
 
 @dataclass(eq=False)
 class ProviderSlots:
-    """This edge's view of one provider: its capacity and how many requests it has sent there."""
+    """This edge's view of one provider: capacity, requests it sent there, and its breaker."""
 
     id: str
     node: str
@@ -30,17 +36,36 @@ class ProviderSlots:
     connected: bool = False
     dispatched: int = 0
     """Requests ever dispatched to it (status, tests)."""
+    failures: int = 0
+    """Consecutive failures (reset by a success)."""
+    open_until: float = 0.0
+    """Monotonic time until which the breaker keeps it out of rotation."""
+    trips: int = 0
+    trial: bool = False
+    """Half-open: one request is out to see whether it works again."""
+
+    def usable(self, now: float) -> bool:
+        if not self.connected or self.in_flight >= self.capacity:
+            return False
+        if self.open_until:
+            return now >= self.open_until and not self.trial
+        return True
 
     @property
     def free(self) -> int:
         return self.capacity - self.in_flight if self.connected else 0
 
+    def breaker(self, now: float) -> str:
+        if not self.open_until:
+            return "closed"
+        return "open" if now < self.open_until else "half_open"
+
 
 @dataclass(eq=False)
 class Waiter:
     future: asyncio.Future[ProviderSlots]
-    since: float
     order: int
+    exclude: frozenset[str]
 
 
 @dataclass(eq=False)
@@ -63,13 +88,14 @@ class PoolQueue:
     def run_ended(self) -> None:
         self.running -= 1
 
-    def best(self) -> ProviderSlots | None:
-        """The connected provider with the most free slots; ties rotate so load spreads evenly."""
+    def best(self, exclude: frozenset[str] = frozenset()) -> ProviderSlots | None:
+        """The usable provider with the most free slots; ties rotate so load spreads evenly."""
+        now = time.monotonic()
         best: ProviderSlots | None = None
         n = len(self.providers)
         for i in range(n):
             p = self.providers[(self.rotate + i) % n]
-            if p.free > 0 and (best is None or p.free > best.free):
+            if p.usable(now) and p.id not in exclude and (best is None or p.free > best.free):
                 best = p
         if best is not None:
             self.rotate = (self.rotate + 1) % n
@@ -78,9 +104,6 @@ class PoolQueue:
     @property
     def connected(self) -> bool:
         return any(p.connected for p in self.providers)
-
-    def has_free(self) -> bool:
-        return any(p.free > 0 for p in self.providers)
 
 
 class Scheduler:
@@ -107,29 +130,30 @@ class Scheduler:
         for p in pool.providers:
             p.pools.append(pool)
 
-    async def acquire(self, alias: str, deadline: float) -> ProviderSlots:
-        """A slot of a provider of `alias`; `deadline` is on the loop's clock.
+    async def acquire(
+        self, alias: str, deadline: float, exclude: frozenset[str] = frozenset()
+    ) -> ProviderSlots:
+        """A slot of a provider of `alias` (none of `exclude`); `deadline` is on the loop's clock.
 
         Raises QueueFull when `max_waiting` requests already wait, Unavailable when no provider of
         the pool is connected or the wait outlasts the deadline.
         """
         pool = self.pools[alias]
         if not pool.waiters:
-            slot = pool.best()
+            slot = pool.best(exclude)
             if slot is not None:
-                slot.in_flight += 1
-                slot.dispatched += 1
+                self._take(slot)
                 return slot
         if not pool.connected:
             await self._await_connected(pool, deadline)
-            return await self.acquire(alias, deadline)
+            return await self.acquire(alias, deadline, exclude)
         if len(pool.waiters) >= self.max_waiting:
             raise QueueFull(
                 f"model '{alias}': {len(pool.waiters)} requests already wait for a free slot; retry later",
                 headers={"Retry-After": "1"},
             )
         loop = asyncio.get_running_loop()
-        waiter = Waiter(loop.create_future(), time.monotonic(), next(self._order))
+        waiter = Waiter(loop.create_future(), next(self._order), exclude)
         pool.waiters.append(waiter)
         self.changed.set()
         try:
@@ -150,6 +174,12 @@ class Scheduler:
             raise
         return slot
 
+    def _take(self, slot: ProviderSlots) -> None:
+        slot.in_flight += 1
+        slot.dispatched += 1
+        if slot.open_until:
+            slot.trial = True
+
     async def _await_connected(self, pool: PoolQueue, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         until = min(deadline, loop.time() + CONNECT_GRACE_S)
@@ -167,6 +197,26 @@ class Scheduler:
         slot.in_flight -= 1
         self._pump(slot.pools)
 
+    def succeeded(self, slot: ProviderSlots) -> None:
+        slot.failures = 0
+        if slot.open_until:
+            slot.open_until = 0.0
+            slot.trips = 0
+            slot.trial = False
+            self._pump(slot.pools)
+
+    def failed(self, slot: ProviderSlots) -> None:
+        """The provider failed a request (before answering): count it toward its breaker."""
+        slot.failures += 1
+        now = time.monotonic()
+        if slot.trial or (not slot.open_until and slot.failures >= BREAKER_FAILURES):
+            cooldown = min(BREAKER_COOLDOWN_S * 2**slot.trips, BREAKER_COOLDOWN_MAX_S)
+            slot.trips += 1
+            slot.trial = False
+            slot.open_until = now + cooldown
+            # When the cooldown ends the provider may take a trial request: wake its waiters then.
+            asyncio.get_running_loop().call_later(cooldown, self._pump, slot.pools)
+
     def set_connected(self, provider: str, connected: bool) -> None:
         slot = self.providers.get(provider)
         if slot is None or slot.connected == connected:
@@ -179,20 +229,26 @@ class Scheduler:
     def _pump(self, pools: list[PoolQueue]) -> None:
         """Hand free slots to the oldest waiters of the given pools."""
         while True:
-            oldest: PoolQueue | None = None
+            chosen: tuple[PoolQueue, Waiter, ProviderSlots] | None = None
             for pool in pools:
                 while pool.waiters and pool.waiters[0].future.done():
                     pool.waiters.popleft()
-                older = oldest is None or (pool.waiters and pool.waiters[0].order < oldest.waiters[0].order)
-                if pool.waiters and older and pool.has_free():
-                    oldest = pool
-            if oldest is None:
+                for waiter in pool.waiters:
+                    if chosen is not None and waiter.order > chosen[1].order:
+                        break
+                    if waiter.future.done():
+                        continue
+                    slot = pool.best(waiter.exclude)
+                    if slot is not None:
+                        chosen = (pool, waiter, slot)
+                        break
+                    if not waiter.exclude:
+                        break  # nothing free for anyone here; later waiters can't do better
+            if chosen is None:
                 return
-            slot = oldest.best()
-            assert slot is not None
-            waiter = oldest.waiters.popleft()
-            slot.in_flight += 1
-            slot.dispatched += 1
+            pool, waiter, slot = chosen
+            pool.waiters.remove(waiter)
+            self._take(slot)
             waiter.future.set_result(slot)
             self.changed.set()
 

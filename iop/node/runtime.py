@@ -23,6 +23,8 @@ log = logging.getLogger("iop.node")
 FETCH_TIMEOUT_S = 1.0
 """How long one pull request waits; bounds how fast an idle worker notices the node stopping."""
 CANCEL_MEMORY_S = 120.0
+CHUNK_BYTES = 256 * 1024
+"""The largest piece of an answer in one NATS message (far below any server's max_payload)."""
 
 
 class NodeRefused(IopError):
@@ -147,16 +149,27 @@ class NodeRuntime:
         return t
 
     async def _hello(self) -> None:
+        """Announce ourselves; a refusal is final only once a previous instance had time to be declared lost.
+
+        A node restarted right after a crash finds the edge still counting its old instance as
+        connected for up to HEARTBEATS_MISSED heartbeats: it retries for that long before giving up.
+        """
         assert self.nc is not None
         hello = wire.Hello(node=self.node.id, instance=self.instance, providers=list(self.resources))
-        try:
-            reply = await self.nc.request(wire.hello_subject(self.node.id), wire.encode(hello), timeout=2.0)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-            log.warning("node %s: no edge answered yet; serving, the edge will see our heartbeats", self.node.id)
-            return
-        welcome = wire.decode_welcome(reply.data)
-        if not welcome.accepted:
-            raise NodeRefused(f"edge {welcome.edge} refused node {self.node.id}: {welcome.reason}")
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + wire.HEARTBEAT_INTERVAL_S * (wire.HEARTBEATS_MISSED + 2)
+        while True:
+            try:
+                reply = await self.nc.request(wire.hello_subject(self.node.id), wire.encode(hello), timeout=2.0)
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                log.warning("node %s: no edge answered yet; serving, the edge will see our heartbeats", self.node.id)
+                return
+            welcome = wire.decode_welcome(reply.data)
+            if welcome.accepted:
+                return
+            if loop.time() >= give_up:
+                raise NodeRefused(f"edge {welcome.edge} refused node {self.node.id}: {welcome.reason}")
+            await asyncio.sleep(wire.HEARTBEAT_INTERVAL_S / 2)
 
     # --- heartbeats -----------------------------------------------------------------------------
 
@@ -253,8 +266,12 @@ class NodeRuntime:
 
         async def send(data: bytes) -> None:
             nonlocal chunks
-            await self._publish(item, wire.Chunk(item.id, chunks, data))
-            chunks += 1
+            if not data:
+                return
+            # Whatever an adapter hands over, no NATS message exceeds CHUNK_BYTES.
+            for i in range(0, len(data), CHUNK_BYTES):
+                await self._publish(item, wire.Chunk(item.id, chunks, data[i : i + CHUNK_BYTES]))
+                chunks += 1
 
         try:
             ack = msg.reply if msg is not None else ""
@@ -274,7 +291,8 @@ class NodeRuntime:
             r.failed += 1
             if msg is not None:
                 await _quietly(msg.term())
-            await _quietly(self._publish(item, wire.Failure(item.id, chunks, exc.status, exc.code, exc.message)))
+            failure = wire.Failure(item.id, chunks, exc.status, exc.code, exc.message, exc.ended_stream)
+            await _quietly(self._publish(item, failure))
         except Exception as exc:
             r.failed += 1
             log.exception("provider %s: request %s failed", r.cfg.id, item.id)

@@ -15,8 +15,6 @@ from iop.node.adapters import Send
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 _PATHS = {"chat": "/chat/completions", "responses": "/responses"}
-_CHUNK = 256 * 1024
-"""A non-streamed answer is sent in pieces of this size, well under NATS' max_payload."""
 
 
 class OpenAIAdapter:
@@ -69,9 +67,7 @@ class OpenAIAdapter:
                     if data:
                         await send(data)
             else:
-                data = await response.aread()
-                for i in range(0, len(data), _CHUNK):
-                    await send(data[i : i + _CHUNK])
+                await send(await response.aread())
         except httpx.TimeoutException as exc:
             raise UpstreamError("upstream timed out mid-answer", code="upstream_timeout") from exc
         except httpx.HTTPError as exc:
