@@ -38,6 +38,8 @@ def render_status(data: dict[str, Any]) -> str:
         provs = n.get("providers") or [{}]
         for i, p in enumerate(provs):
             cap = "unlimited" if p.get("unlimited") else str(p.get("capacity", ""))
+            if p.get("breaker") in ("open", "half_open"):
+                cap += f" ({p['breaker'].replace('_', '-')})"
             rows.append(
                 [
                     n["id"] if i == 0 else "",

@@ -315,3 +315,40 @@ async def test_unknown_model_is_404_and_no_connected_provider_is_503(nats_server
 def test_harness_imports() -> None:
     assert FakeUpstream().text() == "w0 w1 w2"
     assert httpx is not None and pytest is not None
+
+
+async def test_failover_before_the_first_byte_and_the_breaker(nats_server: EmbeddedNats) -> None:
+    async with fake_upstream(fail_status=500) as bad, fake_upstream() as good:
+        dep = deployment(two_provider_yaml(bad.url, good.url, cap_a=4, cap_b=1))
+        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+            # The bad provider has the most free slots, so it is tried first; each request must
+            # still succeed, on the good provider.
+            for _ in range(3):
+                r = await http.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-iop-provider"] == "prov-b"
+            assert bad.total == 3
+            st = (await http.get("/status")).json()
+            prov_a = next(p for n in st["nodes"] for p in n["providers"] if p["id"] == "prov-a")
+            assert prov_a["breaker"] == "open" and prov_a["consecutive_failures"] == 3
+            # Out of rotation: further requests don't touch the bad provider at all.
+            for _ in range(3):
+                assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+            assert bad.total == 3
+
+
+async def test_a_failing_sole_provider_gives_a_clear_502(nats_server: EmbeddedNats) -> None:
+    async with fake_upstream(fail_status=503) as bad:
+        text = f"""
+models: [{{alias: m, pool: [p]}}]
+nodes:
+  - id: n
+    adapters: [{{id: up, type: openai, base_url: "{bad.url}", api: both}}]
+    providers: [{{id: p, adapter: up, capacity: 1}}]
+"""
+        async with deployment_running(deployment(text), nats_server.url) as h, h.http() as http:
+            r = await http.post("/v1/chat/completions", json={"model": "m", "messages": []})
+            assert r.status_code == 502
+            err = r.json()["error"]
+            assert err["code"] == "upstream_error" and "503" in err["message"]

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 def status_of(edge: Edge) -> dict[str, Any]:
     """Every node once, every provider once under its node, then pools and direct routes."""
     now = time.time()
+    mono = time.monotonic()
     pools_of: dict[str, list[str]] = {}
     for alias, members in edge.catalog.pools.items():
         for m in members:
@@ -43,6 +44,10 @@ def status_of(edge: Edge) -> dict[str, Any]:
             if slots is not None:
                 entry["pools"] = pools_of.get(p.id, [])
                 entry["dispatched_in_flight"] = slots.in_flight
+                entry["breaker"] = slots.breaker(mono)
+                if slots.open_until > mono:
+                    entry["breaker_open_for_s"] = round(slots.open_until - mono, 1)
+                entry["consecutive_failures"] = slots.failures
             else:
                 entry["route"] = routes_of.get(f"{node.id}/{p.id}")
             providers.append(entry)
