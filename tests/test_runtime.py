@@ -234,7 +234,8 @@ async def test_queue_timeout_fails_and_never_reaches_an_upstream(nats_server: Em
             running = [asyncio.create_task(http.post("/v1/chat/completions", json=body)) for _ in range(2)]
             await a.wait_for(lambda u: u.in_flight == 1)
             await b.wait_for(lambda u: u.in_flight == 1)
-            late = await http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "late"}]})
+            late_body = {**body, "messages": [{"role": "user", "content": "late"}]}
+            late = await http.post("/v1/chat/completions", json=late_body)
             assert late.status_code == 503
             assert late.json()["error"]["code"] == "queue_timeout"
             gate.set()
