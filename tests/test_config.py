@@ -388,6 +388,15 @@ def test_config_route_provider_must_be_on_that_node() -> None:
     )
 
 
+def test_config_route_suggests_the_nearest_provider_of_that_node() -> None:
+    data = base()
+    data["models"][1]["route"] = "mac/codex"  # the adapter's id, not the provider's
+    assert only_problem(data) == (
+        "models[1].route: node 'mac' has no provider 'codex' (its providers: codex-cli, mac-mlx); "
+        "did you mean 'codex-cli'?"
+    )
+
+
 def test_config_route_must_name_a_cli_resource() -> None:
     data = base()
     data["models"][1]["route"] = "mac/mac-mlx"
