@@ -8,6 +8,7 @@
         ├── Unauthorized       401
         ├── NotFound           404 (unknown model, unknown path)
         ├── PayloadTooLarge    413
+        ├── UnsupportedMediaType 415
         ├── QueueFull          429 with Retry-After
         ├── Unavailable        503 (queue wait timed out, no provider connected)
         └── UpstreamError      502 (provider or node failed)
@@ -93,6 +94,12 @@ class PayloadTooLarge(RequestError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class UnsupportedMediaType(RequestError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class QueueFull(RequestError):

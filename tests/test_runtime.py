@@ -303,13 +303,14 @@ async def test_unknown_model_is_404_and_no_connected_provider_is_503(nats_server
     async with fake_upstream() as a, fake_upstream() as b:
         dep = deployment(two_provider_yaml(a.url, b.url))
         async with running_edge(dep, nats_server.url) as h, h.http() as http:
-            r = await http.post("/v1/chat/completions", json={"model": "nope", "messages": []})
+            msgs = [{"role": "user", "content": "x"}]
+            r = await http.post("/v1/chat/completions", json={"model": "nope", "messages": msgs})
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-            r = await http.post("/v1/chat/completions", json={"model": "m", "messages": []})
+            r = await http.post("/v1/chat/completions", json={"model": "m", "messages": msgs})
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_provider"
             async with running_node(dep, "node-a", nats_server.url):
                 await h.edge.registry.wait_connected(["node-a"], timeout_s=10)
-                r = await http.post("/v1/chat/completions", json={"model": "m", "messages": []})
+                r = await http.post("/v1/chat/completions", json={"model": "m", "messages": msgs})
                 assert r.status_code == 200
 
 
@@ -349,7 +350,7 @@ nodes:
     providers: [{{id: p, adapter: up, capacity: 1}}]
 """
         async with deployment_running(deployment(text), nats_server.url) as h, h.http() as http:
-            r = await http.post("/v1/chat/completions", json={"model": "m", "messages": []})
+            r = await http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user"}]})
             assert r.status_code == 502
             err = r.json()["error"]
             assert err["code"] == "upstream_error" and "503" in err["message"]

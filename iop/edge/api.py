@@ -15,7 +15,15 @@ from starlette.types import Message, Receive, Scope, Send
 
 from iop import wire
 from iop.edge.relay import Channel
-from iop.errors import BadRequest, NotFound, PayloadTooLarge, RequestError, Unauthorized, error_body
+from iop.errors import (
+    BadRequest,
+    NotFound,
+    PayloadTooLarge,
+    RequestError,
+    Unauthorized,
+    UnsupportedMediaType,
+    error_body,
+)
 
 if TYPE_CHECKING:
     from iop.edge.server import Edge
@@ -26,18 +34,28 @@ _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
+class _Message(msgspec.Struct):
+    """A chat message as far as the edge checks it: an object with a string `role`."""
+
+    role: str
+
+
+class _Item(msgspec.Struct):
+    """A Responses input item as far as the edge checks it: an object."""
+
+
 class ChatHead(msgspec.Struct):
-    """The few fields of a chat request the edge reads; the rest passes through untouched."""
+    """The few fields of a chat request the edge reads; the body itself passes through untouched."""
 
     model: str
+    messages: list[_Message]
     stream: bool = False
-    messages: msgspec.Raw = msgspec.Raw(b"")
 
 
 class ResponsesHead(msgspec.Struct):
     model: str
+    input: str | list[_Item]
     stream: bool = False
-    input: msgspec.Raw = msgspec.Raw(b"")
 
 
 _chat_head = msgspec.json.Decoder(ChatHead).decode
@@ -47,16 +65,19 @@ _json = msgspec.json.Encoder().encode
 
 def parse_head(api: wire.Api, body: bytes) -> tuple[str, bool]:
     """The model and stream flag, after checking the body is a request of this API at all."""
+    if not body.isascii():
+        # The edge skips most of the body; make sure what it forwards is UTF-8 all through.
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from None
     try:
         if api == "chat":
             chat = _chat_head(body)
-            if not bytes(chat.messages).startswith(b"["):
-                raise BadRequest("'messages' must be a list of messages", param="messages")
+            if not chat.messages:
+                raise BadRequest("'messages' must not be empty", param="messages")
             return chat.model, chat.stream
         resp = _responses_head(body)
-        raw = bytes(resp.input)
-        if not (raw.startswith(b"[") or raw.startswith(b'"')):
-            raise BadRequest("'input' must be a string or a list of input items", param="input")
         return resp.model, resp.stream
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid request body: {_path_message(exc)}", param=_param(exc)) from None
@@ -91,6 +112,7 @@ class ApiEndpoint:
         out = _TrackedSend(send)
         try:
             self.edge.authorize(scope)
+            _check_content_type(scope)
             body = await _read_body(scope, receive, self.edge.max_body_bytes)
             model, stream = parse_head(self.api, body)
             await self._serve(body, model, stream, receive, out)
@@ -260,6 +282,17 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             task.cancel()
+            return
+
+
+def _check_content_type(scope: Scope) -> None:
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            kind = value.split(b";", 1)[0].strip().lower()
+            if kind != b"application/json" and not kind.endswith(b"+json"):
+                raise UnsupportedMediaType(
+                    f"content type {kind.decode(errors='replace')!r} is not supported; send application/json"
+                )
             return
 
 

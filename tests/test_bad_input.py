@@ -1,0 +1,158 @@
+"""Bad input gets an OpenAI-style error with the right status, and the edge serves on unharmed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from iop.bus import EmbeddedNats
+from tests.harness import deployment, deployment_running
+
+YAML = """
+models:
+  - alias: sim
+    pool: [sim-1]
+nodes:
+  - id: n1
+    adapters: [{id: sim, type: mock, latency_ms: 0, tokens: 2, token_interval_ms: 0}]
+    providers: [{id: sim-1, adapter: sim, capacity: 4}]
+"""
+
+
+@pytest.fixture(scope="module")
+def edge_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real edge + node + nats-server, served from a background event loop for sync clients."""
+    ready: dict[str, Any] = {}
+    started = threading.Event()
+    loop = asyncio.new_event_loop()
+
+    async def main(stop: asyncio.Event) -> None:
+        server = EmbeddedNats("127.0.0.1:0", Path(tmp_path_factory.mktemp("nats")))
+        await server.start()
+        try:
+            async with deployment_running(deployment(YAML), server.url) as h:
+                ready["url"] = h.url
+                started.set()
+                await stop.wait()
+        finally:
+            await server.stop()
+
+    stop = asyncio.Event()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(main(stop)), daemon=True)
+    thread.start()
+    assert started.wait(30), "edge did not start"
+    try:
+        yield ready["url"]
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        loop.close()
+
+
+GOOD = {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _error(r: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    if code is not None:
+        assert err["code"] == code
+    return err  # type: ignore[no-any-return]
+
+
+CASES = [
+    ("malformed json", b'{"model": "sim", "messages": [', 400, "invalid_json"),
+    ("array body", b"[1, 2, 3]", 400, "invalid_request"),
+    ("scalar body", b"42", 400, "invalid_request"),
+    ("missing model", json.dumps({"messages": GOOD["messages"]}).encode(), 400, "invalid_request"),
+    ("model not a string", json.dumps({**GOOD, "model": 7}).encode(), 400, "invalid_request"),
+    ("stream not a boolean", json.dumps({**GOOD, "stream": "yes"}).encode(), 400, "invalid_request"),
+    ("messages not a list", json.dumps({**GOOD, "messages": "hi"}).encode(), 400, "invalid_request"),
+    ("message without role", json.dumps({**GOOD, "messages": [{"content": "x"}]}).encode(), 400, "invalid_request"),
+    ("empty messages", json.dumps({**GOOD, "messages": []}).encode(), 400, "invalid_request"),
+    ("invalid utf-8", b'{"model": "sim", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "invalid_json"),
+    ("unknown model", json.dumps({**GOOD, "model": "nope"}).encode(), 404, "model_not_found"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status", "code"), CASES, ids=[c[0] for c in CASES])
+def test_bad_chat_bodies_get_openai_errors(edge_url: str, name: str, body: bytes, status: int, code: str) -> None:
+    with httpx.Client(base_url=edge_url) as http:
+        r = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        _error(r, status, code)
+        assert http.post("/v1/chat/completions", json=GOOD).status_code == 200  # still serving
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"model": "sim"}, {"model": "sim", "input": 5}, {"model": "sim", "input": [1, 2]}, {"model": "sim", "input": None}],  # noqa: E501
+)
+def test_bad_responses_bodies_get_openai_errors(edge_url: str, body: dict[str, Any]) -> None:
+    with httpx.Client(base_url=edge_url) as http:
+        err = _error(http.post("/v1/responses", json=body), 400, "invalid_request")
+        assert err["param"].startswith("input")
+
+
+def test_wrong_content_type_is_415(edge_url: str) -> None:
+    with httpx.Client(base_url=edge_url) as http:
+        r = http.post("/v1/chat/completions", content=json.dumps(GOOD), headers={"content-type": "text/plain"})
+        _error(r, 415, "unsupported_media_type")
+        ok = http.post("/v1/chat/completions", content=json.dumps(GOOD),
+                       headers={"content-type": "application/json; charset=utf-8"})
+        assert ok.status_code == 200
+
+
+def test_body_over_the_limit_is_413(edge_url: str) -> None:
+    with httpx.Client(base_url=edge_url) as http:
+        big = {**GOOD, "messages": [{"role": "user", "content": "x" * (9 * 1024 * 1024)}]}
+        _error(http.post("/v1/chat/completions", json=big), 413, "request_too_large")
+
+
+def test_unknown_path_and_wrong_method_are_json(edge_url: str) -> None:
+    with httpx.Client(base_url=edge_url) as http:
+        _error(http.get("/v1/nothing"), 404, "not_found")
+        _error(http.get("/v1/chat/completions"), 405, "method_not_allowed")
+        _error(http.post("/v1/models"), 405, "method_not_allowed")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12,
+)
+request_like = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.sampled_from(["sim", "nope"]) | json_values,
+        "stream": st.booleans() | json_values,
+        "messages": st.lists(st.fixed_dictionaries({"role": st.text(max_size=8)}, optional={"content": json_values}),
+                             max_size=3) | json_values,
+        "input": st.text(max_size=20) | json_values,
+    },
+)
+raw_bodies = st.binary(max_size=200) | request_like.map(lambda d: json.dumps(d).encode()) | json_values.map(
+    lambda v: json.dumps(v).encode()
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=raw_bodies, path=st.sampled_from(["/v1/chat/completions", "/v1/responses"]))
+def test_fuzzed_bodies_get_only_2xx_or_4xx_json(edge_url: str, body: bytes, path: str) -> None:
+    with httpx.Client(base_url=edge_url, timeout=10) as http:
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code < 500, r.text
+        if r.status_code >= 400:
+            _error(r, r.status_code)
+        elif r.headers["content-type"].startswith("application/json"):
+            r.json()
