@@ -107,7 +107,25 @@ class FakeUpstream:
         finally:
             await self._leave()
 
+    @staticmethod
+    def wants_tool(body: dict[str, Any]) -> bool:
+        """A model that calls the first tool offered, then answers once the tool's output is in."""
+        msgs = body.get("messages") or []
+        return bool(body.get("tools")) and not any(m.get("role") == "tool" for m in msgs)
+
+    def _tool_call(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["tools"][0]["function"]["name"]
+        return {"id": "call_fake1", "type": "function", "function": {"name": name, "arguments": '{"city": "Paris"}'}}
+
     def _chat_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.wants_tool(body):
+            message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [self._tool_call(body)]}
+            return {
+                "id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()),
+                "model": body.get("model"),
+                "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12},
+            }
         return {
             "id": "chatcmpl-fake",
             "object": "chat.completion",
@@ -125,6 +143,23 @@ class FakeUpstream:
         first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                       "finish_reason": None}]}
         yield b"data: " + json.dumps(first).encode() + b"\n\n"
+        if self.wants_tool(body):
+            call = self._tool_call(body)
+            head = {"index": 0, "id": call["id"], "type": "function",
+                    "function": {"name": call["function"]["name"], "arguments": ""}}
+            for piece in ({"tool_calls": [head]},
+                          {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+                          {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}):
+                chunk = {**base, "choices": [{"index": 0, "delta": piece, "finish_reason": None}]}
+                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            last = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
+            yield b"data: " + json.dumps(last).encode() + b"\n\n"
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {**base, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7,
+                                                          "total_tokens": 12}}
+                yield b"data: " + json.dumps(usage).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+            return
         for i in range(self.tokens):
             if self.token_interval_s:
                 await asyncio.sleep(self.token_interval_s)
@@ -133,6 +168,10 @@ class FakeUpstream:
             yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
         last = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
         yield b"data: " + json.dumps(last).encode() + b"\n\n"
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {**base, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": self.tokens,
+                                                      "total_tokens": 5 + self.tokens}}
+            yield b"data: " + json.dumps(usage).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     def _response_obj(self, body: dict[str, Any], status: str, text: str | None) -> dict[str, Any]:
