@@ -29,7 +29,8 @@ def _table(rows: list[list[str]]) -> str:
 def render_status(data: dict[str, Any]) -> str:
     edge = data.get("edge", {})
     out = [f"edge {edge.get('id')} v{edge.get('version')} up {edge.get('uptime_s', 0):.0f}s nats={edge.get('nats')}"]
-    rows = [["NODE", "CONNECTED", "PROVIDER", "KIND", "TYPE", "CAPACITY", "IN FLIGHT", "PEAK", "SERVED", "FAILED"]]
+    header = "NODE CONNECTED PROVIDER KIND TYPE CAPACITY IN-FLIGHT QUEUED PEAK SERVED FAILED"
+    rows = [header.split()]
     for n in data.get("nodes", []):
         seen = n.get("last_seen_s_ago")
         conn = ("yes" if n["connected"] else "no") + (f" ({seen:.1f}s)" if seen is not None else "")
@@ -49,6 +50,7 @@ def render_status(data: dict[str, Any]) -> str:
                     p.get("type", ""),
                     cap,
                     str(p.get("in_flight", "")),
+                    str(p.get("queued", "-")),
                     str(p.get("peak_in_flight", "")),
                     str(p.get("served", "")),
                     str(p.get("failed", "")),

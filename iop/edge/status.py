@@ -44,6 +44,9 @@ def status_of(edge: Edge) -> dict[str, Any]:
             if slots is not None:
                 entry["pools"] = pools_of.get(p.id, [])
                 entry["dispatched_in_flight"] = slots.in_flight
+                # Late binding: waiting requests belong to the pool, not to a provider. What is
+                # queued *at* a provider is what this edge sent it that has not started running.
+                entry["queued"] = max(0, slots.in_flight - entry["in_flight"]) if live else slots.in_flight
                 entry["breaker"] = slots.breaker(mono)
                 if slots.open_until > mono:
                     entry["breaker_open_for_s"] = round(slots.open_until - mono, 1)
