@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import shlex
 from collections.abc import Iterable
@@ -21,6 +22,7 @@ Id = Annotated[str, Meta(min_length=1, pattern=validate.ID_PATTERN, extra={"form
 Alias = Annotated[str, Meta(min_length=1, pattern=r"^\S+$", extra={"format": "alias"})]
 Address = Annotated[str, Meta(pattern=r"^\S+:[0-9]{1,5}$", extra={"format": "address"})]
 EnvName = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", extra={"format": "env"})]
+FilePath = Annotated[str, Meta(min_length=1)]
 Seconds = Annotated[float, Meta(gt=0)]
 Millis = Annotated[float, Meta(ge=0)]
 LegacyConcurrency = Annotated[
@@ -39,7 +41,7 @@ class NatsSettings(_Strict):
         str,
         Meta(
             extra={"format": "nats_url"},
-            description="`embedded` starts the bundled nats-server; otherwise nats://host:port[,nats://h2:p2].",
+            description="`embedded` starts the bundled nats-server; otherwise nats:// or tls:// URLs, comma-separated.",
         ),
     ] = "embedded"
     listen: Annotated[
@@ -48,6 +50,29 @@ class NatsSettings(_Strict):
     store_dir: Annotated[
         str, Meta(min_length=1, description="The embedded server's JetStream file store.")
     ] = ".iop/nats"
+    user_env: Annotated[
+        EnvName | None,
+        Meta(description="Environment variable holding the NATS user name (with password_env)."),
+    ] = None
+    password_env: Annotated[
+        EnvName | None,
+        Meta(description="Environment variable holding the NATS password (with user_env)."),
+    ] = None
+    token_env: Annotated[
+        EnvName | None,
+        Meta(description="Environment variable holding a NATS token (instead of user_env/password_env)."),
+    ] = None
+    tls_ca: Annotated[
+        FilePath | None,
+        Meta(description="CA certificate file (PEM) that signed an external NATS server's certificate."),
+    ] = None
+    tls_cert: Annotated[
+        FilePath | None, Meta(description="Client certificate (PEM) for NATS servers that verify clients.")
+    ] = None
+    tls_key: Annotated[FilePath | None, Meta(description="The private key (PEM) of tls_cert.")] = None
+
+    def has_credentials(self) -> bool:
+        return bool(self.token_env or (self.user_env and self.password_env))
 
 
 class QueueSettings(_Strict):
@@ -71,7 +96,10 @@ class EdgeSettings(_Strict):
     queue: QueueSettings = msgspec.field(default_factory=QueueSettings)
     api_keys_env: Annotated[
         EnvName | None,
-        Meta(description="Environment variable holding comma-separated client keys; unset = no client auth."),
+        Meta(
+            description="Environment variable holding comma-separated client keys, required on /v1/* and "
+            "/status (and /metrics); unset = no client auth."
+        ),
     ] = None
 
 
@@ -99,7 +127,10 @@ class CliAdapter(_Strict, tag="cli", tag_field="type"):
     timeout_s: Annotated[Seconds, Meta(description="The process is killed after this long.")] = 600.0
     env: Annotated[
         list[EnvName],
-        Meta(description="Names of environment variables passed to the command (besides PATH, HOME, LANG)."),
+        Meta(
+            description="Names of environment variables passed to the command, besides PATH, HOME, LANG, "
+            "LC_ALL, TMPDIR and USER; no other variable reaches it."
+        ),
     ] = msgspec.field(default_factory=list)
 
 
@@ -243,10 +274,30 @@ _CHECKER = validate.Checker(validate.FORMATS)
 _DEPLOYMENT_TYPE = msgspec.inspect.type_info(Deployment)
 _CLI_TYPE = str(CliAdapter.__struct_config__.tag)
 _ADAPTER_TYPES = {str(c.__struct_config__.tag) for c in (CliAdapter, OpenAIAdapter, MockAdapter)}
+_EDGE_DEFAULTS = EdgeSettings()
+_NATS_DEFAULTS = _EDGE_DEFAULTS.nats
 _LEGACY = (
     "legacy setting: it no longer gates admission (each provider's capacity does) "
     "and is kept as metadata for status"
 )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (of a listen address) is only reachable from this machine."""
+    host = host.removeprefix("[").removesuffix("]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # another host name: it may resolve to anything
+
+
+def _is_open_address(listen: object) -> bool:
+    """A well-formed listen address on a host other than loopback (malformed ones are reported elsewhere)."""
+    if not isinstance(listen, str) or validate.FORMATS["address"](listen) is not None:
+        return False
+    return not is_loopback(listen.rpartition(":")[0])
 
 
 def _entries(parent: object, key: str) -> list[tuple[int, dict[Any, Any]]]:
@@ -296,6 +347,9 @@ class _CrossCheck:
         self.problems.append(Problem(path, message))
 
     def run(self, data: dict[Any, Any]) -> None:
+        edge = data.get("edge")
+        if isinstance(edge, dict):
+            self.edge(edge)
         for i, node in _entries(data, "nodes"):
             self.node(("nodes", i), node)
         aliases: dict[str, validate.Path] = {}
@@ -310,6 +364,51 @@ class _CrossCheck:
             if provider_id not in self.used and seen.adapter_type is not None:
                 how = "alias routes to it" if seen.adapter_type == _CLI_TYPE else "pool lists it"
                 self.warnings.append(Problem(seen.path, f"{provider_id!r} gets no work: no {how}"))
+
+    def edge(self, edge: dict[Any, Any]) -> None:
+        listen = edge.get("listen", _EDGE_DEFAULTS.listen)
+        if edge.get("api_keys_env") is None and _is_open_address(listen):
+            self.warnings.append(
+                Problem(
+                    ("edge", "listen"),
+                    f"{listen} is not a loopback address and api_keys_env is not set: "
+                    "anyone who reaches it can use every model",
+                )
+            )
+        nats = edge.get("nats")
+        if isinstance(nats, dict):
+            self.nats(("edge", "nats"), nats)
+
+    def nats(self, at: validate.Path, nats: dict[Any, Any]) -> None:
+        """Credentials come as a pair or a token; an embedded server beyond loopback needs them."""
+        user, password, token = (nats.get(k) is not None for k in ("user_env", "password_env", "token_env"))
+        if token and (user or password):
+            self.bad((*at, "token_env"), "use user_env/password_env or token_env, not both")
+        elif user and not password:
+            self.bad((*at, "password_env"), "missing: user_env is set, so a password_env is needed too")
+        elif password and not user:
+            self.bad((*at, "user_env"), "missing: password_env is set, so a user_env is needed too")
+        cert, key = nats.get("tls_cert") is not None, nats.get("tls_key") is not None
+        if cert and not key:
+            self.bad((*at, "tls_key"), "missing: tls_cert is set, so its private key tls_key is needed too")
+        elif key and not cert:
+            self.bad((*at, "tls_cert"), "missing: tls_key is set, so the certificate tls_cert is needed too")
+        if nats.get("url", _NATS_DEFAULTS.url) != "embedded":
+            return
+        for name in ("tls_ca", "tls_cert", "tls_key"):
+            if nats.get(name) is not None:
+                self.bad(
+                    (*at, name),
+                    "applies to an external NATS (url: tls://...); the embedded server does not serve TLS",
+                )
+        listen = nats.get("listen", _NATS_DEFAULTS.listen)
+        if not (user or password or token) and _is_open_address(listen):
+            self.bad(
+                (*at, "listen"),
+                f"{listen} is not a loopback address, and the embedded NATS server would let anyone "
+                "there in: set user_env and password_env, or token_env (environment variables holding "
+                "the secret)",
+            )
 
     def node(self, at: validate.Path, node: dict[Any, Any]) -> None:
         node_id = _text(node, "id")
@@ -484,6 +583,12 @@ def summary(loaded: Loaded) -> str:
     ]
     edge, nats = dep.edge, dep.edge.nats
     bus = f"embedded nats on {nats.listen}" if nats.url == "embedded" else f"nats {nats.url}"
+    if nats.token_env:
+        bus += f" (token from ${nats.token_env})"
+    elif nats.user_env:
+        bus += f" (user from ${nats.user_env}, password from ${nats.password_env})"
+    if nats.tls_ca:
+        bus += f", CA {nats.tls_ca}"
     auth = f"client keys from ${edge.api_keys_env}" if edge.api_keys_env else "no client auth"
     lines.append(
         f"edge on {edge.listen}, {bus}, queue {edge.queue.timeout_s:g} s / "
