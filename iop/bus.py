@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import ctypes
 import fcntl
 import logging
 import os
 import re
+import shutil
 import signal
+import ssl
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -22,7 +26,7 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 
-from iop import wire
+from iop import config, wire
 from iop.bundle import nats_server_path
 from iop.errors import BusError
 
@@ -34,18 +38,107 @@ MAX_PAYLOAD = 8 * 1024 * 1024
 _LISTEN_RE = re.compile(rb"Listening for client connections on (\S+):(\d+)")
 
 
-class EmbeddedNats:
-    """The bundled nats-server as a child process with JetStream on a file (or memory) store."""
+@dataclass(frozen=True)
+class NatsAccess:
+    """How a client proves itself to NATS and which server certificates it trusts.
 
-    def __init__(self, listen: str, store_dir: str | Path, *, lock: bool = True) -> None:
+    Secrets are read from environment variables named in the deployment file and never logged
+    (`repr` leaves them out). `where` names those variables, for error messages.
+    """
+
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    where: str = "edge.nats"
+
+    @classmethod
+    def from_settings(cls, nats: config.NatsSettings, environ: Mapping[str, str] | None = None) -> NatsAccess:
+        """Read the secrets the settings name; BusError naming the field when a variable is unset."""
+        env = os.environ if environ is None else environ
+
+        def secret(field_name: str, var: str | None) -> str | None:
+            if var is None:
+                return None
+            value = env.get(var, "")
+            if not value:
+                raise BusError(f"edge.nats.{field_name}: environment variable {var} is not set (or empty)")
+            if any(ord(c) < 32 or ord(c) == 127 for c in value):
+                raise BusError(f"edge.nats.{field_name}: the value of {var} contains control characters")
+            return value
+
+        where = "edge.nats"
+        if nats.token_env:
+            where = f"the token in ${nats.token_env}"
+        elif nats.user_env:
+            where = f"the user in ${nats.user_env} and the password in ${nats.password_env}"
+        return cls(
+            user=secret("user_env", nats.user_env),
+            password=secret("password_env", nats.password_env),
+            token=secret("token_env", nats.token_env),
+            tls_ca=nats.tls_ca,
+            tls_cert=nats.tls_cert,
+            tls_key=nats.tls_key,
+            where=where,
+        )
+
+    @property
+    def has_credentials(self) -> bool:
+        return bool(self.token or (self.user and self.password))
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """A client TLS context trusting `tls_ca` (and presenting `tls_cert`); None: nats-py's default."""
+        if not (self.tls_ca or self.tls_cert):
+            return None
+        try:
+            ctx = ssl.create_default_context(cafile=self.tls_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise BusError(f"edge.nats.tls_ca: cannot load {self.tls_ca}: {_reason(exc)}") from exc
+        if self.tls_cert:
+            try:
+                ctx.load_cert_chain(self.tls_cert, self.tls_key)
+            except (OSError, ssl.SSLError) as exc:
+                raise BusError(
+                    f"edge.nats.tls_cert: cannot load {self.tls_cert} with key {self.tls_key}: {_reason(exc)}"
+                ) from exc
+        return ctx
+
+
+default_access: contextvars.ContextVar[NatsAccess | None] = contextvars.ContextVar("default_access", default=None)
+"""What `connect()` uses when not given `access`: set once by `iop node` for every connection it makes."""
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return str(exc.verify_message or exc.reason or exc)
+    if isinstance(exc, ssl.SSLError):
+        return str(exc.reason or exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+class EmbeddedNats:
+    """The bundled nats-server as a child process with JetStream on a file (or memory) store.
+
+    With `access` holding credentials the server requires them from every client. Without, it
+    refuses to listen anywhere but loopback.
+    """
+
+    def __init__(
+        self, listen: str, store_dir: str | Path, *, lock: bool = True, access: NatsAccess | None = None
+    ) -> None:
         self.host, _, port = listen.rpartition(":")
         self.port = int(port)
         self.store_dir = Path(store_dir)
         self.lock = lock
+        self.access = access
         self.proc: asyncio.subprocess.Process | None = None
         self._lock_file: IO[str] | None = None
         self._drain: asyncio.Task[None] | None = None
-        self._conf: Path | None = None
+        self._conf_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -53,6 +146,12 @@ class EmbeddedNats:
 
     async def start(self, timeout_s: float = 15.0) -> None:
         """Start the server and return once it accepts clients (its log says `Server is ready`)."""
+        secured = self.access is not None and self.access.has_credentials
+        if not secured and not config.is_loopback(self.host):
+            raise BusError(
+                f"edge.nats.listen: refusing to start NATS on {self.host}:{self.port} without credentials "
+                "(not a loopback address): set user_env and password_env, or token_env"
+            )
         self.store_dir.mkdir(parents=True, exist_ok=True)
         if self.lock and self._lock_file is None:
             # nats-server does not lock its store; two servers on one directory would corrupt it.
@@ -69,10 +168,14 @@ class EmbeddedNats:
             f"max_payload: {MAX_PAYLOAD}\n"
             f"jetstream {{ store_dir: {_quote(str(self.store_dir.resolve()))} }}\n"
         )
-        fd, name = tempfile.mkstemp(prefix="iop-nats-", suffix=".conf")
-        with os.fdopen(fd, "w") as fh:
+        if secured:
+            assert self.access is not None
+            conf += _authorization(self.access)
+        # A private directory (0700) and file (0600): the file may hold the secret. Removed at stop.
+        self._conf_dir = Path(tempfile.mkdtemp(prefix="iop-nats-"))
+        name = str(self._conf_dir / "nats.conf")
+        with os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as fh:
             fh.write(conf)
-        self._conf = Path(name)
         binary = nats_server_path()
         self.proc = await asyncio.create_subprocess_exec(
             binary, "-c", name,
@@ -106,7 +209,8 @@ class EmbeddedNats:
             await self.stop()
             raise
         self._drain = asyncio.create_task(_drain_log(self.proc.stderr))
-        log.info("embedded nats-server ready on %s (store %s)", self.url, self.store_dir)
+        auth = "clients need credentials" if secured else "loopback only, no credentials"
+        log.info("embedded nats-server ready on %s (store %s, %s)", self.url, self.store_dir, auth)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, wait up to `timeout_s`, then SIGKILL; release the store lock."""
@@ -126,9 +230,9 @@ class EmbeddedNats:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._drain
             self._drain = None
-        if self._conf is not None:
-            self._conf.unlink(missing_ok=True)
-            self._conf = None
+        if self._conf_dir is not None:
+            shutil.rmtree(self._conf_dir, ignore_errors=True)
+            self._conf_dir = None
         if self._lock_file is not None:
             self._lock_file.close()
             self._lock_file = None
@@ -151,6 +255,13 @@ async def _drain_log(stderr: asyncio.StreamReader) -> None:
             log.warning("nats-server: %s", line.decode(errors="replace").strip())
 
 
+def _authorization(access: NatsAccess) -> str:
+    if access.token:
+        return f"authorization {{ token: {_quote(access.token)} }}\n"
+    assert access.user is not None and access.password is not None
+    return f"authorization {{ user: {_quote(access.user)}, password: {_quote(access.password)} }}\n"
+
+
 def _quote(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -164,6 +275,7 @@ async def connect(
     url: str,
     name: str,
     *,
+    access: NatsAccess | None = None,
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     wait_s: float | None = None,
@@ -171,13 +283,36 @@ async def connect(
     """Connect for the life of the process: reconnect forever, notice a dead server in seconds.
 
     The first connection is retried until `wait_s` passes (None: forever), so a node may start
-    before its edge.
+    before its edge. A server that refuses our credentials or a certificate we cannot verify is
+    not retried: that is a configuration error, raised at once as one BusError line.
+    `access` defaults to `default_access`.
     """
+    if access is None:
+        access = default_access.get() or NatsAccess()
+    tls = access.ssl_context()
+    shown = _redact(url)
+    loop = asyncio.get_running_loop()
+    refused: asyncio.Future[str] = loop.create_future()
+    last_error: list[str] = []
+    connected = False
 
     async def _error(exc: Exception) -> None:
-        log.debug("nats: %s", exc)
+        problem = _refusal(exc, access, shown)
+        if connected:
+            # Credentials changed under a running process: say so, nats-py keeps retrying.
+            (log.warning if problem else log.debug)("%s: nats: %s", name, problem or exc)
+            return
+        if problem:
+            if not refused.done():
+                refused.set_result(problem)
+            return
+        if not last_error:
+            log.warning("%s: waiting for NATS at %s (%s)", name, shown, _reason(exc))
+        last_error[:] = [_reason(exc)]
 
     async def _disconnected() -> None:
+        if not connected:
+            return  # closing an attempt that never connected: nothing was lost
         log.warning("%s: disconnected from NATS", name)
         if on_disconnect:
             await on_disconnect()
@@ -187,34 +322,72 @@ async def connect(
         if on_reconnect:
             await on_reconnect()
 
-    loop = asyncio.get_running_loop()
-    give_up = None if wait_s is None else loop.time() + wait_s
-    delay = 0.1
-    announced = False
-    while True:
-        try:
-            nc: NATS = await nats.connect(
-                servers=servers_of(url),
-                name=name,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                ping_interval=5,
-                max_outstanding_pings=3,
-                connect_timeout=2,
-                error_cb=_error,
-                disconnected_cb=_disconnected,
-                reconnected_cb=_reconnected,
-                pending_size=64 * 1024 * 1024,
-            )
+    nc = NATS()
+    attempt: asyncio.Future[None] = asyncio.ensure_future(
+        nc.connect(
+            servers=servers_of(url),
+            name=name,
+            user=access.user,
+            password=access.password,
+            token=access.token,
+            tls=tls,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]  # annotated int, used as seconds
+            ping_interval=5,
+            max_outstanding_pings=3,
+            connect_timeout=2,
+            error_cb=_error,
+            disconnected_cb=_disconnected,
+            reconnected_cb=_reconnected,
+            pending_size=64 * 1024 * 1024,
+        )
+    )
+    # nats-py retries the first connection forever by itself (max_reconnect_attempts=-1), so the
+    # deadline and the refusals are enforced out here, and the attempt cancelled.
+    either: set[asyncio.Future[Any]] = {attempt, refused}
+    try:
+        done, _ = await asyncio.wait(either, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        if attempt in done and attempt.exception() is None:
+            connected = True
             return nc
-        except (OSError, nats.errors.Error, TimeoutError) as exc:
-            if give_up is not None and loop.time() >= give_up:
-                raise BusError(f"cannot connect to NATS at {url}: {exc or type(exc).__name__}") from exc
-            if not announced:
-                log.warning("%s: waiting for NATS at %s (%s)", name, url, exc or type(exc).__name__)
-                announced = True
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+        failure = attempt.exception() if attempt in done else None
+    finally:
+        if not connected:  # refused, timed out, failed, or we were cancelled: abandon the attempt
+            attempt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await attempt
+            with contextlib.suppress(Exception):
+                await nc.close()
+    if refused.done():
+        raise BusError(refused.result())
+    if failure is not None:
+        raise BusError(f"cannot connect to NATS at {shown}: {_reason(failure)}") from failure
+    why = last_error[0] if last_error else "no answer"
+    raise BusError(f"cannot connect to NATS at {shown} within {wait_s:g}s: {why}")
+
+
+def _refusal(exc: BaseException, access: NatsAccess, url: str) -> str | None:
+    """The one-line explanation of an error retrying cannot fix, or None for one it may."""
+    if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower():
+        if access.has_credentials:
+            return f"NATS at {url} refused our credentials ({access.where}): authorization violation"
+        return (
+            f"NATS at {url} requires credentials: set edge.nats user_env and password_env, or token_env, "
+            "and those environment variables"
+        )
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        hint = f" (CA file {access.tls_ca})" if access.tls_ca else "; set edge.nats.tls_ca to the CA that signed it"
+        return f"NATS at {url}: cannot verify the server's TLS certificate: {_reason(exc)}{hint}"
+    if isinstance(exc, ssl.SSLError) and "CERTIFICATE" in str(exc.reason or ""):
+        # The server's alert about our own certificate (missing, unknown CA, expired...).
+        mine = f"the client certificate {access.tls_cert}" if access.tls_cert else "no client certificate"
+        return f"NATS at {url} refused the TLS handshake with {mine} ({exc.reason}); check edge.nats.tls_cert"
+    return None
+
+
+def _redact(url: str) -> str:
+    """The URL(s) without any user:password@ part, for messages."""
+    return re.sub(r"//[^/@,]*@", "//***@", url)
 
 
 async def ensure_work_stream(js: JetStreamContext, *, memory: bool = False) -> None:
