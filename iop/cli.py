@@ -96,6 +96,7 @@ def node_cmd(config_file: str, node_id: str, nats_url: str | None, verbose: bool
     import asyncio
     import signal
 
+    from iop import bus
     from iop.node.runtime import NodeRuntime
 
     loaded = _load_or_exit(config_file)
@@ -111,6 +112,8 @@ def node_cmd(config_file: str, node_id: str, nats_url: str | None, verbose: bool
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        # The node's connections use the deployment's NATS credentials and CA (edge.nats).
+        bus.default_access.set(bus.NatsAccess.from_settings(dep.edge.nats))
         runtime = NodeRuntime(dep, node_id, url)
         await runtime.start()
         print(f"iop node {node_id} serving (nats={url})", flush=True)

@@ -131,13 +131,14 @@ async def run_edge(
     settings = dep.edge
     embedded: bus.EmbeddedNats | None = None
     url = nats_url or settings.nats.url
+    access = bus.NatsAccess.from_settings(settings.nats)  # before anything starts: a missing secret is fatal
     if url == "embedded":
         # A relative store_dir is relative to the working directory, like any path on a command line.
-        embedded = bus.EmbeddedNats(settings.nats.listen, Path(settings.nats.store_dir))
+        embedded = bus.EmbeddedNats(settings.nats.listen, Path(settings.nats.store_dir), access=access)
         await embedded.start()
         url = embedded.url
     try:
-        nc = await bus.connect(url, "iop-edge", wait_s=15.0)
+        nc = await bus.connect(url, "iop-edge", access=access, wait_s=15.0)
         edge = Edge(dep, nc, nats_url=url)
         await edge.start()
         host, _, port = (listen or settings.listen).rpartition(":")
