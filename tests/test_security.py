@@ -1,0 +1,647 @@
+"""Security, attacked for real: client keys, NATS credentials and TLS, the CLI adapter, duplicate node ids."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import nats
+import nats.errors
+import openai
+import pytest
+import yaml
+from nats.aio.client import Client as NATS
+
+from iop import bus, config
+from iop.bundle import nats_server_path
+from iop.errors import BusError, ConfigError
+from tests.harness import deployment, deployment_running, running_edge, running_node
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "sk-iop-test-key-5d1e9a"
+OTHER_KEY = "sk-iop-test-other-77b0c3"
+NATS_SECRET = "nats-secret-2f4c8b"
+
+MOCK_POOL = """
+models:
+  - alias: sim
+    pool: [sim-1]
+nodes:
+  - id: n1
+    adapters: [{id: sim, type: mock, latency_ms: 0, tokens: 3, token_interval_ms: 0}]
+    providers: [{id: sim-1, adapter: sim, capacity: 2}]
+"""
+
+
+def _our_log_text(caplog: pytest.LogCaptureFixture) -> str:
+    """Every record logged by iop and the servers it runs (not by the test's own HTTP clients)."""
+    mine = ("iop", "uvicorn", "nats", "starlette")
+    return "\n".join(f"{r.name} {r.getMessage()}" for r in caplog.records if r.name.split(".")[0] in mine)
+
+
+# --- client keys -------------------------------------------------------------------------------
+
+
+async def test_client_keys_guard_every_v1_path_and_status_but_not_healthz(
+    nats_server: bus.EmbeddedNats, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("IOP_TEST_KEYS", f"{OTHER_KEY}, {KEY}")
+    dep = deployment("edge: {api_keys_env: IOP_TEST_KEYS}\n" + MOCK_POOL)
+    chat = {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}
+    calls = [
+        ("POST", "/v1/chat/completions", chat),
+        ("POST", "/v1/responses", {"model": "sim", "input": "hi"}),
+        ("GET", "/v1/models", None),
+        ("GET", "/status", None),
+    ]
+    wrong = [
+        {},
+        {"Authorization": "Bearer sk-iop-wrong"},
+        {"Authorization": f"Bearer {KEY[:-1]}"},  # a prefix of a real key
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": KEY},
+    ]
+    async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+        for method, path, body in calls:
+            for headers in wrong:
+                r = await http.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401, (path, headers, r.text)
+                assert r.json()["error"]["code"] == "invalid_api_key"
+        assert (await http.get("/healthz")).status_code == 200
+
+        for key in (KEY, OTHER_KEY):
+            auth = {"Authorization": f"Bearer {key}"}
+            for method, path, body in calls:
+                r = await http.request(method, path, json=body, headers=auth)
+                assert r.status_code == 200, (path, r.text)
+            status = (await http.get("/status", headers=auth)).text
+            assert KEY not in status and OTHER_KEY not in status
+            assert "IOP_TEST_KEYS" not in status
+
+        client = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key=KEY, max_retries=0)
+        answer = await client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
+        assert answer.choices[0].message.content
+        events = [e async for e in await client.responses.create(model="sim", input="hi", stream=True)]
+        assert events[-1].type == "response.completed"
+        refused = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="sk-iop-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await refused.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
+
+    logged = _our_log_text(caplog)
+    assert "sim-1" in logged or "n1" in logged  # the capture did see the edge and node at work
+    assert KEY not in logged and OTHER_KEY not in logged
+
+
+# --- the deployment file's NATS security rules ---------------------------------------------------
+
+
+def _nats_problems(nats_settings: dict[str, object], edge_listen: str = "127.0.0.1:8080") -> list[str]:
+    data = yaml.safe_load(MOCK_POOL)
+    data["edge"] = {"listen": edge_listen, "nats": nats_settings}
+    try:
+        config.parse(yaml.safe_dump(data))
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+@pytest.mark.parametrize(
+    ("nats_settings", "expected"),
+    [
+        (
+            {"listen": "0.0.0.0:4222"},
+            "edge.nats.listen: 0.0.0.0:4222 is not a loopback address, and the embedded NATS server would "
+            "let anyone there in: set user_env and password_env, or token_env (environment variables "
+            "holding the secret)",
+        ),
+        ({"listen": "[::]:4222"}, "edge.nats.listen: [::]:4222 is not a loopback address"),
+        ({"listen": "gpu-a.lan:4222"}, "edge.nats.listen: gpu-a.lan:4222 is not a loopback address"),
+        ({"user_env": "U"}, "edge.nats.password_env: missing: user_env is set"),
+        ({"password_env": "P"}, "edge.nats.user_env: missing: password_env is set"),
+        (
+            {"user_env": "U", "password_env": "P", "token_env": "T"},
+            "edge.nats.token_env: use user_env/password_env or token_env, not both",
+        ),
+        ({"tls_ca": "ca.pem"}, "edge.nats.tls_ca: applies to an external NATS (url: tls://...)"),
+        ({"url": "tls://h:4222", "tls_cert": "c.pem"}, "edge.nats.tls_key: missing: tls_cert is set"),
+        ({"url": "tls://h:4222", "tls_key": "k.pem"}, "edge.nats.tls_cert: missing: tls_key is set"),
+        ({"token_env": "has-dash"}, "edge.nats.token_env: 'has-dash' is not an environment variable name"),
+    ],
+)
+def test_config_nats_security_rules(nats_settings: dict[str, object], expected: str) -> None:
+    found = _nats_problems(nats_settings)
+    assert len(found) == 1 and found[0].startswith(expected), found
+
+
+@pytest.mark.parametrize(
+    "nats_settings",
+    [
+        {"listen": "127.0.0.1:4222"},
+        {"listen": "127.0.0.5:4222"},
+        {"listen": "localhost:4222"},
+        {"listen": "[::1]:4222"},
+        {"listen": "0.0.0.0:4222", "token_env": "T"},
+        {"listen": "10.0.0.5:4222", "user_env": "U", "password_env": "P"},
+        {"url": "tls://nats.lan:4222", "listen": "0.0.0.0:4222", "tls_ca": "ca.pem"},  # listen unused
+        {"url": "tls://nats.lan:4222", "tls_ca": "ca.pem", "tls_cert": "c.pem", "tls_key": "k.pem"},
+    ],
+)
+def test_config_nats_security_accepts(nats_settings: dict[str, object]) -> None:
+    assert _nats_problems(nats_settings) == []
+
+
+def test_config_warns_of_an_open_http_listen_without_keys() -> None:
+    data = yaml.safe_load(MOCK_POOL)
+    data["edge"] = {"listen": "0.0.0.0:8080"}
+    assert config.parse(yaml.safe_dump(data)).warnings == [
+        "edge.listen: 0.0.0.0:8080 is not a loopback address and api_keys_env is not set: "
+        "anyone who reaches it can use every model"
+    ]
+    data["edge"]["api_keys_env"] = "IOP_KEYS"
+    assert config.parse(yaml.safe_dump(data)).warnings == []
+
+
+def test_nats_access_reads_secrets_from_the_named_variables_only() -> None:
+    settings = config.NatsSettings(user_env="IOP_U", password_env="IOP_P")
+    access = bus.NatsAccess.from_settings(settings, {"IOP_U": "iop", "IOP_P": NATS_SECRET})
+    assert (access.user, access.password, access.has_credentials) == ("iop", NATS_SECRET, True)
+    assert NATS_SECRET not in repr(access)
+    with pytest.raises(BusError, match=r"^edge\.nats\.password_env: environment variable IOP_P is not set"):
+        bus.NatsAccess.from_settings(settings, {"IOP_U": "iop"})
+    with pytest.raises(BusError, match="control characters"):
+        bus.NatsAccess.from_settings(config.NatsSettings(token_env="T"), {"T": "a\nb"})
+    assert not bus.NatsAccess.from_settings(config.NatsSettings(), {}).has_credentials
+
+
+# --- the embedded server's credentials -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("access", "wrong"),
+    [
+        (bus.NatsAccess(token=NATS_SECRET), bus.NatsAccess(token=NATS_SECRET + "x")),
+        (
+            bus.NatsAccess(user="iop", password=f'{NATS_SECRET} "q" \\ $x'),  # quoting survives
+            bus.NatsAccess(user="iop", password=NATS_SECRET),
+        ),
+    ],
+    ids=["token", "user-password"],
+)
+async def test_embedded_nats_with_credentials_refuses_clients_without_them(
+    tmp_path: Path, access: bus.NatsAccess, wrong: bus.NatsAccess, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    server = bus.EmbeddedNats("127.0.0.1:0", tmp_path / "nats", access=access)
+    await server.start()
+    conf_dir = server._conf_dir
+    try:
+        assert conf_dir is not None
+        assert (conf_dir.stat().st_mode & 0o777, (conf_dir / "nats.conf").stat().st_mode & 0o777) == (0o700, 0o600)
+
+        # The real nats-server itself says no, to a plain nats-py client.
+        for kwargs in ({}, {"token": "guess"}, {"user": "iop", "password": "guess"}):
+            with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+                await nats.connect(server.url, allow_reconnect=False, connect_timeout=2, **kwargs)
+
+        # iop's own connect fails at once with one line, rather than retrying forever.
+        for who in (None, wrong):
+            with pytest.raises(BusError) as info:
+                await bus.connect(server.url, "intruder", access=who, wait_s=10)
+            assert "\n" not in str(info.value)
+            assert ("refused our credentials" if who else "requires credentials") in str(info.value)
+
+        nc = await bus.connect(server.url, "friend", access=access, wait_s=5)
+        try:
+            sub = await nc.subscribe("iop.test.echo")
+            await nc.publish("iop.test.echo", b"ok")
+            assert (await sub.next_msg(timeout=5)).data == b"ok"
+        finally:
+            await nc.close()
+    finally:
+        await server.stop()
+    assert not conf_dir.exists()  # the secret does not outlive the server
+    logged = _our_log_text(caplog)
+    assert "authentication error" in logged  # the server's refusals were seen ...
+    assert NATS_SECRET not in logged  # ... and the secret never
+
+
+async def test_embedded_nats_refuses_to_listen_beyond_loopback_without_credentials(tmp_path: Path) -> None:
+    server = bus.EmbeddedNats("0.0.0.0:0", tmp_path / "nats")
+    with pytest.raises(BusError, match=r"^edge\.nats\.listen: refusing to start NATS on 0\.0\.0\.0:0"):
+        await server.start()
+    assert server.proc is None and not (tmp_path / "nats").exists()
+
+
+# --- `iop edge` / `iop node` as processes ---------------------------------------------------------
+
+
+@dataclass
+class IopProcess:
+    """A `python -m iop ...` child; its output is collected as it comes."""
+
+    proc: asyncio.subprocess.Process
+    stdout: list[str] = field(default_factory=list)
+    stderr: list[str] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    readers: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def _read(self, stream: asyncio.StreamReader | None, into: list[str]) -> None:
+        assert stream is not None
+        while line := await stream.readline():
+            into.append(line.decode(errors="replace").rstrip("\n"))
+            self.changed.set()
+        self.changed.set()
+
+    async def wait_stdout(self, pattern: str, timeout_s: float = 15.0) -> re.Match[str]:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for line in self.stdout:
+                    if m := re.search(pattern, line):
+                        return m
+                if self.proc.returncode is not None and all(r.done() for r in self.readers):
+                    raise AssertionError(f"exited {self.proc.returncode}: {self.stderr}")
+                self.changed.clear()
+                await asyncio.wait(
+                    [asyncio.ensure_future(self.changed.wait()), asyncio.ensure_future(self.proc.wait())],
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+
+    async def exit_code(self, timeout_s: float = 15.0) -> int:
+        async with asyncio.timeout(timeout_s):
+            rc = await self.proc.wait()
+            await asyncio.gather(*self.readers)
+        return rc
+
+
+@asynccontextmanager
+async def iop_process(*args: str, cwd: Path, env: dict[str, str]) -> AsyncIterator[IopProcess]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "iop",
+        *args,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    p = IopProcess(proc)
+    p.readers = [
+        asyncio.create_task(p._read(pipe, lines)) for pipe, lines in ((proc.stdout, p.stdout), (proc.stderr, p.stderr))
+    ]
+    try:
+        yield p
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+            try:
+                async with asyncio.timeout(15):
+                    await proc.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        for r in p.readers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(r, 5)
+
+
+def _write_deployment(tmp_path: Path, edge: dict[str, object]) -> Path:
+    data = yaml.safe_load(MOCK_POOL)
+    data["edge"] = {"listen": "127.0.0.1:0", **edge}
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("nats_settings", "env", "rc", "line"),
+    [
+        (
+            {"listen": "0.0.0.0:0"},
+            {},
+            2,
+            "error: edge.nats.listen: 0.0.0.0:0 is not a loopback address, and the embedded NATS server",
+        ),
+        (
+            {"listen": "127.0.0.1:0", "token_env": "IOP_TEST_UNSET_TOKEN"},
+            {},
+            1,
+            "iop: edge.nats.token_env: environment variable IOP_TEST_UNSET_TOKEN is not set (or empty)",
+        ),
+    ],
+    ids=["open-listen", "secret-unset"],
+)
+async def test_iop_edge_refuses_an_open_or_unkeyed_nats_before_starting_anything(
+    tmp_path: Path, nats_settings: dict[str, object], env: dict[str, str], rc: int, line: str
+) -> None:
+    store = tmp_path / "store"
+    path = _write_deployment(tmp_path, {"nats": {**nats_settings, "store_dir": str(store)}})
+    async with iop_process("edge", "--config", str(path), cwd=tmp_path, env=env) as edge:
+        assert await edge.exit_code() == rc
+    assert len(edge.stderr) == 1 and edge.stderr[0].startswith(line), edge.stderr
+    assert edge.stdout == []
+    assert not store.exists()  # no nats-server was started: it would have created its store
+
+
+async def test_edge_and_nodes_as_processes_with_nats_password_and_client_keys(tmp_path: Path) -> None:
+    path = _write_deployment(
+        tmp_path,
+        {
+            "api_keys_env": "IOP_TEST_KEYS",
+            "nats": {
+                "listen": "127.0.0.1:0",
+                "store_dir": str(tmp_path / "store"),
+                "user_env": "IOP_TEST_NATS_USER",
+                "password_env": "IOP_TEST_NATS_PASSWORD",
+            },
+        },
+    )
+    secrets = {"IOP_TEST_KEYS": KEY, "IOP_TEST_NATS_USER": "iop", "IOP_TEST_NATS_PASSWORD": NATS_SECRET}
+    async with iop_process("edge", "--config", str(path), cwd=tmp_path, env=secrets) as edge:
+        m = await edge.wait_stdout(r"listening on (http://\S+) nats=(\S+)")
+        http_url, nats_url = m.group(1), m.group(2)
+        node_args = ("node", "--config", str(path), "--node", "n1", "--nats", nats_url)
+
+        wrong = {**secrets, "IOP_TEST_NATS_PASSWORD": "not-the-password"}
+        async with iop_process(*node_args, cwd=tmp_path, env=wrong) as intruder:
+            assert await intruder.exit_code() != 0
+        assert len(intruder.stderr) == 1, intruder.stderr  # one clear line, no traceback
+        assert intruder.stderr[0].startswith(f"iop: NATS at {nats_url} refused our credentials")
+        assert "$IOP_TEST_NATS_PASSWORD" in intruder.stderr[0] and "not-the-password" not in intruder.stderr[0]
+
+        async with iop_process(*node_args, cwd=tmp_path, env=secrets) as node:
+            await node.wait_stdout("iop node n1 serving")
+            client = openai.AsyncOpenAI(base_url=http_url + "/v1", api_key=KEY, max_retries=0)
+            answer = await client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
+            assert answer.choices[0].message.content
+            async with httpx.AsyncClient(base_url=http_url) as http:
+                assert (await http.get("/v1/models")).status_code == 401
+                assert (await http.get("/healthz")).status_code == 200
+    for p in (edge, node, intruder):
+        text = "\n".join(p.stdout + p.stderr)
+        assert NATS_SECRET not in text and KEY not in text
+
+
+# --- TLS to an external NATS ----------------------------------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
+
+
+def _make_ca(d: Path, name: str) -> None:
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "1",
+        "-subj",
+        f"/CN={name}",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=d,
+    )
+
+
+def _make_cert(d: Path, ca: str, name: str, usage: str) -> None:
+    _openssl(
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        "-subj",
+        f"/CN={name}",
+        cwd=d,
+    )
+    (d / f"{name}.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+        f"extendedKeyUsage={usage}\n"
+        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{ca}.pem",
+        "-CAkey",
+        f"{ca}.key",
+        "-CAcreateserial",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "1",
+        "-extfile",
+        f"{name}.ext",
+        cwd=d,
+    )
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A throwaway CA with a server and a client certificate, and a second CA that signed neither."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed, so no test certificates can be made")
+    d = tmp_path_factory.mktemp("pki")
+    _make_ca(d, "ca")
+    _make_ca(d, "other-ca")
+    _make_cert(d, "ca", "server", "serverAuth")
+    _make_cert(d, "ca", "client", "clientAuth")
+    return d
+
+
+@asynccontextmanager
+async def tls_nats_server(d: Path, *, verify_clients: bool) -> AsyncIterator[str]:
+    """A real nats-server that speaks only TLS on a free loopback port; yields its tls:// URL."""
+    client_ca = f', ca_file: "{d / "ca.pem"}", verify: true' if verify_clients else ""
+    conf = d / f"nats-{int(verify_clients)}.conf"
+    conf.write_text(
+        f'host: "127.0.0.1"\nport: -1\n'
+        f'tls {{ cert_file: "{d / "server.pem"}", key_file: "{d / "server.key"}"{client_ca} }}\n'
+    )
+    proc = await asyncio.create_subprocess_exec(
+        nats_server_path(),
+        "-c",
+        str(conf),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    try:
+        port, seen = None, b""
+        async with asyncio.timeout(15):
+            while b"Server is ready" not in (line := await proc.stderr.readline()):
+                assert line, f"nats-server exited during start-up: {seen.decode(errors='replace')}"
+                seen += line
+                if m := re.search(rb"Listening for client connections on \S+:(\d+)", line):
+                    port = int(m.group(1))
+        drain = asyncio.create_task(proc.stderr.read())
+        yield f"tls://127.0.0.1:{port}"
+    finally:
+        if proc.returncode is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                async with asyncio.timeout(10):
+                    await proc.wait()
+            except TimeoutError:
+                os.kill(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(drain, 5)
+
+
+async def _round_trip(nc: NATS) -> bytes:
+    sub = await nc.subscribe("iop.test.tls")
+    await nc.publish("iop.test.tls", b"over tls")
+    return bytes((await sub.next_msg(timeout=5)).data)
+
+
+async def _connect(url: str, tls: dict[str, str], wait_s: float = 5) -> NATS:
+    """Through the deployment file, as edge and node read it."""
+    data = yaml.safe_load(MOCK_POOL)
+    data["edge"] = {"nats": {"url": url, **tls}}
+    settings = config.parse(yaml.safe_dump(data)).deployment.edge.nats
+    access = bus.NatsAccess.from_settings(settings, {})
+    return await bus.connect(settings.url, "tls-test", access=access, wait_s=wait_s)
+
+
+async def test_tls_to_an_external_nats_with_a_ca_file(pki: Path) -> None:
+    async with tls_nats_server(pki, verify_clients=False) as url:
+        nc = await _connect(url, {"tls_ca": str(pki / "ca.pem")})
+        try:
+            assert nc.connected_url is not None and nc.connected_url.scheme == "tls"
+            assert await _round_trip(nc) == b"over tls"
+        finally:
+            await nc.close()
+        # Without our CA (the system's only) or with another CA, the certificate cannot be verified:
+        # one line at once, not a retry loop.
+        for tls in ({}, {"tls_ca": str(pki / "other-ca.pem")}):
+            with pytest.raises(BusError, match="cannot verify the server's TLS certificate"):
+                await _connect(url, tls, wait_s=10)
+
+
+async def test_tls_client_certificate_for_a_nats_that_verifies_clients(pki: Path) -> None:
+    async with tls_nats_server(pki, verify_clients=True) as url:
+        ca, cert, key = (str(pki / name) for name in ("ca.pem", "client.pem", "client.key"))
+        nc = await _connect(url, {"tls_ca": ca, "tls_cert": cert, "tls_key": key})
+        try:
+            assert await _round_trip(nc) == b"over tls"
+        finally:
+            await nc.close()
+        with pytest.raises(BusError, match="refused the TLS handshake with no client certificate"):
+            await _connect(url, {"tls_ca": ca}, wait_s=10)
+    with pytest.raises(BusError, match=r"^edge\.nats\.tls_ca: cannot load"):
+        bus.NatsAccess(tls_ca=str(pki / "missing.pem")).ssl_context()
+
+
+# --- the CLI adapter: argv only, prompt on stdin, explicit environment -----------------------------
+
+_ECHO = (
+    "import json, os, sys; "
+    "json.dump({'argv': sys.argv[1:], 'stdin': sys.stdin.read(), 'env': dict(os.environ)}, sys.stdout)"
+)
+
+
+async def test_cli_prompt_cannot_inject_commands_or_arguments_and_env_is_explicit(
+    nats_server: bus.EmbeddedNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("x")
+    pwned = tmp_path / "pwned"
+    prompt = (
+        f'"; rm -rf {victim}; $(touch {pwned}) `touch {pwned}` && touch {pwned} || touch {pwned}\n'
+        f"--help -c 'import os; os.system(\"touch {pwned}\")' $HOME ${{PATH}} %s \\x00 * ? ~ > {pwned}"
+    )
+    monkeypatch.setenv("IOP_TEST_KEYS", KEY)
+    monkeypatch.setenv("IOP_TEST_PASSED", "passed-through")
+    monkeypatch.setenv("IOP_TEST_WITHHELD", "withheld-secret")
+    monkeypatch.setenv("IOP_TEST_NATS_TOKEN", NATS_SECRET)
+    dep = deployment(
+        f"""
+edge: {{api_keys_env: IOP_TEST_KEYS}}
+models: [{{alias: echo, route: n1/echo-cli}}]
+nodes:
+  - id: n1
+    adapters: [{{id: echo, type: cli, command: {json.dumps([sys.executable, "-c", _ECHO])}, env: [IOP_TEST_PASSED]}}]
+    providers: [{{id: echo-cli, adapter: echo}}]
+"""
+    )
+    async with deployment_running(dep, nats_server.url) as h:
+        client = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key=KEY, max_retries=0)
+        answer = await client.chat.completions.create(model="echo", messages=[{"role": "user", "content": prompt}])
+        content = answer.choices[0].message.content
+        assert content is not None
+        seen = json.loads(content)
+    assert seen["stdin"] == prompt  # verbatim, on stdin
+    assert seen["argv"] == []  # nothing of the prompt became an argument
+    assert not pwned.exists() and (victim / "keep").exists()  # and nothing of it was executed
+
+    env = seen["env"]
+    assert env["IOP_TEST_PASSED"] == "passed-through"
+    assert env["PATH"] == os.environ["PATH"]
+    for secret in ("IOP_TEST_WITHHELD", "IOP_TEST_KEYS", "IOP_TEST_NATS_TOKEN"):
+        assert secret not in env
+    # Python itself may add LC_CTYPE (PEP 538 locale coercion); anything else came from the node.
+    allowed = {"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "IOP_TEST_PASSED", "LC_CTYPE"}
+    assert set(env) <= allowed, set(env) - allowed
+
+
+# --- one node id, one process -----------------------------------------------------------------------
+
+
+async def test_a_second_node_process_with_a_connected_id_is_refused(
+    nats_server: bus.EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    path = tmp_path / "deploy.yaml"
+    path.write_text(MOCK_POOL)
+    dep = deployment(MOCK_POOL)
+    async with running_edge(dep, nats_server.url) as h, running_node(dep, "n1", nats_server.url) as first:
+        await h.edge.registry.wait_connected(["n1"], timeout_s=10)
+        args = ("node", "--config", str(path), "--node", "n1", "--nats", nats_server.url)
+        async with iop_process(*args, cwd=tmp_path, env={}) as impostor:
+            assert await impostor.exit_code(timeout_s=20) != 0
+        assert impostor.stderr[-1].startswith(f"iop: edge {h.edge.edge_id} refused node n1: "), impostor.stderr
+        assert "already connected" in impostor.stderr[-1]
+        assert "Traceback" not in "\n".join(impostor.stderr)
+        state = h.edge.registry.nodes["n1"]
+        assert state.connected and state.instance == first.instance  # the first one keeps its id
+        answer = await h.client().chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
+        assert answer.choices[0].message.content
+    refusals = [r.getMessage() for r in caplog.records if r.name == "iop.edge" and "refused node n1" in r.getMessage()]
+    assert refusals and "already connected" in refusals[0]
