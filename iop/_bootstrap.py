@@ -123,6 +123,9 @@ def main() -> None:
     sys.dont_write_bytecode = False
     # An explicit IOP_NATS_SERVER from the user still wins; see iop.bundle.nats_server_path.
     os.environ.setdefault("IOP_NATS_SERVER", nats_server)
+    # How iop starts copies of itself (`iop smoke` runs an edge and nodes as separate processes):
+    # always this archive, so an inherited value from another archive never wins.
+    os.environ["IOP_ARCHIVE"] = archive
 
     from iop.cli import main as cli_main
 
