@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -17,8 +16,8 @@ import pytest
 from iop import _bootstrap
 from iop.bundle import nats_server_path
 from iop.errors import BusError
+from tests.conftest import build_archive
 
-ROOT = Path(__file__).resolve().parent.parent
 # The interpreter behind the test venv: it has none of iop's dependencies on its path when run with -S.
 BARE_PYTHON = getattr(sys, "_base_executable", sys.executable)
 
@@ -36,23 +35,6 @@ nodes:
     providers:
       - {id: mock-1, adapter: mock, capacity: 2}
 """
-
-
-def _snapshot_sources(dest: Path) -> Path:
-    # Colleagues edit iop/ while tests run; building twice from one copy keeps the comparison fair.
-    dest.mkdir()
-    shutil.copy2(ROOT / "build.py", dest / "build.py")
-    shutil.copy2(ROOT / "build-requirements.txt", dest / "build-requirements.txt")
-    shutil.copytree(ROOT / "iop", dest / "iop", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    return dest
-
-
-def _build(sources: Path, out: Path) -> subprocess.CompletedProcess[str]:
-    # The shared dependency cache under the repo's build/ is what keeps this quick after the first run.
-    command = [sys.executable, str(sources / "build.py"), "--out", str(out), "--build-dir", str(ROOT / "build")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=540, check=False)
-    assert done.returncode == 0, done.stderr
-    return done
 
 
 def _clean_env(cache: Path, home: Path) -> dict[str, str]:
@@ -77,17 +59,14 @@ def _run_pyz(
     )
 
 
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _snapshot_sources(tmp_path_factory.mktemp("src") / "iop-src")
+@pytest.fixture
+def sources(archive_sources: Path) -> Path:
+    return archive_sources
 
 
-@pytest.fixture(scope="module")
-def pyz(sources: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("dist") / "iop.pyz"
-    done = _build(sources, out)
-    assert str(out) in done.stdout and "sha256" in done.stdout
-    return out
+@pytest.fixture
+def pyz(built_archive: Path) -> Path:
+    return built_archive
 
 
 def test_build_pyz_prints_version(pyz: Path, tmp_path: Path) -> None:
@@ -183,7 +162,7 @@ def test_bootstrap_unpack_keeps_the_winners_copy(pyz: Path, tmp_path: Path, monk
 
 def test_build_pyz_is_reproducible(pyz: Path, sources: Path, tmp_path: Path) -> None:
     again = tmp_path / "iop.pyz"
-    _build(sources, again)
+    build_archive(sources, again)
     assert hashlib.sha256(again.read_bytes()).hexdigest() == hashlib.sha256(pyz.read_bytes()).hexdigest()
 
 
