@@ -158,4 +158,62 @@ def status_cmd(edge_url: str, as_json: bool, api_key: str | None) -> None:
         click.echo(render_status(data))
 
 
+@main.command("smoke")
+@click.option("--config", "config_file", default=None, type=click.Path(dir_okay=False),
+              help="Deployment to start and check (default: the built-in iop/configs/smoke.yaml).")
+@click.option("--edge", "edge_url", default=None, help="Check the deployment behind this running edge instead.")
+@click.option("--model", default=None, help="Pool alias to fill (default: the first pool).")
+@click.option("--direct", default=None, help="Direct-route alias to call while the pool is full (default: the first).")
+@click.option("--expect-nodes", type=click.IntRange(min=0), default=None,
+              help="Connected nodes expected (default: every node of the deployment).")
+@click.option("--expect-capacity", type=click.IntRange(min=1), default=None,
+              help="Connected capacity of the pool expected (default: its total capacity).")
+@click.option("--requests", "requests_n", type=click.IntRange(min=1), default=None,
+              help="Pool requests in the burst, more than the capacity (default: 40, or 4x the capacity).")
+@click.option("--ready-timeout", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
+              help="Seconds to wait for nodes, pool and route to be connected.")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds one request may take (default: 30, or 300 with --edge).")
+@click.option("--skip-node", "skip_nodes", multiple=True, metavar="ID",
+              help="Do not start this node (start it yourself with --nats, or see how a missing node is reported).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--api-key", envvar="IOP_API_KEY", default=None, help="Bearer key for --edge (env IOP_API_KEY).")
+def smoke_cmd(
+    config_file: str | None,
+    edge_url: str | None,
+    model: str | None,
+    direct: str | None,
+    expect_nodes: int | None,
+    expect_capacity: int | None,
+    requests_n: int | None,
+    ready_timeout: float,
+    request_timeout: float | None,
+    skip_nodes: tuple[str, ...],
+    as_json: bool,
+    api_key: str | None,
+) -> None:
+    """Check a whole deployment under load: start it here (edge, bundled NATS, every node, as separate
+    processes) or reach a running one (--edge), fill a pool past its capacity, check that capacity held
+    exactly and the direct route never waited, and report. Exit 0 pass, 1 fail, 2 bad options."""
+    from iop.smoke import Options, run
+
+    if edge_url is not None and (config_file is not None or skip_nodes):
+        _fail("--edge checks a running deployment; --config and --skip-node are for the one smoke starts", 2)
+    options = Options(
+        config=config_file,
+        edge=edge_url,
+        model=model,
+        direct=direct,
+        expect_nodes=expect_nodes,
+        expect_capacity=expect_capacity,
+        requests=requests_n,
+        ready_timeout_s=ready_timeout,
+        request_timeout_s=request_timeout,
+        skip_nodes=skip_nodes,
+        as_json=as_json,
+        api_key=api_key,
+    )
+    sys.exit(run(options))
+
+
 __all__ = ["IopError", "main"]
