@@ -3,86 +3,161 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
-import httpx
 import msgspec
 
 from iop import config, wire
-from iop.errors import BadRequest, RequestError, UpstreamError, error_for_status
+from iop.errors import RequestError, UpstreamError, error_for_status
 from iop.node.adapters import Send
+from iop.node.http1 import ConnectFailed, HttpError, HttpPool, HttpResponse, Timeout
+from iop.translate import (
+    ChatToResponsesStream,
+    ResponsesToChatStream,
+    chat_to_responses_answer,
+    chat_to_responses_request,
+    responses_to_chat_answer,
+    responses_to_chat_request,
+)
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 _PATHS = {"chat": "/chat/completions", "responses": "/responses"}
 
 
+class StreamFailed(UpstreamError):
+    """The upstream failed after a translated stream began; the client already got the terminal event."""
+
+    ended_stream = True
+
+
 class OpenAIAdapter:
-    """One pooled httpx client per adapter; each API is forwarded natively when the upstream serves it."""
+    """Forwards each API natively when the upstream serves it, and translates when it does not.
+
+    Native: the client's body goes upstream with only `model` replaced, and the upstream's bytes
+    come back untouched (SSE passed through as it arrives). Translated (docs/openai-compat.md):
+    a Responses request to a chat-only upstream, or a chat request to a Responses-only upstream.
+    """
 
     def __init__(self, cfg: config.OpenAIAdapter) -> None:
         self.cfg = cfg
-        headers = {}
+        headers = {"content-type": "application/json"}
         if cfg.api_key_env and (key := os.environ.get(cfg.api_key_env)):
-            headers["Authorization"] = f"Bearer {key}"
-        self.client = httpx.AsyncClient(
-            base_url=cfg.base_url.rstrip("/"),
-            headers=headers,
-            timeout=httpx.Timeout(cfg.timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
+            headers["authorization"] = f"Bearer {key}"
+        self.pool = HttpPool(cfg.base_url, headers=headers, read_timeout_s=cfg.timeout_s)
 
     def serves(self, api: str) -> bool:
         return self.cfg.api == "both" or self.cfg.api == api
 
     async def run(self, item: wire.WorkItem, model: str | None, send: Send) -> wire.Usage | None:
-        if not self.serves(item.api):
-            served = _PATHS[self.cfg.api]
-            raise BadRequest(
-                f"this provider's upstream serves only /v1{served}; /v1{_PATHS[item.api]} to it needs "
-                "Responses/chat translation, which this iop does not have yet",
-                code="api_not_supported",
-            )
-        body = item.body
-        if model is not None:
-            payload: dict[str, Any] = _decode(body)
-            payload["model"] = model
-            body = _encode(payload)
-        request = self.client.build_request(
-            "POST", _PATHS[item.api], content=body, headers={"content-type": "application/json"}
-        )
-        try:
-            response = await self.client.send(request, stream=True)
-        except httpx.TimeoutException as exc:
-            raise UpstreamError(f"upstream timed out: {self.cfg.base_url}", code="upstream_timeout") from exc
-        except httpx.HTTPError as exc:
-            raise UpstreamError(
-                f"upstream unreachable: {self.cfg.base_url}: {type(exc).__name__}", code="upstream_unavailable"
-            ) from exc
-        try:
-            if response.status_code >= 400:
-                raise await _upstream_error(response)
-            if item.stream:
-                async for data in response.aiter_raw():
-                    if data:
+        if self.serves(item.api):
+            body = item.body
+            if model is not None:
+                payload: dict[str, Any] = _decode(body)
+                payload["model"] = model
+                body = _encode(payload)
+            response = await self._post(item.api, body)
+            try:
+                if item.stream:
+                    async for data in response.iter_body():
                         await send(data)
+                else:
+                    await send(await response.read())
+            except HttpError as exc:
+                raise _mid_answer(exc) from exc
+            finally:
+                await response.aclose()
+            return None
+        return await self._translated(item, model, send)
+
+    async def _translated(self, item: wire.WorkItem, model: str | None, send: Send) -> wire.Usage | None:
+        request: dict[str, Any] = _decode(item.body)
+        name = model or str(request.get("model") or item.alias)
+        upstream_api: wire.Api = "chat" if item.api == "responses" else "responses"
+        if item.api == "responses":
+            upstream = responses_to_chat_request(request, name)
+        else:
+            upstream = chat_to_responses_request(request, name)
+        response = await self._post(upstream_api, _encode(upstream))
+        try:
+            if not item.stream:
+                answer = _decode(await response.read())
+                if item.api == "responses":
+                    out = chat_to_responses_answer(answer, request, name)
+                else:
+                    out = responses_to_chat_answer(answer, name)
+                await send(_encode(out))
+                return _usage_of(out)
+            stream: ChatToResponsesStream | ResponsesToChatStream
+            if item.api == "responses":
+                stream = ChatToResponsesStream(request, name)
             else:
-                await send(await response.aread())
-        except httpx.TimeoutException as exc:
-            raise UpstreamError("upstream timed out mid-answer", code="upstream_timeout") from exc
-        except httpx.HTTPError as exc:
-            raise UpstreamError(f"upstream failed mid-answer: {type(exc).__name__}", code="upstream_error") from exc
+                stream = ResponsesToChatStream(request, name)
+            await send(stream.start())
+            try:
+                async for data in response.iter_body():
+                    if out_bytes := stream.feed(data):
+                        await send(out_bytes)
+                if tail := stream.close():
+                    await send(tail)
+            except (HttpError, RequestError) as exc:
+                err = _mid_answer(exc) if isinstance(exc, HttpError) else exc
+                if not stream.ended:
+                    # End the stream in the client's own API (e.g. response.failed for Codex).
+                    await send(stream.fail(err.message, err.code))
+                raise StreamFailed(err.message, code=err.code, status=err.status) from exc
+            u = stream.usage
+            return wire.Usage(u.input_tokens, u.output_tokens) if u is not None else None
+        except msgspec.DecodeError as exc:
+            raise UpstreamError("upstream answered with invalid JSON", code="upstream_error") from exc
+        except HttpError as exc:
+            raise _mid_answer(exc) from exc
         finally:
             await response.aclose()
-        return None
+
+    async def _post(self, api: wire.Api, body: bytes) -> HttpResponse:
+        try:
+            response = await self.pool.post(_PATHS[api], body)
+        except Timeout as exc:
+            raise UpstreamError(f"upstream timed out: {self.cfg.base_url}", code="upstream_timeout") from exc
+        except ConnectFailed as exc:
+            raise UpstreamError(
+                f"upstream unreachable: {self.cfg.base_url}: {exc}", code="upstream_unavailable"
+            ) from exc
+        except HttpError as exc:
+            raise UpstreamError(f"upstream failed: {self.cfg.base_url}: {exc}", code="upstream_error") from exc
+        if response.status >= 400:
+            try:
+                raw = await response.read()
+            except HttpError:
+                raw = b""
+            finally:
+                await response.aclose()
+            raise upstream_error(response.status, raw)
+        return response
 
     async def close(self) -> None:
-        await self.client.aclose()
+        await self.pool.close()
 
 
-async def _upstream_error(response: httpx.Response) -> RequestError:
+def _mid_answer(exc: HttpError) -> UpstreamError:
+    if isinstance(exc, Timeout):
+        return UpstreamError("upstream timed out mid-answer", code="upstream_timeout")
+    return UpstreamError(f"upstream failed mid-answer: {exc}", code="upstream_error")
+
+
+def _usage_of(answer: Mapping[str, Any]) -> wire.Usage | None:
+    u = answer.get("usage")
+    if not isinstance(u, Mapping):
+        return None
+    if "input_tokens" in u:
+        return wire.Usage(int(u.get("input_tokens") or 0), int(u.get("output_tokens") or 0))
+    return wire.Usage(int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0))
+
+
+def upstream_error(status: int, raw: bytes) -> RequestError:
     """Map an upstream HTTP error: client mistakes pass through, the rest is the gateway's 502."""
-    raw = await response.aread()
     message = raw[:2000].decode(errors="replace")
     try:
         err = _decode(raw).get("error")
@@ -92,7 +167,6 @@ async def _upstream_error(response: httpx.Response) -> RequestError:
             message = err
     except (msgspec.DecodeError, AttributeError):
         pass
-    status = response.status_code
     if status in (400, 413, 422):
         return error_for_status(400 if status == 422 else status, f"upstream: {message}", "upstream_bad_request")
     if status == 429:

@@ -1,0 +1,100 @@
+"""Responses ⇄ chat end to end: the openai SDK against upstreams that serve only the other API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from openai.types.responses import ResponseFunctionToolCall
+
+from iop.bus import EmbeddedNats
+from tests.fakes import fake_upstream
+from tests.harness import deployment, deployment_running
+
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
+
+
+def one_provider(url: str, api: str) -> str:
+    return f"""
+models: [{{alias: m, pool: [p]}}]
+nodes:
+  - id: n
+    adapters: [{{id: up, type: openai, base_url: "{url}", api: {api}}}]
+    providers: [{{id: p, adapter: up, model: served-model, capacity: 2}}]
+"""
+
+
+async def test_responses_on_a_chat_only_upstream(nats_server: EmbeddedNats) -> None:
+    async with fake_upstream(api="chat") as up:
+        async with deployment_running(deployment(one_provider(up.url, "chat")), nats_server.url) as h:
+            client = h.client()
+            resp = await client.responses.create(model="m", input="hi", instructions="be brief")
+            assert resp.output_text == "w0 w1 w2"
+            assert resp.status == "completed"
+            assert resp.usage is not None and resp.usage.output_tokens == 3 and resp.usage.total_tokens == 8
+
+            events = [e async for e in await client.responses.create(model="m", input="hi", stream=True)]
+            kinds = [e.type for e in events]
+            assert kinds[:2] == ["response.created", "response.in_progress"]
+            assert kinds[-1] == "response.completed"
+            assert [e.sequence_number for e in events] == list(range(len(events)))
+            assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "w0 w1 w2"
+            final = events[-1].response  # type: ignore[union-attr]
+            assert final.usage is not None and final.usage.output_tokens == 3
+        # The upstream saw only chat calls, with instructions as the system message.
+        assert set(up.by_path) == {"/v1/chat/completions"}
+        assert up.bodies[0]["messages"][0] == {"role": "system", "content": "be brief"}
+        assert up.bodies[0]["model"] == "served-model"
+
+
+async def test_tool_call_round_trip_through_translation(nats_server: EmbeddedNats) -> None:
+    async with fake_upstream(api="chat") as up:
+        async with deployment_running(deployment(one_provider(up.url, "chat")), nats_server.url) as h:
+            client = h.client()
+            for stream in (False, True):
+                if stream:
+                    async with client.responses.stream(model="m", input="weather in Paris?", tools=TOOLS) as s:
+                        first = await s.get_final_response()
+                else:
+                    first = await client.responses.create(model="m", input="weather in Paris?", tools=TOOLS)
+                calls = [o for o in first.output if isinstance(o, ResponseFunctionToolCall)]
+                assert len(calls) == 1
+                call = calls[0]
+                assert (call.name, call.arguments, call.call_id) == ("get_weather", '{"city": "Paris"}', "call_fake1")
+                follow_up: list[Any] = [
+                    {"role": "user", "content": "weather in Paris?"},
+                    {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                    {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+                ]
+                if stream:
+                    async with client.responses.stream(model="m", input=follow_up, tools=TOOLS) as s:
+                        answer = await s.get_final_response()
+                else:
+                    answer = await client.responses.create(model="m", input=follow_up, tools=TOOLS)
+                assert answer.output_text == "w0 w1 w2"
+        # The follow-up reached the chat server as an assistant tool call plus the tool's output.
+        follow = up.bodies[1]
+        assert [m["role"] for m in follow["messages"]] == ["user", "assistant", "tool"]
+        assert follow["messages"][1]["tool_calls"][0]["id"] == "call_fake1"
+        assert follow["messages"][2] == {"role": "tool", "tool_call_id": "call_fake1", "content": "sunny"}
+        assert set(up.by_path) == {"/v1/chat/completions"}
+
+
+async def test_chat_on_a_responses_only_upstream(nats_server: EmbeddedNats) -> None:
+    async with fake_upstream(api="responses") as up:
+        async with deployment_running(deployment(one_provider(up.url, "responses")), nats_server.url) as h:
+            client = h.client()
+            msgs: Any = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+            chat = await client.chat.completions.create(model="m", messages=msgs)
+            assert chat.choices[0].message.content == "w0 w1 w2"
+            assert chat.choices[0].finish_reason == "stop"
+            chunks = [c async for c in await client.chat.completions.create(model="m", messages=msgs, stream=True)]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "w0 w1 w2"
+        assert set(up.by_path) == {"/v1/responses"}
+        assert up.bodies[0]["instructions"] == "be brief"
