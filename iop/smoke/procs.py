@@ -104,7 +104,8 @@ class Child:
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
         lines = self.tail()
         log = "".join(f"\n      | {line}" for line in lines) if lines else " (its log is empty)"
-        return f"{self.role} {self.name} {how}; last lines of its log:{log}"
+        who = self.role if self.name == self.role else f"{self.role} {self.name}"
+        return f"{who} {how}; last lines of its log:{log}"
 
 
 class Children:

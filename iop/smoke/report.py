@@ -349,7 +349,8 @@ def render(report: Report) -> str:
             f"{p['role']} (pid {p['pid']})" if p["role"] == p["name"] else f"{p['role']} {p['name']} (pid {p['pid']})"
             for p in report.processes
         )
-        out.append(f"edge {report.edge}, nats {report.nats or '-'}; started and stopped: {started or 'nothing'}")
+        where = f"edge {report.edge}, nats {report.nats}" if report.edge else "the edge never listened"
+        out.append(f"{where}; started and stopped: {started or 'nothing'}")
 
     rows = provider_rows(report)
     if rows:
