@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
@@ -53,6 +54,20 @@ def config_schema() -> None:
     """Print the JSON Schema of the deployment file (for editors)."""
     click.echo(config_mod.json_schema_text())
 
+def _run_async(main: Any) -> None:
+    """Run on asyncio's loop, or on uvloop with IOP_LOOP=uvloop when it is installed (for benchmarks)."""
+    import asyncio
+    import os
+
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    factory = uvloop.new_event_loop if uvloop is not None and os.environ.get("IOP_LOOP") == "uvloop" else None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main)
+
+
 def _logging(verbose: bool) -> None:
     import logging
 
@@ -79,7 +94,7 @@ def edge_cmd(config_file: str, listen: str | None, nats_url: str | None, verbose
     loaded = _load_or_exit(config_file)
     _logging(verbose)
     try:
-        asyncio.run(run_edge(loaded, listen=listen, nats_url=nats_url))
+        _run_async(run_edge(loaded, listen=listen, nats_url=nats_url))
     except IopError as exc:
         _fail(str(exc))
     except OSError as exc:
@@ -121,7 +136,7 @@ def node_cmd(config_file: str, node_id: str, nats_url: str | None, verbose: bool
         await runtime.stop()
 
     try:
-        asyncio.run(run())
+        _run_async(run())
     except IopError as exc:
         _fail(str(exc))
 
