@@ -59,11 +59,13 @@ def _run_async(main: Any) -> None:
     import asyncio
     import os
 
-    try:
-        import uvloop
-    except ImportError:
-        uvloop = None
-    factory = uvloop.new_event_loop if uvloop is not None and os.environ.get("IOP_LOOP") == "uvloop" else None
+    factory = None
+    if os.environ.get("IOP_LOOP") == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            _fail("IOP_LOOP=uvloop, but uvloop is not installed")
+        factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main)
 
@@ -87,8 +89,6 @@ def _logging(verbose: bool) -> None:
 @click.option("-v", "--verbose", is_flag=True)
 def edge_cmd(config_file: str, listen: str | None, nats_url: str | None, verbose: bool) -> None:
     """Serve the OpenAI API for the deployment in FILE (starts the bundled nats-server by default)."""
-    import asyncio
-
     from iop.edge.server import run_edge
 
     loaded = _load_or_exit(config_file)
