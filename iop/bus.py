@@ -445,3 +445,15 @@ async def consumer_counts(js: JetStreamContext, provider: str) -> dict[str, Any]
     """The broker's view of a provider: ack-pending (running) and pending (not yet fetched)."""
     info = await js.consumer_info(wire.WORK_STREAM, wire.consumer_name(provider))
     return {"num_ack_pending": info.num_ack_pending, "num_pending": info.num_pending}
+
+
+CATALOG_BUCKET = "iop_catalog"
+"""KV bucket holding each node's section of the deployment (key: node id), written by the edge."""
+
+
+async def catalog_bucket(js: JetStreamContext) -> Any:
+    """The catalog bucket, created if missing (idempotent, safe from several edges)."""
+    try:
+        return await js.key_value(CATALOG_BUCKET)
+    except (NotFoundError, nats.js.errors.BucketNotFoundError):
+        return await js.create_key_value(js_api.KeyValueConfig(bucket=CATALOG_BUCKET, history=1))

@@ -173,6 +173,38 @@ def status_cmd(edge_url: str, as_json: bool, api_key: str | None) -> None:
         click.echo(render_status(data))
 
 
+@main.command("refresh")
+@click.option("--config", "config_file", required=True, type=click.Path(dir_okay=False), help="Deployment file.")
+@click.option("--edge", "edge_url", default="http://127.0.0.1:8080", show_default=True, help="The edge's HTTP URL.")
+@click.option("--dry-run", is_flag=True, help="Print what would change; apply nothing.")
+@click.option("--api-key", envvar="IOP_API_KEY", default=None, help="Bearer key (env IOP_API_KEY).")
+def refresh_cmd(config_file: str, edge_url: str, dry_run: bool, api_key: str | None) -> None:
+    """Apply FILE to a running deployment without a restart (or show the diff with --dry-run)."""
+    from pathlib import Path
+
+    from iop.statusview import post_refresh
+
+    _load_or_exit(config_file)  # an invalid file never leaves this machine
+    try:
+        code, data = post_refresh(edge_url, Path(config_file).read_text(encoding="utf-8"), dry_run, api_key)
+    except IopError as exc:
+        _fail(str(exc))
+        return
+    if code == 400:
+        for line in data.get("error", {}).get("problems", []) or [data.get("error", {}).get("message", "invalid")]:
+            click.echo(f"error: {line}", err=True)
+        sys.exit(2)
+    changes = data.get("changes") or []
+    click.echo("\n".join(changes) if changes else "no changes")
+    if data.get("error"):
+        click.echo(f"iop: refresh failed and was rolled back: {data['error']}", err=True)
+        for line in data.get("applied") or []:
+            click.echo(f"  had applied (undone): {line}", err=True)
+        sys.exit(1)
+    if changes and not dry_run:
+        click.echo("applied.")
+
+
 @main.command("smoke")
 @click.option("--config", "config_file", default=None, type=click.Path(dir_okay=False),
               help="Deployment to start and check (default: the built-in iop/configs/smoke.yaml).")

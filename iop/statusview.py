@@ -21,6 +21,24 @@ def fetch_status(edge_url: str, api_key: str | None = None, timeout_s: float = 5
     return data
 
 
+def post_refresh(
+    edge_url: str, text: str, dry_run: bool, api_key: str | None = None, timeout_s: float = 60.0
+) -> tuple[int, dict[str, Any]]:
+    """Send a deployment file to the edge's refresh endpoint; returns (status, JSON answer)."""
+    headers = {"content-type": "application/yaml"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    url = edge_url.rstrip("/") + "/admin/refresh" + ("?dry_run=1" if dry_run else "")
+    try:
+        r = httpx.post(url, content=text.encode(), headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise IopError(f"cannot reach the edge at {edge_url}: {type(exc).__name__}: {exc}") from exc
+    if r.status_code not in (200, 400, 500):
+        raise IopError(f"{url} answered {r.status_code}: {r.text[:200]}")
+    data: dict[str, Any] = r.json()
+    return r.status_code, data
+
+
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)

@@ -43,9 +43,11 @@ class ProviderSlots:
     trips: int = 0
     trial: bool = False
     """Half-open: one request is out to see whether it works again."""
+    removed: bool = False
+    """Taken out by a refresh: takes no new work, finishes what it runs, then disappears."""
 
     def usable(self, now: float) -> bool:
-        if not self.connected or self.in_flight >= self.capacity:
+        if not self.connected or self.removed or self.in_flight >= self.capacity:
             return False
         if self.open_until:
             return now >= self.open_until and not self.trial
@@ -195,7 +197,54 @@ class Scheduler:
 
     def release(self, slot: ProviderSlots) -> None:
         slot.in_flight -= 1
+        if slot.removed and slot.in_flight == 0 and self.providers.get(slot.id) is slot:
+            del self.providers[slot.id]
+            self.changed.set()
         self._pump(slot.pools)
+
+    def apply(self, providers: dict[str, tuple[str, int]], pools: dict[str, list[str]]) -> list[str]:
+        """Switch to a new catalog in one synchronous step, so no request sees a half-applied pool.
+
+        `providers` maps id → (node, capacity); `pools` maps alias → member ids. Returns the ids of
+        removed providers that still run requests (they drain, then disappear).
+        """
+        for pid, (node, capacity) in providers.items():
+            slot = self.providers.get(pid)
+            if slot is None or slot.removed:
+                connected = slot.connected if slot is not None else False
+                slot = self.providers[pid] = ProviderSlots(pid, node, capacity, connected=connected)
+            slot.node, slot.capacity = node, capacity
+        draining = []
+        for pid, slot in list(self.providers.items()):
+            if pid not in providers:
+                slot.removed = True
+                if slot.in_flight:
+                    draining.append(pid)
+                else:
+                    del self.providers[pid]
+        for alias in list(self.pools):
+            if alias not in pools:
+                gone = self.pools.pop(alias)
+                for p in gone.providers:
+                    p.pools.remove(gone)
+                for waiter in gone.waiters:
+                    if not waiter.future.done():
+                        waiter.future.set_exception(
+                            Unavailable(f"model '{alias}' was removed by a refresh", code="model_removed")
+                        )
+        for alias, members in pools.items():
+            pool = self.pools.get(alias)
+            if pool is None:
+                pool = self.pools[alias] = PoolQueue(alias, [])
+            for p in pool.providers:
+                if pool in p.pools:
+                    p.pools.remove(pool)
+            pool.providers = [self.providers[m] for m in members]
+            for p in pool.providers:
+                p.pools.append(pool)
+        self._pump(list(self.pools.values()))
+        self.changed.set()
+        return draining
 
     def succeeded(self, slot: ProviderSlots) -> None:
         slot.failures = 0

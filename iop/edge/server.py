@@ -9,7 +9,9 @@ import os
 import secrets
 import signal
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from nats.aio.client import Client as NATS
@@ -20,18 +22,29 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Scope
 
-from iop import bus, config
+from iop import bus, config, wire
 from iop.edge.api import ApiEndpoint, check_bearer
-from iop.edge.registry import Registry
+from iop.edge.registry import NodeState, Registry
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
 from iop.edge.status import status_of
-from iop.errors import RequestError, error_body
+from iop.errors import ConfigError, RequestError, error_body
+from iop.refresh import diff, node_section
 
 log = logging.getLogger("iop.edge")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024 - 64 * 1024
 """Default request body limit: what fits one NATS message with the work item around it."""
+
+
+@dataclass
+class RefreshResult:
+    """What a refresh found and did; `error` set means it stopped and undid its broker changes."""
+
+    changes: list[str]
+    applied: list[str] = field(default_factory=list)
+    error: str | None = None
+    rolled_back: bool = False
 
 
 class Edge:
@@ -57,6 +70,8 @@ class Edge:
             self.scheduler.add_pool(alias, members)
         self.relay = Relay(nc, self.js, self.edge_id)
         self.registry = Registry(deployment, self.scheduler, self.edge_id, self.relay.node_lost)
+        self._refresh_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
         keys_env = deployment.edge.api_keys_env
         raw_keys = os.environ.get(keys_env, "") if keys_env else ""
         self.api_keys = [k.strip().encode() for k in raw_keys.split(",") if k.strip()]
@@ -66,8 +81,95 @@ class Edge:
         for pid, ref in self.catalog.providers.items():
             if ref.provider.capacity is not None:
                 await bus.ensure_provider_consumer(self.js, pid, ref.provider.capacity)
+        await self.publish_catalog(self.deployment)
         await self.relay.start()
         await self.registry.start(self.nc)
+
+    async def publish_catalog(self, dep: config.Deployment, removed: list[str] | None = None) -> None:
+        """Each node's section of the deployment, one KV key per node, for nodes run without a file."""
+        kv = await bus.catalog_bucket(self.js)
+        for node in dep.nodes:
+            await kv.put(node.id, node_section(dep, node.id))
+        for node_id in removed or []:
+            with contextlib.suppress(Exception):
+                await kv.delete(node_id)
+
+    async def refresh(self, new: config.Deployment, *, dry_run: bool = False) -> RefreshResult:
+        """Diff the running deployment against `new` and, unless `dry_run`, apply it without a restart.
+
+        Broker changes come first (they can fail; each is undone if a later one does), then the
+        catalog bucket, then the edge's own tables in one synchronous step.
+        """
+        changes = diff(self.deployment, new)
+        result = RefreshResult(changes=[c.line() for c in changes])
+        if dry_run or not changes:
+            return result
+        async with self._refresh_lock:
+            old_cat = self.catalog
+            new_cat = config.Catalog.of(new)
+            undo: list[tuple[str, int | None]] = []
+            try:
+                for pid, ref in new_cat.providers.items():
+                    cap = ref.provider.capacity
+                    before = old_cat.providers.get(pid)
+                    before_cap = before.provider.capacity if before is not None else None
+                    if cap is not None and cap != before_cap:
+                        await bus.ensure_provider_consumer(self.js, pid, cap)
+                        undo.append((pid, before_cap))
+                        result.applied.append(f"consumer {wire.consumer_name(pid)}: max_ack_pending {cap}")
+                removed_nodes = [n.id for n in self.deployment.nodes if n.id not in {m.id for m in new.nodes}]
+                await self.publish_catalog(new, removed_nodes)
+                result.applied.append("catalog bucket: node sections published")
+            except Exception as exc:
+                result.error = f"{type(exc).__name__}: {exc}"
+                for pid, before_cap in reversed(undo):
+                    with contextlib.suppress(Exception):
+                        if before_cap is None:
+                            await self.js.delete_consumer(wire.WORK_STREAM, wire.consumer_name(pid))
+                        else:
+                            await bus.ensure_provider_consumer(self.js, pid, before_cap)
+                result.rolled_back = True
+                log.error("refresh failed, rolled back: %s", result.error)
+                return result
+            # From here on nothing awaits: requests see the old catalog or the new one, never a mix.
+            self.deployment = new
+            self.catalog = new_cat
+            self.queue_timeout_s = new.edge.queue.timeout_s
+            self.scheduler.max_waiting = new.edge.queue.max_waiting
+            draining = self.scheduler.apply(
+                {
+                    pid: (ref.node.id, ref.provider.capacity)
+                    for pid, ref in new_cat.providers.items()
+                    if ref.provider.capacity is not None
+                },
+                new_cat.pools,
+            )
+            _apply_nodes(self.registry, new)
+            result.applied.append("edge: pools, providers and routes switched")
+            gone = [pid for pid in old_cat.providers if pid not in new_cat.providers]
+            for pid in gone:
+                if old_cat.providers[pid].provider.capacity is not None:
+                    self._spawn(self._retire_consumer(pid))
+            if draining:
+                result.applied.append(f"draining: {', '.join(draining)}")
+            log.info("refresh applied: %d changes", len(changes))
+            return result
+
+    async def _retire_consumer(self, provider: str) -> None:
+        # A removed provider finishes what it runs; its consumer goes once nothing is in flight.
+        changed = self.scheduler.changed
+        while (slot := self.scheduler.providers.get(provider)) is not None and slot.removed:
+            changed.clear()
+            await changed.wait()
+        if provider in self.catalog.providers:
+            return  # re-added meanwhile
+        with contextlib.suppress(Exception):
+            await self.js.delete_consumer(wire.WORK_STREAM, wire.consumer_name(provider))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def authorize(self, scope: Scope) -> None:
         if self.api_keys:
@@ -90,6 +192,18 @@ def build_app(edge: Edge) -> Starlette:
         edge.authorize(request.scope)
         return JSONResponse(status_of(edge))
 
+    async def refresh(request: Request) -> Response:
+        edge.authorize(request.scope)
+        text = (await request.body()).decode("utf-8", errors="replace")
+        try:
+            new = config.parse(text, "refresh").deployment
+        except ConfigError as exc:
+            err = {"message": "the deployment file is invalid", "type": "invalid_request_error",
+                   "param": None, "code": "invalid_config", "problems": exc.problems}
+            return JSONResponse({"error": err}, 400)
+        result = await edge.refresh(new, dry_run=request.query_params.get("dry_run") in ("1", "true"))
+        return JSONResponse(asdict(result), 500 if result.error else 200)
+
     async def healthz(request: Request) -> Response:
         return JSONResponse({"ok": True, "nats": edge.nc.is_connected})
 
@@ -111,6 +225,7 @@ def build_app(edge: Edge) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/status", status, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/admin/refresh", refresh, methods=["POST"]),
     ]
     return Starlette(
         routes=routes,
@@ -157,6 +272,9 @@ async def run_edge(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if loaded.path is not None:
+            path = loaded.path
+            loop.add_signal_handler(signal.SIGHUP, lambda: edge._spawn(_reload(edge, path)))
         serve = asyncio.create_task(server.serve(sockets=None))
         while not server.started:
             if serve.done():
@@ -179,6 +297,31 @@ async def run_edge(
     finally:
         if embedded is not None:
             await embedded.stop()
+
+
+def _apply_nodes(registry: Registry, new: config.Deployment) -> None:
+    """The registry follows the new node list: new nodes appear disconnected, removed ones go."""
+    wanted = {n.id: n for n in new.nodes}
+    for node_id in list(registry.nodes):
+        if node_id not in wanted:
+            del registry.nodes[node_id]
+    for node_id, node in wanted.items():
+        st = registry.nodes.get(node_id)
+        if st is None:
+            registry.nodes[node_id] = NodeState(cfg=node)
+        else:
+            st.cfg = node
+
+
+async def _reload(edge: Edge, path: Path) -> None:
+    """SIGHUP: read the deployment file again and apply what changed."""
+    try:
+        new = config.load(path).deployment
+    except ConfigError as exc:
+        log.error("SIGHUP: %s is invalid, nothing applied: %s", path, "; ".join(exc.problems))
+        return
+    result = await edge.refresh(new)
+    log.info("SIGHUP: %s", "; ".join(result.changes) or "no changes")
 
 
 def _bound_address(server: uvicorn.Server) -> str:

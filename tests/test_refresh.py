@@ -1,0 +1,161 @@
+"""`iop refresh`: change a running deployment without a restart, dropping nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from iop import wire
+from iop.bus import EmbeddedNats
+from iop.refresh import diff
+from tests.fakes import fake_upstream
+from tests.harness import deployment, deployment_running, running_node, until
+
+
+def pool_yaml(url_a: str, url_b: str, cap_a: int, cap_b: int | None, extra_node: str = "") -> str:
+    members = "[prov-a, prov-b]" if cap_b is not None else "[prov-a]"
+    node_b = (
+        f"""
+  - id: node-b
+    adapters: [{{id: up, type: openai, base_url: "{url_b}", api: both}}]
+    providers: [{{id: prov-b, adapter: up, capacity: {cap_b}}}]
+"""
+        if cap_b is not None
+        else ""
+    )
+    return f"""
+models:
+  - alias: m
+    pool: {members}
+nodes:
+  - id: node-a
+    adapters: [{{id: up, type: openai, base_url: "{url_a}", api: both}}]
+    providers: [{{id: prov-a, adapter: up, capacity: {cap_a}}}]
+{node_b}{extra_node}"""
+
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+
+def test_diff_names_every_kind_of_change() -> None:
+    old = deployment(pool_yaml("http://a/v1", "http://b/v1", 2, 4))
+    new = deployment(pool_yaml("http://a2/v1", "http://b/v1", 3, None))
+    lines = [c.line() for c in diff(old, new)]
+    assert "node_removed node-b" in lines
+    assert "provider_removed node-b/prov-b" in lines
+    assert "capacity node-a/prov-a: 2 → 3" in lines
+    assert "pool_members m: prov-a, prov-b → prov-a" in lines
+    assert any(line.startswith("adapter_changed node-a/up:") for line in lines)
+    assert diff(old, old) == []
+
+
+async def test_dry_run_and_invalid_files_change_nothing(nats_server: EmbeddedNats) -> None:
+    async with fake_upstream() as a, fake_upstream() as b:
+        text = pool_yaml(a.url, b.url, 2, 4)
+        async with deployment_running(deployment(text), nats_server.url) as h, h.http() as http:
+            before = (await http.get("/status")).json()
+            r = await http.post("/admin/refresh?dry_run=1", content=pool_yaml(a.url, b.url, 1, 4))
+            assert r.status_code == 200
+            assert r.json()["changes"] == ["capacity node-a/prov-a: 2 → 1"] and r.json()["applied"] == []
+            bad = await http.post("/admin/refresh", content=text.replace("capacity: 2", "capacity: zero"))
+            assert bad.status_code == 400
+            assert any("capacity" in p for p in bad.json()["error"]["problems"])
+            after = (await http.get("/status")).json()
+            assert before["pools"] == after["pools"]
+            info = await h.edge.js.consumer_info(wire.WORK_STREAM, wire.consumer_name("prov-a"))
+            assert info.config.max_ack_pending == 2
+            same = await http.post("/admin/refresh", content=text)
+            assert same.json()["changes"] == []
+
+
+async def test_lowering_capacity_under_load_takes_effect_at_the_upstream(nats_server: EmbeddedNats) -> None:
+    gate = asyncio.Event()
+    async with fake_upstream(gate=gate) as a:
+        text = pool_yaml(a.url, "", 3, None)
+        async with deployment_running(deployment(text), nats_server.url) as h, h.http() as http:
+            running = [asyncio.create_task(http.post("/v1/chat/completions", json=BODY)) for _ in range(3)]
+            await a.wait_for(lambda u: u.in_flight == 3)
+            r = await http.post("/admin/refresh", content=pool_yaml(a.url, "", 1, None))
+            assert r.json()["changes"] == ["capacity node-a/prov-a: 3 → 1"] and r.json()["error"] is None
+            info = await h.edge.js.consumer_info(wire.WORK_STREAM, wire.consumer_name("prov-a"))
+            assert info.config.max_ack_pending == 1
+            more = [asyncio.create_task(http.post("/v1/chat/completions", json=BODY)) for _ in range(4)]
+            await until(lambda: len(h.edge.scheduler.pools["m"].waiters) == 4, h.edge.scheduler.changed)
+            gate.set()
+            assert all(x.status_code == 200 for x in await asyncio.gather(*running))  # in flight: not dropped
+            a.peak = a.in_flight
+            assert all(x.status_code == 200 for x in await asyncio.gather(*more))
+            assert a.peak == 1  # the new cap, seen where it happens
+
+
+async def test_removing_a_provider_drains_it(nats_server: EmbeddedNats) -> None:
+    gate = asyncio.Event()
+    async with fake_upstream(gate=gate) as a, fake_upstream() as b:
+        async with deployment_running(deployment(pool_yaml(a.url, b.url, 1, 1)), nats_server.url) as h:
+            async with h.http() as http:
+                # Fill prov-a (the gate holds it), then take it out of the pool while it runs.
+                first = [asyncio.create_task(http.post("/v1/chat/completions", json=BODY)) for _ in range(2)]
+                await a.wait_for(lambda u: u.in_flight == 1)
+                new = pool_yaml(a.url, b.url, 1, 1).replace("pool: [prov-a, prov-b]", "pool: [prov-b]")
+                r = await http.post("/admin/refresh", content=new)
+                assert r.json()["changes"] == ["pool_members m: prov-a, prov-b → prov-b"]
+                for _ in range(4):
+                    resp = await http.post("/v1/chat/completions", json=BODY)
+                    assert resp.status_code == 200 and resp.headers["x-iop-provider"] == "prov-b"
+                gate.set()
+                assert [x.status_code for x in await asyncio.gather(*first)] == [200, 200]
+                assert a.total == 1
+
+
+async def test_adding_a_node_brings_its_provider_into_the_pool(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    async with fake_upstream() as a, fake_upstream() as c:
+        old = pool_yaml(a.url, "", 1, None)
+        node_c = f"""
+  - id: node-c
+    adapters: [{{id: up, type: openai, base_url: "{c.url}", api: both}}]
+    providers: [{{id: prov-c, adapter: up, capacity: 2}}]
+"""
+        new = pool_yaml(a.url, "", 1, None, extra_node=node_c).replace("pool: [prov-a]", "pool: [prov-a, prov-c]")
+        async with deployment_running(deployment(old), nats_server.url) as h, h.http() as http:
+            r = await http.post("/admin/refresh", content=new)
+            assert "node_added node-c" in r.json()["changes"]
+            async with running_node(deployment(new), "node-c", nats_server.url):
+                await h.edge.registry.wait_connected(["node-c"], timeout_s=10)
+                await until(lambda: h.edge.scheduler.providers["prov-c"].connected, h.edge.registry.changed)
+                results = await asyncio.gather(*(http.post("/v1/chat/completions", json=BODY) for _ in range(9)))
+                assert all(x.status_code == 200 for x in results)
+                assert {x.headers["x-iop-provider"] for x in results} == {"prov-a", "prov-c"}
+                st = (await http.get("/status")).json()
+                assert st["pools"][0]["total_capacity"] == 3
+                assert [n["id"] for n in st["nodes"]] == ["node-a", "node-c"]
+
+
+async def test_refresh_command_line(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    async with fake_upstream() as a:
+        text = pool_yaml(a.url, "", 2, None)
+        async with deployment_running(deployment(text), nats_server.url) as h:
+            f = tmp_path / "new.yaml"
+            f.write_text(pool_yaml(a.url, "", 3, None))
+
+            async def iop(*args: str) -> tuple[int, str, str]:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "iop", "refresh", "--config", str(f), "--edge", h.url, *args,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                )
+                out, err = await proc.communicate()
+                assert proc.returncode is not None
+                return proc.returncode, out.decode(), err.decode()
+
+            code, out, _ = await iop("--dry-run")
+            assert (code, out.strip()) == (0, "capacity node-a/prov-a: 2 → 3")
+            assert h.edge.scheduler.providers["prov-a"].capacity == 2
+            code, out, _ = await iop()
+            assert code == 0 and "applied." in out
+            assert h.edge.scheduler.providers["prov-a"].capacity == 3
+            code, out, _ = await iop()
+            assert (code, out.strip()) == (0, "no changes")
+            f.write_text(text.replace("capacity: 2", "capacity: -1"))
+            code, _, err = await iop()
+            assert code == 2 and "nodes[0].providers[0].capacity" in err
+            assert h.edge.scheduler.providers["prov-a"].capacity == 3
