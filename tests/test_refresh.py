@@ -92,20 +92,20 @@ async def test_lowering_capacity_under_load_takes_effect_at_the_upstream(nats_se
 async def test_removing_a_provider_drains_it(nats_server: EmbeddedNats) -> None:
     gate = asyncio.Event()
     async with fake_upstream(gate=gate) as a, fake_upstream() as b:
-        async with deployment_running(deployment(pool_yaml(a.url, b.url, 1, 1)), nats_server.url) as h:
-            async with h.http() as http:
-                # Fill prov-a (the gate holds it), then take it out of the pool while it runs.
-                first = [asyncio.create_task(http.post("/v1/chat/completions", json=BODY)) for _ in range(2)]
-                await a.wait_for(lambda u: u.in_flight == 1)
-                new = pool_yaml(a.url, b.url, 1, 1).replace("pool: [prov-a, prov-b]", "pool: [prov-b]")
-                r = await http.post("/admin/refresh", content=new)
-                assert r.json()["changes"] == ["pool_members m: prov-a, prov-b → prov-b"]
-                for _ in range(4):
-                    resp = await http.post("/v1/chat/completions", json=BODY)
-                    assert resp.status_code == 200 and resp.headers["x-iop-provider"] == "prov-b"
-                gate.set()
-                assert [x.status_code for x in await asyncio.gather(*first)] == [200, 200]
-                assert a.total == 1
+        dep = deployment(pool_yaml(a.url, b.url, 1, 1))
+        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+            # Fill prov-a (the gate holds it), then take it out of the pool while it runs.
+            first = [asyncio.create_task(http.post("/v1/chat/completions", json=BODY)) for _ in range(2)]
+            await a.wait_for(lambda u: u.in_flight == 1)
+            new = pool_yaml(a.url, b.url, 1, 1).replace("pool: [prov-a, prov-b]", "pool: [prov-b]")
+            r = await http.post("/admin/refresh", content=new)
+            assert r.json()["changes"] == ["pool_members m: prov-a, prov-b → prov-b"]
+            for _ in range(4):
+                resp = await http.post("/v1/chat/completions", json=BODY)
+                assert resp.status_code == 200 and resp.headers["x-iop-provider"] == "prov-b"
+            gate.set()
+            assert [x.status_code for x in await asyncio.gather(*first)] == [200, 200]
+            assert a.total == 1
 
 
 async def test_adding_a_node_brings_its_provider_into_the_pool(nats_server: EmbeddedNats, tmp_path: Path) -> None:
