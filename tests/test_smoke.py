@@ -185,14 +185,16 @@ async def test_smoke_edge_mode_checks_a_running_deployment(nats_server: Any, tmp
 
 def test_smoke_names_a_node_that_never_connects(tmp_path: Path) -> None:
     tmp = _tmpdir(tmp_path)
-    done = _smoke(["--skip-node", "gpu-b-node", "--ready-timeout", "2"], tmp, tmp_path)
+    done = _smoke(["--skip-node", "gpu-b-node", "--ready-timeout", "3"], tmp, tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     out = done.stdout
     assert out.startswith("iop smoke: FAIL (1 checks failed)")
     ready = next(line for line in out.splitlines() if line.startswith("  FAIL  ready: "))
-    assert "not ready after 2s" in ready
+    assert "not ready after 3s" in ready
     assert "node gpu-b-node is not connected (not started: --skip-node)" in ready
-    assert "missing gpu-b-vllm on gpu-b-node" in ready and "of 10" in ready
+    # On a loaded machine another node may also still be connecting: only gpu-b's absence is certain.
+    assert re.search(r"pool qwen-coder: [0-2] of 3 candidates connected \(missing [^)]*gpu-b-vllm on gpu-b-node", ready)
+    assert re.search(r"capacity [0-6] of 10", ready)
     assert out.rstrip().endswith("failed checks: ready")
     assert "burst" not in done.stderr
     _assert_nothing_left(tmp, [])
