@@ -77,6 +77,10 @@ def status_of(edge: Edge) -> dict[str, Any]:
                 "connected_candidates": sum(1 for ms in members_slots if ms.connected),
                 "total_capacity": sum(ms.capacity for ms in members_slots),
                 "connected_capacity": sum(ms.capacity for ms in members_slots if ms.connected),
+                # What can take work now: connected and not out of rotation (breaker open).
+                "usable_capacity": sum(
+                    ms.capacity for ms in members_slots if ms.connected and ms.breaker(mono) != "open"
+                ),
                 "in_flight": sum(lv.in_flight for lv in members_live),
                 "dispatched_in_flight": sum(ms.in_flight for ms in members_slots),
                 "waiting": edge.scheduler.waiting(alias),
