@@ -1,0 +1,321 @@
+"""The tables a run prints, and every target of issue #7 judged PASS or MISS with its gap."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+LITELLM = {
+    "added_p50_c1_ms": 12.8,
+    "added_p99_c1_ms": 19.0,
+    "added_p50_c32_ms": 318.0,
+    "rps_c1": 74.0,
+    "rps_c32": 93.0,
+    "cpu_s_per_1k": 13.0,
+}
+"""The shared yardstick's figures for LiteLLM proxy (one worker) on this machine, from the issue."""
+
+
+@dataclass
+class Target:
+    name: str
+    goal: str
+    value: float | None
+    unit: str
+    passed: bool | None
+    gap: str
+
+    def row(self) -> list[str]:
+        shown = "n/a" if self.value is None else f"{self.value:g} {self.unit}".strip()
+        verdict = "n/a" if self.passed is None else ("PASS" if self.passed else "MISS")
+        return [self.name, self.goal, shown, verdict, self.gap]
+
+
+def at_most(name: str, value: float | None, limit: float, unit: str) -> Target:
+    if value is None:
+        return Target(name, f"<= {limit:g} {unit}", None, unit, None, "not measured")
+    ok = value <= limit
+    gap = "" if ok else f"{value - limit:+.3g} {unit} over ({value / limit:.1f}x the goal)"
+    return Target(name, f"<= {limit:g} {unit}", round(value, 3), unit, ok, gap)
+
+
+def at_least(name: str, value: float | None, floor: float, unit: str) -> Target:
+    if value is None:
+        return Target(name, f">= {floor:g} {unit}", None, unit, None, "not measured")
+    ok = value >= floor
+    gap = "" if ok else f"{floor - value:.3g} {unit} short ({100 * value / floor:.0f}% of the goal)"
+    return Target(name, f">= {floor:g} {unit}", round(value, 4), unit, ok, gap)
+
+
+def _cell(ab: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((c for c in ab.get("cells", []) if c["cell"] == name), None)
+
+
+def _med(d: dict[str, Any] | None, *path: str) -> float | None:
+    v: Any = d
+    for k in path:
+        v = v.get(k) if isinstance(v, dict) else None
+    return v.get("median") if isinstance(v, dict) else None
+
+
+def targets(result: dict[str, Any]) -> list[Target]:
+    sc = result.get("scenarios", {})
+    ab = sc.get("ab", {})
+    out: list[Target] = []
+    for api in ("chat", "responses"):
+        c1 = _cell(ab, f"{api}/nonstream/c1")
+        if c1:
+            out.append(at_most(f"added p50, c=1, {api}", _med(c1, "added_p50_ms"), 1.5, "ms"))
+            out.append(at_most(f"added p99, c=1, {api}", _med(c1, "added_p99_ms"), 5.0, "ms"))
+    for api in ("chat", "responses"):
+        s1 = _cell(ab, f"{api}/stream/c1")
+        if s1:
+            out.append(at_most(f"added first byte p50, c=1 stream, {api}", _med(s1, "added_ttfb_p50_ms"), 2.0, "ms"))
+    for api in ("chat", "responses"):
+        c32 = _cell(ab, f"{api}/nonstream/c32")
+        if c32:
+            out.append(at_least(f"req/s at c=32, {api}", _med(c32, "iop_rps"), 1000, "req/s"))
+    c32 = _cell(ab, "chat/nonstream/c32") or _cell(ab, "responses/nonstream/c32")
+    if c32:
+        out.append(at_most("CPU-s per 1k req, edge+node", _med(c32, "cpu_s_per_1k", "edge+node"), 1.5, "s"))
+    for c in ab.get("cells", []):
+        if c["kind"] == "relay":
+            out.append(at_least(f"chunks/s, {c['cell']}", _med(c, "iop_events_per_s"), 20_000, "chunks/s"))
+    cap = sc.get("capacity")
+    if cap:
+        over = cap["over_cap_events"]
+        out.append(Target("over-cap events", "0", over, "", over == 0, "" if over == 0 else f"{over} over"))
+        u = cap.get("utilisation")
+        out.append(at_least("slot utilisation while work waits", None if u is None else round(100 * u, 2), 98.0, "%"))
+    levels = (sc.get("scale") or {}).get("levels") or []
+    if len(levels) >= 2:
+        lo, hi = levels[0], levels[-1]
+        span = f"{lo['providers']}->{hi['providers']} providers"
+        d_lo, d_hi = _med(lo, "dispatch_p50_ms"), _med(hi, "dispatch_p50_ms")
+        if d_lo and d_hi:
+            out.append(at_most(f"dispatch p50 growth, {span}", round(d_hi / d_lo, 2), 2.0, "x"))
+        if lo["status_ms_p50"] and hi["status_ms_p50"]:
+            out.append(
+                at_most(f"/status time growth, {span}", round(hi["status_ms_p50"] / lo["status_ms_p50"], 2), 2.0, "x")
+            )
+        s_lo, s_hi = lo["status_us_per_provider"], hi["status_us_per_provider"]
+        if s_lo and s_hi:
+            out.append(at_most(f"/status time per provider growth, {span}", round(s_hi / s_lo, 2), 2.0, "x"))
+    return out
+
+
+# --- tables -----------------------------------------------------------------------------------------
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table (it also reads well in a terminal)."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in rows)])
+
+
+def fmt(s: dict[str, Any] | None, digits: int = 2) -> str:
+    """median [min..max] of a spread()."""
+    if not s:
+        return "n/a"
+    if s.get("n", 1) <= 1:
+        return f"{s['median']:.{digits}f}"
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}..{s['max']:.{digits}f}]"
+
+
+def _num(v: float | None, digits: int = 2) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}"
+
+
+def render(result: dict[str, Any]) -> str:
+    sc = result.get("scenarios", {})
+    meta = result.get("meta", {})
+    parts: list[str] = []
+    m = meta.get("machine", {})
+    g = meta.get("git", {})
+    dirty = f" + uncommitted changes in {len(g.get('iop_dirty', []))} iop files" if g.get("iop_dirty") else ""
+    parts.append(
+        f"iop benchmarks, {meta.get('started', '?')}: {m.get('nproc')} x {m.get('cpu_model')},"
+        f" Python {m.get('python')};"
+        f" iop at {g.get('commit')}{dirty}; storage {meta.get('options', {}).get('storage')},"
+        f" loop {meta.get('options', {}).get('loop')};"
+        f" load average {meta.get('loadavg_start')} -> {meta.get('loadavg_end')}"
+    )
+    ab = sc.get("ab") or {}
+    lat = [c for c in ab.get("cells", []) if c["kind"] == "latency"]
+    if lat:
+        rows = []
+        for c in lat:
+            rows.append(
+                [
+                    c["cell"],
+                    fmt(c["direct_p50_ms"], 3),
+                    fmt(c["iop_p50_ms"]),
+                    fmt(c["added_p50_ms"]),
+                    fmt(c["added_p99_ms"]),
+                    fmt(c.get("added_ttfb_p50_ms")) if c["stream"] else "",
+                    fmt(c["direct_rps"], 0),
+                    fmt(c["iop_rps"], 0),
+                    fmt(c["cpu_s_per_1k"]["edge+node"]),
+                    fmt(c["other_cores_iop_arm"]),
+                ]
+            )
+        parts.append(
+            "Added latency and throughput (ms; median over rounds [min..max]; added = iop - direct, paired per round)\n"
+            + table(
+                [
+                    "cell",
+                    "direct p50",
+                    "iop p50",
+                    "added p50",
+                    "added p99",
+                    "added TTFB p50",
+                    "direct req/s",
+                    "iop req/s",
+                    "edge+node CPU-s/1k",
+                    "foreign cores",
+                ],
+                rows,
+            )
+        )
+    relay = [c for c in ab.get("cells", []) if c["kind"] == "relay"]
+    if relay:
+        rows = [
+            [
+                c["cell"],
+                fmt(c["direct_events_per_s"], 0),
+                fmt(c["iop_events_per_s"], 0),
+                fmt(c["events_per_answer"], 0),
+                fmt(c["iop_reads_per_answer"], 0),
+                fmt(c["added_ttfb_p50_ms"]),
+                fmt(c["cpu_s_per_1k"]["edge+node"], 1),
+            ]
+            for c in relay
+        ]
+        parts.append(
+            "Streaming relay (SSE events/s received by the client)\n"
+            + table(
+                [
+                    "cell",
+                    "direct events/s",
+                    "iop events/s",
+                    "events/answer",
+                    "client reads/answer (iop)",
+                    "added TTFB p50 ms",
+                    "edge+node CPU-s per 1k answers",
+                ],
+                rows,
+            )
+        )
+    cap = sc.get("capacity")
+    if cap:
+        q = cap.get("queue_wait_ms") or {}
+        rows = [
+            ["requests (completed / errors)", f"{cap['completed']} / {sum(cap['errors'].values())}"],
+            ["upstream latency, streams", f"{cap['latency']} ms (seed {cap['seed']}), {cap['streams']}"],
+            ["client connections", str(cap["concurrency"])],
+            ["over-cap events", str(cap["over_cap_events"])],
+            [
+                "peak in flight per provider",
+                ", ".join(f"{p['peak_in_flight']}/{p['capacity']}" for p in cap["providers"]),
+            ],
+            ["served per provider", ", ".join(str(p["served"]) for p in cap["providers"])],
+            ["slot utilisation while work waits", _pct(cap.get("utilisation"))],
+            ["per provider", ", ".join(_pct(p["utilisation"]) for p in cap["providers"])],
+            ["time all slots busy at once", _pct(cap.get("all_busy_fraction"))],
+            ["idle slot time per handover (mean)", f"{_num(cap.get('idle_gap_ms'))} ms"],
+            [
+                "handover gap p50 / p90 / p99",
+                " / ".join(_num((cap.get("handover_gap_ms") or {}).get(k)) for k in ("p50", "p90", "p99")) + " ms",
+            ],
+            ["queue wait p50 / p99 (x-iop-queue-ms)", f"{_num(q.get('p50'), 1)} / {_num(q.get('p99'), 1)} ms"],
+            ["throughput", f"{cap['rps']:.1f} req/s over {cap['window_s']} s of waiting work"],
+        ]
+        parts.append("Capacity fidelity: one pool, capacities 2, 4, 4\n" + table(["figure", "value"], rows))
+    scale = sc.get("scale")
+    if scale and scale.get("levels"):
+        rows = [
+            [
+                str(lv["providers"]),
+                f"{lv['nodes_connected']}/{lv['nodes']}",
+                fmt(lv["dispatch_p50_ms"]),
+                fmt(lv["dispatch_p99_ms"]),
+                fmt(lv.get("one_node_p50_ms")),
+                _num(lv["status_ms_p50"]),
+                str(lv["status_bytes"]),
+                _num(lv["status_us_per_provider"], 1),
+                " / ".join(_num(v) for v in (lv.get("idle_cores") or {}).values()),
+            ]
+            for lv in scale["levels"]
+        ]
+        parts.append(
+            "Scale (simulated nodes, 3 mock providers each; c=1 through the edge)\n"
+            + table(
+                [
+                    "providers",
+                    "nodes connected",
+                    "dispatch p50 ms (all)",
+                    "dispatch p99 ms (all)",
+                    "p50 ms, one node's pool",
+                    "/status ms",
+                    "/status bytes",
+                    "/status us per provider",
+                    "idle cores edge / sim / nats",
+                ],
+                rows,
+            )
+        )
+    mem = sc.get("memory")
+    if mem:
+        parts.append(
+            "Edge memory per waiting request\n"
+            + table(
+                [
+                    "waiting",
+                    "edge RSS idle MB",
+                    "with them MB",
+                    "after release MB",
+                    "bytes per waiting request",
+                    "/status ms while full",
+                ],
+                [
+                    [
+                        str(mem["waiting"]),
+                        _num(mem["edge_rss_idle_mb"], 1),
+                        _num(mem["edge_rss_full_mb"], 1),
+                        _num(mem["edge_rss_after_release_mb"], 1),
+                        str(mem["bytes_per_waiting"]),
+                        _num(mem["status_ms_while_full"], 1),
+                    ]
+                ],
+            )
+        )
+    st = sc.get("startup")
+    if st:
+        parts.append(
+            f"Start-up to the first served request (edge + node + mock; archive {st['archive_mb']} MB)\n"
+            + table(
+                ["start", "seconds"],
+                [
+                    ["archive, first start (empty IOP_CACHE_DIR)", fmt(st["first_start_s"])],
+                    ["archive, warm start", fmt(st["warm_start_s"])],
+                    ["source tree (python -m iop)", fmt(st["source_start_s"])],
+                ],
+            )
+        )
+    ts = [Target(**t) for t in result.get("targets", [])]
+    if ts:
+        parts.append("Targets\n" + table(["target", "goal", "measured", "verdict", "gap"], [t.row() for t in ts]))
+    return "\n\n".join(parts)
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{100 * v:.2f} %"
+
+
+def judge(result: dict[str, Any]) -> None:
+    """Add the targets to the result (JSON-ready)."""
+    result["targets"] = [asdict(t) for t in targets(result)]

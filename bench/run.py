@@ -1,0 +1,163 @@
+"""iop's benchmarks, one command: python bench/run.py [--quick] [--rounds N] [--only ...] [--out FILE]
+
+Starts the bench upstream, the edge and the nodes as processes of its own (from this source tree
+with `python -m iop`, or from an archive with --archive), runs the scenarios of issue #7 — each
+one DIRECT vs VIA IOP where that comparison exists, alternating the order every round — prints a
+table with medians [min..max] and every target with PASS/MISS and its gap, and writes the JSON.
+
+    latency     added p50/p99 latency and TTFB, chat + responses, stream or not, c=1 and c=32
+    throughput  req/s at c=32 and CPU seconds per 1,000 requests in edge and node
+    relay       SSE events/s through one edge: one long stream, and 64 streams
+    capacity    10,000 requests on a pool of capacities 2, 4, 4: over-cap, utilisation, queue wait
+    scale       dispatch and /status at 3, 30, 300 providers; edge memory per waiting request
+    startup     the archive's first and warm start to a served request
+
+Everything listens on 127.0.0.1; every load is bounded in count and time; only processes started
+here are ended, by PID, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from abtest import AbOptions, run_ab
+from capacity import CapacityOptions, run_capacity
+from procs import REPO, Owned, git_state, install_signal_handlers, loadavg, log, machine
+from report import judge, render
+from scale import ScaleOptions, run_memory, run_scale
+from startup import StartupOptions, run_startup
+
+SCENARIOS = ("latency", "throughput", "relay", "capacity", "scale", "startup")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, short runs, small counts (< 2 min)")
+    ap.add_argument("--rounds", type=int, default=None, help="alternating DIRECT/IOP rounds (default 5, quick 1)")
+    ap.add_argument("--seconds", type=float, default=None, help="time bound of one measured run (default 3, quick 0.8)")
+    ap.add_argument("--only", default=",".join(SCENARIOS), help="comma-separated: " + ",".join(SCENARIOS))
+    ap.add_argument("--storage", choices=["file", "memory"], default="file", help="where JetStream keeps work")
+    ap.add_argument("--archive", type=Path, default=None, help="run iop from this .pyz instead of the source tree")
+    ap.add_argument(
+        "--loop", choices=["asyncio", "uvloop"], default="asyncio", help="event loop of edge and nodes (IOP_LOOP)"
+    )
+    ap.add_argument("--procs", type=int, default=1, help="load generator processes")
+    ap.add_argument("--cap-requests", type=int, default=None, help="capacity: requests (default 10,000, quick 1,000)")
+    ap.add_argument("--cap-latency", default="uniform:20:100", help="capacity: upstream latency (ms) spec")
+    ap.add_argument(
+        "--cap-streams", choices=["half", "none"], default="half", help="capacity: every other request streams"
+    )
+    ap.add_argument(
+        "--waiting", type=int, default=None, help="memory: requests held waiting (default 10,000, quick 1,000)"
+    )
+    ap.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/<date>.json)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs)")
+    a = ap.parse_args(argv)
+    only = {x.strip() for x in a.only.split(",") if x.strip()}
+    if unknown := only - set(SCENARIOS):
+        ap.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+    rounds = a.rounds or (1 if a.quick else 5)
+    seconds = a.seconds or (0.8 if a.quick else 3.0)
+    out = a.out or REPO / "bench" / "results" / f"{time.strftime('%Y-%m-%d-%H%M%S')}.json"
+    workdir = Path(tempfile.mkdtemp(prefix="iop-bench-"))
+    os.environ["IOP_LOOP"] = a.loop  # inherited by every iop process (and simnodes) started here
+    install_signal_handlers()
+    owned = Owned(workdir)
+    result: dict[str, Any] = {
+        "meta": {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": machine(),
+            "git": git_state(),
+            "loadavg_start": loadavg(),
+            "options": {
+                "quick": a.quick,
+                "rounds": rounds,
+                "seconds": seconds,
+                "only": sorted(only),
+                "storage": a.storage,
+                "loop": a.loop,
+                "archive": str(a.archive) if a.archive else None,
+                "procs": a.procs,
+            },
+            "workdir": str(workdir),
+        },
+        "scenarios": {},
+    }
+    t0 = time.monotonic()
+    scenarios = result["scenarios"]
+    failures: dict[str, str] = result["meta"].setdefault("failures", {})
+
+    def attempt(name: str, fn: Callable[[], Any]) -> None:
+        # One scenario failing (a process died, a timeout) must not cost the others' figures.
+        log(f"== {name}")
+        try:
+            scenarios[name] = fn()
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            failures[name] = f"{type(exc).__name__}: {exc}"
+            log(f"{name} failed: {failures[name]}")
+            owned.stop_all()
+
+    try:
+        if only & {"latency", "throughput", "relay"}:
+            ab = AbOptions(rounds=rounds, seconds=seconds, procs=a.procs, storage=a.storage, archive=a.archive)
+            if a.quick:
+                ab.relay_one_tokens, ab.relay_many_tokens = 5_000, 300
+            attempt("ab", lambda: run_ab(owned, workdir, ab, only))
+        if "capacity" in only:
+            cap = CapacityOptions(
+                requests=a.cap_requests or (1_000 if a.quick else 10_000),
+                latency=a.cap_latency,
+                stream_share=a.cap_streams,
+                storage=a.storage,
+                archive=a.archive,
+            )
+            attempt("capacity", lambda: run_capacity(owned, workdir, cap))
+        if "scale" in only:
+            sc = ScaleOptions(
+                seconds=seconds,
+                rounds=1 if a.quick else 3,
+                status_gets=10 if a.quick else 40,
+                waiting=a.waiting or (1_000 if a.quick else 10_000),
+                storage=a.storage,
+                archive=a.archive,
+            )
+            attempt("scale", lambda: run_scale(owned, workdir, sc))
+            attempt("memory", lambda: run_memory(owned, workdir, sc))
+        if "startup" in only:
+            st = StartupOptions(rounds=1 if a.quick else 3, archive=a.archive)
+            attempt("startup", lambda: run_startup(owned, workdir, st))
+    except KeyboardInterrupt:
+        log("interrupted: stopping our processes")
+        result["meta"]["interrupted"] = True
+    finally:
+        owned.stop_all()
+        result["meta"]["loadavg_end"] = loadavg()
+        result["meta"]["duration_s"] = round(time.monotonic() - t0, 1)
+        judge(result)
+        result["table"] = render(result)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        if not a.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(result["table"])
+    print(f"\nJSON: {out}  ({result['meta']['duration_s']} s)")
+    for name, why in failures.items():
+        print(f"FAILED {name}: {why.splitlines()[0]}")
+    return 1 if failures or result["meta"].get("interrupted") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
