@@ -21,6 +21,8 @@ _decode = msgspec.json.Decoder().decode
 _BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER")
 _READ_SIZE = 64 * 1024
 _STDERR_TAIL = 2000
+_REAP_TIMEOUT_S = 5.0
+"""How long a killed command's pipes may take to close (a child that left its process group keeps them)."""
 
 
 class CliAdapter:
@@ -56,12 +58,13 @@ class CliAdapter:
                 f"command timed out after {self.cfg.timeout_s:g}s and was killed", code="cli_timeout"
             ) from exc
         finally:
-            # Covers timeout, cancellation (client gone) and errors alike: no orphans survive a request.
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(proc.wait())
+            # Covers timeout, cancellation (client gone) and errors alike: no orphans survive a
+            # request. The whole group, even when the command itself has exited: a child it left
+            # behind (holding stdout open, or just lingering) is part of the request too.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.shield(asyncio.wait_for(_reap(proc), _REAP_TIMEOUT_S))
 
     async def _talk(
         self, proc: asyncio.subprocess.Process, prompt: str, stream: bool, writer: Any, send: Send
@@ -93,16 +96,30 @@ class CliAdapter:
         finally:
             for t in (stderr_task, feed):
                 t.cancel()
+            # Let them unwind before anyone else reads those pipes (a stream allows one reader).
+            await asyncio.gather(stderr_task, feed, return_exceptions=True)
         if rc != 0:
             tail = err.decode(errors="replace").strip()
             detail = f": {tail}" if tail else ""
-            raise UpstreamError(f"command exited with status {rc}{detail}", code="cli_failed")
+            how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+            raise UpstreamError(f"command {how}{detail}", code="cli_failed")
         usage = Usage(input_tokens=max(1, len(prompt) // 4), output_tokens=max(0, out_chars // 4))
         await send(writer.finish(usage))
         return wire.Usage(usage.input_tokens, usage.output_tokens)
 
     async def close(self) -> None:
         return None
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    """Wait for a killed process. asyncio's wait() also waits for its pipes to close, and a pipe
+    whose reader paused (the answer was held back by a slow client) sees its end only if read."""
+
+    async def discard(stream: asyncio.StreamReader | None) -> None:
+        while stream is not None and await stream.read(_READ_SIZE):
+            pass
+
+    await asyncio.gather(proc.wait(), discard(proc.stdout), discard(proc.stderr))
 
 
 async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
