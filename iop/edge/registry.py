@@ -132,10 +132,17 @@ class Registry:
         self.changed.set()
 
     async def _watch(self) -> None:
+        reconnects = 0
         while True:
             await asyncio.sleep(wire.HEARTBEAT_INTERVAL_S / 4)
-            if self._nc is not None and not self._nc.is_connected:
-                continue
+            if self._nc is not None:
+                if not self._nc.is_connected:
+                    continue
+                # Back from a NATS outage (server restart, network): the missing heartbeats were
+                # ours to miss, not the nodes' fault. Give every node a full period again.
+                if self._nc.stats["reconnects"] != reconnects:
+                    reconnects = self._nc.stats["reconnects"]
+                    self.bus_reconnected()
             now = time.monotonic()
             for st in self.nodes.values():
                 if st.connected and now - st.last_seen_mono > LOST_AFTER_S:
