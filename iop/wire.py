@@ -19,6 +19,17 @@ HEARTBEATS_MISSED = 3
 ACK_WAIT_S = 30.0
 """JetStream ack wait for work; a running item is kept with `in_progress()` every third of it."""
 
+# Flow control of one answer: the node may have at most WINDOW_CHUNKS chunks and WINDOW_BYTES bytes
+# that the edge has not yet handed to its HTTP client. The edge grants credit each time its client
+# has taken a quarter of either, so a fast client costs one Credit per 128 chunks or 256 KiB.
+WINDOW_CHUNKS = 512
+WINDOW_BYTES = 1024 * 1024
+CREDIT_EVERY_CHUNKS = WINDOW_CHUNKS // 4
+CREDIT_EVERY_BYTES = WINDOW_BYTES // 4
+
+PROBE_INTERVAL_S = 2.0
+"""How often a node asks the edge about each running request (liveness, lost credit)."""
+
 
 def work_subject(provider: str) -> str:
     return f"iop.work.{provider}"
@@ -48,6 +59,10 @@ HELLO_WILDCARD = "iop.node.*.hello"
 
 def cancel_subject(node: str) -> str:
     return f"iop.node.{node}.cancel"
+
+
+def credit_subject(node: str) -> str:
+    return f"iop.node.{node}.credit"
 
 
 def reply_prefix(edge: str) -> str:
@@ -136,7 +151,29 @@ class Verdict(msgspec.Struct, array_like=True):
     go: bool
 
 
-Reply = Started | Chunk | Done | Failure | Accepted | Claim
+class Probe(msgspec.Struct, tag="p", array_like=True):
+    """Asked (core request) about a running item: is the edge still there, how far did its client read?
+
+    The answer is a `Credit`; no responder means the edge is gone.
+    """
+
+    id: str
+
+
+Reply = Started | Chunk | Done | Failure | Accepted | Claim | Probe
+
+
+class Credit(msgspec.Struct, array_like=True):
+    """The edge's client has taken `chunks` chunks and `nbytes` bytes of the answer (cumulative).
+
+    Sent to `iop.node.<node>.credit`, and as the answer to a `Probe`. `known` is False when the edge
+    no longer has the request (its client left or it failed there): the node stops it.
+    """
+
+    id: str
+    chunks: int
+    nbytes: int
+    known: bool = True
 
 
 class Cancel(msgspec.Struct, array_like=True):
@@ -189,6 +226,7 @@ encode = msgspec.msgpack.Encoder().encode
 decode_work = msgspec.msgpack.Decoder(WorkItem).decode
 decode_reply = msgspec.msgpack.Decoder(Reply).decode
 decode_cancel = msgspec.msgpack.Decoder(Cancel).decode
+decode_credit = msgspec.msgpack.Decoder(Credit).decode
 decode_heartbeat = msgspec.msgpack.Decoder(NodeHeartbeat).decode
 decode_hello = msgspec.msgpack.Decoder(Hello).decode
 decode_welcome = msgspec.msgpack.Decoder(Welcome).decode

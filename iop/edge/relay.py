@@ -41,6 +41,14 @@ class Channel:
     started_mono: float = 0.0
     ack_subject: str = ""
     pool: PoolQueue | None = None
+    taken_chunks: int = 0
+    """Chunks (and bytes, below) the HTTP side has taken: what flow-control credit is granted from."""
+    taken_bytes: int = 0
+    credited_chunks: int = 0
+    credited_bytes: int = 0
+    buffered_bytes: int = 0
+    """Answer bytes received from the node and not yet taken by the HTTP side (bounded by the window)."""
+    peak_buffered_bytes: int = 0
 
     def end(self) -> None:
         if not self.ended:
@@ -61,6 +69,9 @@ class Relay:
         self.prefix = wire.reply_prefix(edge_id)
         self.channels: dict[str, Channel] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.peak_buffered_bytes = 0
+        """The most answer bytes one request ever had waiting here for its HTTP client."""
+        self.credits_sent = 0
 
     async def start(self) -> None:
         await self.nc.subscribe(
@@ -91,12 +102,21 @@ class Relay:
             if msg.reply:
                 await self.nc.publish(msg.reply, wire.encode(wire.Verdict(go)))
             return
+        if isinstance(reply, wire.Probe):
+            if msg.reply:
+                await self.nc.publish(msg.reply, wire.encode(self._credit_of(reply.id)))
+            return
         if isinstance(reply, wire.Accepted):
             return
         ch = self.channels.get(reply.id)
         if ch is None:
             return
-        if isinstance(reply, wire.Started):
+        if isinstance(reply, wire.Chunk):
+            ch.buffered_bytes += len(reply.data)
+            if ch.buffered_bytes > ch.peak_buffered_bytes:
+                ch.peak_buffered_bytes = ch.buffered_bytes
+                self.peak_buffered_bytes = max(self.peak_buffered_bytes, ch.buffered_bytes)
+        elif isinstance(reply, wire.Started):
             if not ch.started and not ch.ended:
                 ch.started = True
                 ch.started_mono = time.monotonic()
@@ -106,6 +126,24 @@ class Relay:
         elif isinstance(reply, wire.Done | wire.Failure):
             ch.end()
         ch.queue.put_nowait(reply)
+
+    def _credit_of(self, rid: str) -> wire.Credit:
+        ch = self.channels.get(rid)
+        if ch is None or ch.ended:
+            # Unknown here (client gone, failed at the edge): the node stops the work.
+            return wire.Credit(rid, 0, 0, known=False)
+        return wire.Credit(rid, ch.taken_chunks, ch.taken_bytes)
+
+    async def _grant(self, ch: Channel) -> None:
+        """Tell the node how much of the answer the HTTP side has taken (every quarter window)."""
+        ch.credited_chunks, ch.credited_bytes = ch.taken_chunks, ch.taken_bytes
+        if not ch.node:
+            return
+        self.credits_sent += 1
+        credit = wire.Credit(ch.id, ch.taken_chunks, ch.taken_bytes)
+        # A lost credit is recovered by the node's next Probe; never fail the answer over it.
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await self.nc.publish(wire.credit_subject(ch.node), wire.encode(credit))
 
     def node_lost(self, node: str, reason: str) -> None:
         """Fail every request running on (or sent to) a node that is gone."""
@@ -119,10 +157,11 @@ class Relay:
 
     async def dispatch_pool(self, ch: Channel, provider: str, item: wire.WorkItem) -> None:
         """Publish the work to the provider's JetStream subject (the broker enforces its capacity)."""
+        data = wire.encode(item)
         try:
             ack = await self.js.publish(
                 wire.work_subject(provider),
-                wire.encode(item),
+                data,
                 headers={"Nats-Msg-Id": item.id},  # a retried publish is not queued twice
                 timeout=5.0,
             )
@@ -133,8 +172,9 @@ class Relay:
 
     async def dispatch_direct(self, ch: Channel, node: str, resource: str, item: wire.WorkItem) -> None:
         """Hand the request to a CLI resource by core request-reply (no queue, no capacity)."""
+        data = wire.encode(item)
         try:
-            await self.nc.request(wire.cli_subject(node, resource), wire.encode(item), timeout=5.0)
+            await self.nc.request(wire.cli_subject(node, resource), data, timeout=5.0)
         except nats.errors.NoRespondersError as exc:
             raise Unavailable(
                 f"CLI resource '{resource}' on node '{node}' is not connected", code="no_provider"
@@ -168,6 +208,17 @@ class Relay:
                     raise UpstreamError("part of the answer was lost between node and edge", code="relay_gap")
                 expected += 1
                 yield reply.data
+                # Back here only once the HTTP side has sent the chunk (uvicorn's send waits while
+                # the socket is full): that is when the node may send more.
+                size = len(reply.data)
+                ch.taken_chunks += 1
+                ch.taken_bytes += size
+                ch.buffered_bytes -= size
+                if (
+                    ch.taken_chunks - ch.credited_chunks >= wire.CREDIT_EVERY_CHUNKS
+                    or ch.taken_bytes - ch.credited_bytes >= wire.CREDIT_EVERY_BYTES
+                ):
+                    await self._grant(ch)
             elif isinstance(reply, wire.Done):
                 if reply.chunks != expected:
                     raise UpstreamError("part of the answer was lost between node and edge", code="relay_gap")

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -25,6 +26,97 @@ FETCH_TIMEOUT_S = 1.0
 CANCEL_MEMORY_S = 120.0
 CHUNK_BYTES = 256 * 1024
 """The largest piece of an answer in one NATS message (far below any server's max_payload)."""
+STALL_TIMEOUT_S = 60.0
+"""A request whose flow-control window stays full this long (its client stopped reading) fails."""
+PROBES_UNANSWERED = 2
+"""Consecutive probes without a responder after which the edge of a request counts as gone."""
+
+
+class ClientStalled(RequestError):
+    """The client stopped reading a streamed answer (the flow-control window stayed full)."""
+
+    status = 408
+    type = "server_error"
+    code = "client_stalled"
+
+
+class FlowWindow:
+    """How much of one answer the node may still send before the edge's client takes more.
+
+    The edge reports what its HTTP client has taken (`Credit`, cumulative); the node keeps at most
+    `wire.WINDOW_CHUNKS` chunks and `wire.WINDOW_BYTES` bytes beyond that in flight.
+    """
+
+    def __init__(self, on_blocked: asyncio.Event | None = None) -> None:
+        self.sent_chunks = 0
+        self.sent_bytes = 0
+        self.credit_chunks = 0
+        self.credit_bytes = 0
+        self.blocked = False
+        self.waits = 0
+        """How many times sending had to wait for credit (tests, overhead figures)."""
+        self._wake = asyncio.Event()
+        self._progress = 0.0
+        self._on_blocked = on_blocked
+
+    def fits(self, size: int) -> bool:
+        return (
+            self.sent_chunks - self.credit_chunks < wire.WINDOW_CHUNKS
+            and self.sent_bytes - self.credit_bytes + size <= wire.WINDOW_BYTES
+        )
+
+    def grant(self, chunks: int, nbytes: int) -> None:
+        # Credits are cumulative, so a late or repeated one never takes back what a newer one gave.
+        if chunks > self.credit_chunks or nbytes > self.credit_bytes:
+            self.credit_chunks = max(self.credit_chunks, chunks)
+            self.credit_bytes = max(self.credit_bytes, nbytes)
+            self._progress = time.monotonic()
+            self._wake.set()
+
+    async def reserve(self, size: int, stall_timeout_s: float) -> int:
+        """Wait until `size` more bytes fit, count them as sent and return their chunk's seq.
+
+        Raises ClientStalled when no credit arrives for `stall_timeout_s` while waiting; ends with
+        CancelledError when the request is cancelled (client gone, edge gone, node stopping).
+        """
+        if not self.fits(size):
+            self.waits += 1
+            self.blocked = True
+            if self._on_blocked is not None:
+                self._on_blocked.set()
+            since = time.monotonic()
+            try:
+                while not self.fits(size):
+                    self._wake.clear()
+                    left = max(since, self._progress) + stall_timeout_s - time.monotonic()
+                    if left <= 0:
+                        raise ClientStalled(
+                            f"the client took nothing of the answer for {stall_timeout_s:g}s; request abandoned"
+                        )
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(left):
+                            await self._wake.wait()
+            finally:
+                self.blocked = False
+        seq = self.sent_chunks
+        self.sent_chunks += 1
+        self.sent_bytes += size
+        return seq
+
+
+@dataclass(eq=False)
+class Running:
+    """One request this node runs, with what the edge told it about its client."""
+
+    item: wire.WorkItem
+    msg: Msg | None
+    window: FlowWindow
+    since: float
+    task: asyncio.Task[None] | None = None
+    unanswered: int = 0
+    """Consecutive probes that found no responder at the edge."""
+    answered: bool = False
+    """The adapter has finished: the edge may already have forgotten it, nothing to stop any more."""
 
 
 class NodeRefused(IopError):
@@ -71,11 +163,19 @@ class NodeRuntime:
             a = self.node.adapter(p.adapter)
             kind = "cli" if isinstance(a, config.CliAdapter) else "pool"
             self.resources[p.id] = Resource(cfg=p, adapter=self._adapters[a.id], kind=kind)
-        self._running: dict[str, tuple[asyncio.Task[None], Msg | None]] = {}
+        self._running: dict[str, Running] = {}
         self._cancelled: dict[str, float] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = False
         self._hb_seq = 0
+        self.stall_timeout_s = STALL_TIMEOUT_S
+        self.probe_interval_s = wire.PROBE_INTERVAL_S
+        self.changed = asyncio.Event()
+        """Set when a request starts, ends, or waits for credit (observers clear it, then wait)."""
+
+    def requests(self) -> list[Running]:
+        """The requests running now (status, tests)."""
+        return list(self._running.values())
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -102,8 +202,12 @@ class NodeRuntime:
                     pending_msgs_limit=100_000,
                 )
         await self.nc.subscribe(wire.cancel_subject(self.node.id), cb=self._on_cancel)
+        await self.nc.subscribe(
+            wire.credit_subject(self.node.id), cb=self._on_credit, pending_msgs_limit=1_000_000
+        )
         self._spawn(self._heartbeat_loop())
         self._spawn(self._progress_loop())
+        self._spawn(self._probe_loop())
         await self._heartbeat()
         log.info(
             "node %s serving %d providers, %d CLI resources (instance %s)",
@@ -121,7 +225,7 @@ class NodeRuntime:
             # Fetches are never cancelled (a cancelled pull request can swallow a message): they
             # time out within FETCH_TIMEOUT_S and the loops end by themselves.
             await asyncio.wait(workers, timeout=FETCH_TIMEOUT_S * 3)
-        running = [t for t, _ in self._running.values()]
+        running = [run.task for run in self._running.values() if run.task is not None]
         if running:
             log.info("node %s: waiting up to %gs for %d running requests", self.node.id, grace_s, len(running))
             _, pending = await asyncio.wait(running, timeout=grace_s)
@@ -202,10 +306,47 @@ class NodeRuntime:
         # Long answers outlive ack_wait; tell the broker they are alive so it never redelivers them.
         while True:
             await asyncio.sleep(wire.ACK_WAIT_S / 3)
-            for _, msg in list(self._running.values()):
-                if msg is not None:
+            for run in list(self._running.values()):
+                if run.msg is not None:
                     with contextlib.suppress(Exception):
-                        await msg.in_progress()
+                        await run.msg.in_progress()
+
+    async def _probe_loop(self) -> None:
+        # A dead edge raises nothing when we publish to it; asking is how a node finds out, and the
+        # answer also carries the latest credit in case a Credit message was lost.
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            now = time.monotonic()
+            due = [run for run in self._running.values() if now - run.since >= self.probe_interval_s]
+            if due:
+                await asyncio.gather(*(self._probe(run) for run in due))
+
+    async def _probe(self, run: Running) -> None:
+        assert self.nc is not None
+        try:
+            reply = await self.nc.request(
+                run.item.reply_to, wire.encode(wire.Probe(run.item.id)), timeout=self.probe_interval_s
+            )
+            credit = wire.decode_credit(reply.data)
+        except nats.errors.NoRespondersError:
+            # Twice in a row, so that an edge reconnecting to NATS is not taken for a dead one.
+            run.unanswered += 1
+            if run.unanswered >= PROBES_UNANSWERED:
+                self._abandon(run, "its edge is gone")
+            return
+        except (nats.errors.Error, TimeoutError, OSError, msgspec.DecodeError) as exc:
+            log.debug("probe for %s unanswered: %s", run.item.id, exc)
+            return
+        run.unanswered = 0
+        if credit.known:
+            run.window.grant(credit.chunks, credit.nbytes)
+        else:
+            self._abandon(run, "its edge no longer has it")
+
+    def _abandon(self, run: Running, why: str) -> None:
+        if run.task is not None and not run.task.done() and not run.answered:
+            log.warning("node %s: stopping request %s: %s", self.node.id, run.item.id, why)
+            run.task.cancel()
 
     # --- pool work ------------------------------------------------------------------------------
 
@@ -238,15 +379,16 @@ class NodeRuntime:
         if msg.metadata.num_delivered > 1 and not await self._claim(item):
             # Redelivered: the earlier delivery may have run. Only the edge knows whether the client
             # still waits for it, and it never lets a request run twice once a byte reached the client.
+            log.info("provider %s: redelivered request %s dropped (its edge does not want it again)", r.cfg.id, item.id)
             await msg.term()
             return
         if time.time() > item.deadline:
             await msg.term()
             await self._publish(item, wire.Failure(item.id, 0, 503, "queue_timeout", "waited past its deadline"))
             return
-        task = asyncio.create_task(self._run(r, item, msg))
-        self._running[item.id] = (task, msg)
-        await asyncio.wait({task})
+        run = self._start(r, item, msg)
+        assert run.task is not None
+        await asyncio.wait({run.task})
 
     async def _claim(self, item: wire.WorkItem) -> bool:
         assert self.nc is not None
@@ -258,51 +400,60 @@ class NodeRuntime:
 
     # --- running an item (pool or CLI) --------------------------------------------------------
 
-    async def _run(self, r: Resource, item: wire.WorkItem, msg: Msg | None) -> None:
+    def _start(self, r: Resource, item: wire.WorkItem, msg: Msg | None) -> Running:
+        # Registered before the task runs, so a Credit or Cancel arriving at once finds it.
+        run = Running(item, msg, FlowWindow(self.changed), time.monotonic())
+        self._running[item.id] = run
+        run.task = asyncio.create_task(self._run(r, run))
+        self.changed.set()
+        return run
+
+    async def _run(self, r: Resource, run: Running) -> None:
+        item, msg, window = run.item, run.msg, run.window
         r.in_flight += 1
         if r.in_flight > r.peak_in_flight:
             r.peak_in_flight = r.in_flight
-        chunks = 0
 
         async def send(data: bytes) -> None:
-            nonlocal chunks
-            if not data:
-                return
-            # Whatever an adapter hands over, no NATS message exceeds CHUNK_BYTES.
+            # Whatever an adapter hands over, no NATS message exceeds CHUNK_BYTES, and no more than
+            # the window is ever unread at the edge: a slow client slows the upstream, not memory.
             for i in range(0, len(data), CHUNK_BYTES):
-                await self._publish(item, wire.Chunk(item.id, chunks, data[i : i + CHUNK_BYTES]))
-                chunks += 1
+                piece = data[i : i + CHUNK_BYTES]
+                seq = await window.reserve(len(piece), self.stall_timeout_s)
+                await self._publish(item, wire.Chunk(item.id, seq, piece))
 
         try:
             ack = msg.reply if msg is not None else ""
             await self._publish(item, wire.Started(item.id, self.node.id, self.instance, ack))
             usage = await r.adapter.run(item, r.cfg.model, send)
+            run.answered = True
             if msg is not None:
                 await msg.ack()  # before Done: the slot is free by the time the edge hears of it
-            await self._publish(item, wire.Done(item.id, chunks, usage))
+            await self._publish(item, wire.Done(item.id, window.sent_chunks, usage))
             r.served += 1
         except asyncio.CancelledError:
             r.failed += 1
             if msg is not None:
                 await _quietly(msg.term())
             reason = "node is stopping" if self._stopping else "cancelled"
-            await _quietly(self._publish(item, wire.Failure(item.id, chunks, 503, "cancelled", reason)))
+            await _quietly(self._publish(item, wire.Failure(item.id, window.sent_chunks, 503, "cancelled", reason)))
         except RequestError as exc:
             r.failed += 1
             if msg is not None:
                 await _quietly(msg.term())
-            failure = wire.Failure(item.id, chunks, exc.status, exc.code, exc.message, exc.ended_stream)
+            failure = wire.Failure(item.id, window.sent_chunks, exc.status, exc.code, exc.message, exc.ended_stream)
             await _quietly(self._publish(item, failure))
         except Exception as exc:
             r.failed += 1
             log.exception("provider %s: request %s failed", r.cfg.id, item.id)
             if msg is not None:
                 await _quietly(msg.term())
-            failure = wire.Failure(item.id, chunks, 502, "node_error", f"{type(exc).__name__}: {exc}")
+            failure = wire.Failure(item.id, window.sent_chunks, 502, "node_error", f"{type(exc).__name__}: {exc}")
             await _quietly(self._publish(item, failure))
         finally:
             r.in_flight -= 1
             self._running.pop(item.id, None)
+            self.changed.set()
 
     async def _publish(self, item: wire.WorkItem, message: Any) -> None:
         assert self.nc is not None
@@ -321,8 +472,7 @@ class NodeRuntime:
             assert self.nc is not None
             if msg.reply:
                 await self.nc.publish(msg.reply, wire.encode(wire.Accepted(item.id)))
-            task = asyncio.create_task(self._run(r, item, None))
-            self._running[item.id] = (task, None)
+            self._start(r, item, None)
 
         return handle
 
@@ -335,9 +485,18 @@ class NodeRuntime:
         self._cancelled[cancel.id] = now
         if len(self._cancelled) > 10_000:
             self._cancelled = {k: t for k, t in self._cancelled.items() if now - t < CANCEL_MEMORY_S}
-        entry = self._running.get(cancel.id)
-        if entry is not None:
-            entry[0].cancel()
+        run = self._running.get(cancel.id)
+        if run is not None and run.task is not None:
+            run.task.cancel()
+
+    async def _on_credit(self, msg: Msg) -> None:
+        try:
+            credit = wire.decode_credit(msg.data)
+        except msgspec.DecodeError:
+            return
+        run = self._running.get(credit.id)
+        if run is not None:
+            run.window.grant(credit.chunks, credit.nbytes)
 
 
 async def _quietly(aw: Any) -> None:
