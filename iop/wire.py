@@ -30,6 +30,9 @@ CREDIT_EVERY_BYTES = WINDOW_BYTES // 4
 PROBE_INTERVAL_S = 2.0
 """How often a node asks the edge about each running request (liveness, lost credit)."""
 
+BODY_PART_BYTES = 1024 * 1024
+"""Largest piece of a request body a node fetches from the edge at once (bodies too big to travel inline)."""
+
 
 def work_subject(provider: str) -> str:
     return f"iop.work.{provider}"
@@ -88,6 +91,9 @@ class WorkItem(msgspec.Struct, kw_only=True, array_like=True):
     deadline: float
     """Unix time after which the item must not start (it has waited past the queue timeout)."""
     edge: str = ""
+    body_size: int = 0
+    """Non-zero: the body was too large for one NATS message; `body` is empty and the node fetches
+    `body_size` bytes from the edge with `BodyPart` requests on `reply_to`."""
 
 
 class Usage(msgspec.Struct, array_like=True):
@@ -160,7 +166,14 @@ class Probe(msgspec.Struct, tag="p", array_like=True):
     id: str
 
 
-Reply = Started | Chunk | Done | Failure | Accepted | Claim | Probe
+class BodyPart(msgspec.Struct, tag="b", array_like=True):
+    """Asked (core request) for the request body from `offset`; the answer is raw bytes, empty if unknown."""
+
+    id: str
+    offset: int
+
+
+Reply = Started | Chunk | Done | Failure | Accepted | Claim | Probe | BodyPart
 
 
 class Credit(msgspec.Struct, array_like=True):

@@ -10,16 +10,20 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from iop import wire
+from iop import bus, wire
 from iop.edge.scheduler import PoolQueue
 from iop.errors import Unavailable, UpstreamError, error_for_status
 
 log = logging.getLogger("iop.edge")
+
+HEADER_ROOM = 1024
+"""Bytes kept free in a NATS message for headers (`Nats-Msg-Id`) around an encoded work item."""
 
 
 @dataclass(eq=False)
@@ -41,6 +45,8 @@ class Channel:
     started_mono: float = 0.0
     ack_subject: str = ""
     pool: PoolQueue | None = None
+    body: bytes = b""
+    """The request body, kept here when it was too large to travel inside the work item."""
     taken_chunks: int = 0
     """Chunks (and bytes, below) the HTTP side has taken: what flow-control credit is granted from."""
     taken_bytes: int = 0
@@ -72,6 +78,8 @@ class Relay:
         self.peak_buffered_bytes = 0
         """The most answer bytes one request ever had waiting here for its HTTP client."""
         self.credits_sent = 0
+        self.bodies_by_reference = 0
+        """Requests whose body was too large for one message and was fetched by the node in parts."""
 
     async def start(self) -> None:
         await self.nc.subscribe(
@@ -106,6 +114,10 @@ class Relay:
             if msg.reply:
                 await self.nc.publish(msg.reply, wire.encode(self._credit_of(reply.id)))
             return
+        if isinstance(reply, wire.BodyPart):
+            if msg.reply:
+                await self.nc.publish(msg.reply, self._body_part(reply))
+            return
         if isinstance(reply, wire.Accepted):
             return
         ch = self.channels.get(reply.id)
@@ -134,6 +146,22 @@ class Relay:
             return wire.Credit(rid, 0, 0, known=False)
         return wire.Credit(rid, ch.taken_chunks, ch.taken_bytes)
 
+    def _body_part(self, part: wire.BodyPart) -> bytes:
+        ch = self.channels.get(part.id)
+        if ch is None or ch.ended or not 0 <= part.offset < len(ch.body):
+            return b""  # never a valid piece: the node gives up on the request
+        size = min(wire.BODY_PART_BYTES, self.nc.max_payload - HEADER_ROOM)
+        return ch.body[part.offset : part.offset + size]
+
+    def _framed(self, ch: Channel, item: wire.WorkItem, limit: int) -> bytes:
+        """The encoded item; a body too large for one message stays here and the node fetches it."""
+        data = wire.encode(item)
+        if len(data) + HEADER_ROOM <= limit:
+            return data  # the fast path: the body travels inline
+        ch.body = item.body
+        self.bodies_by_reference += 1
+        return wire.encode(msgspec.structs.replace(item, body=b"", body_size=len(item.body)))
+
     async def _grant(self, ch: Channel) -> None:
         """Tell the node how much of the answer the HTTP side has taken (every quarter window)."""
         ch.credited_chunks, ch.credited_bytes = ch.taken_chunks, ch.taken_bytes
@@ -157,7 +185,8 @@ class Relay:
 
     async def dispatch_pool(self, ch: Channel, provider: str, item: wire.WorkItem) -> None:
         """Publish the work to the provider's JetStream subject (the broker enforces its capacity)."""
-        data = wire.encode(item)
+        # The work stream refuses messages over bus.MAX_PAYLOAD even where the server allows more.
+        data = self._framed(ch, item, min(self.nc.max_payload, bus.MAX_PAYLOAD))
         try:
             ack = await self.js.publish(
                 wire.work_subject(provider),
@@ -172,7 +201,7 @@ class Relay:
 
     async def dispatch_direct(self, ch: Channel, node: str, resource: str, item: wire.WorkItem) -> None:
         """Hand the request to a CLI resource by core request-reply (no queue, no capacity)."""
-        data = wire.encode(item)
+        data = self._framed(ch, item, self.nc.max_payload)
         try:
             await self.nc.request(wire.cli_subject(node, resource), data, timeout=5.0)
         except nats.errors.NoRespondersError as exc:

@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from iop import __version__, bus, config, wire
-from iop.errors import BusError, IopError, RequestError
+from iop.errors import BusError, IopError, RequestError, Unavailable
 from iop.node import adapters
 
 log = logging.getLogger("iop.node")
@@ -425,6 +425,8 @@ class NodeRuntime:
         try:
             ack = msg.reply if msg is not None else ""
             await self._publish(item, wire.Started(item.id, self.node.id, self.instance, ack))
+            if item.body_size:
+                item = msgspec.structs.replace(item, body=await self._fetch_body(item), body_size=0)
             usage = await r.adapter.run(item, r.cfg.model, send)
             run.answered = True
             if msg is not None:
@@ -454,6 +456,28 @@ class NodeRuntime:
             r.in_flight -= 1
             self._running.pop(item.id, None)
             self.changed.set()
+
+    async def _fetch_body(self, item: wire.WorkItem) -> bytes:
+        """The body of an item that was too large to travel inline, fetched from its edge in parts."""
+        assert self.nc is not None
+        parts: list[bytes] = []
+        got = 0
+        while got < item.body_size:
+            try:
+                reply = await self.nc.request(
+                    item.reply_to, wire.encode(wire.BodyPart(item.id, got)), timeout=5.0
+                )
+            except (nats.errors.Error, TimeoutError) as exc:
+                raise Unavailable(
+                    f"the request body could not be fetched from the edge: {type(exc).__name__}", code="cancelled"
+                ) from exc
+            if not reply.data:
+                raise Unavailable("the edge no longer has this request", code="cancelled")
+            parts.append(reply.data)
+            got += len(reply.data)
+        if got != item.body_size:
+            raise Unavailable(f"the request body arrived with {got} of {item.body_size} bytes", code="cancelled")
+        return b"".join(parts)
 
     async def _publish(self, item: wire.WorkItem, message: Any) -> None:
         assert self.nc is not None
