@@ -48,6 +48,12 @@ def cpu_s(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / TICKS if f else 0.0
 
 
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of one process."""
+    f = _stat_fields(pid)
+    return (int(f[11]) / TICKS, int(f[12]) / TICKS) if f else (0.0, 0.0)
+
+
 def rss_bytes(pid: int) -> int:
     try:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
