@@ -64,6 +64,11 @@ def cancel_subject(node: str) -> str:
     return f"iop.node.{node}.cancel"
 
 
+def catalog_subject(node: str) -> str:
+    """Where the edge tells a node that its catalog changed in the KV bucket (see iop/node/catalog.py)."""
+    return f"iop.node.{node}.catalog"
+
+
 def credit_subject(node: str) -> str:
     return f"iop.node.{node}.credit"
 
