@@ -102,24 +102,61 @@ def edge_cmd(config_file: str, listen: str | None, nats_url: str | None, verbose
 
 
 @main.command("node")
-@click.option("--config", "config_file", required=True, type=click.Path(dir_okay=False), help="Deployment file.")
-@click.option("--node", "node_id", required=True, help="This node's id in the file.")
+@click.option("--node", "node_id", required=True, help="This node's id.")
+@click.option(
+    "--config", "config_file", default=None, type=click.Path(dir_okay=False),
+    help="Deployment file to start from (default: take this node's catalog from the edge).",
+)
 @click.option("--nats", "nats_url", default=None, help="NATS URL (default: the edge's address from the file).")
+@click.option("--nats-token-env", default=None, help="Without --config: env variable holding the NATS token.")
+@click.option("--nats-user-env", default=None, help="Without --config: env variable holding the NATS user.")
+@click.option("--nats-password-env", default=None, help="Without --config: env variable holding the NATS password.")
+@click.option("--nats-ca", default=None, type=click.Path(dir_okay=False), help="Without --config: CA file for tls://.")
+@click.option("--no-follow", is_flag=True, help="With --config: ignore catalog changes from the edge.")
 @click.option("-v", "--verbose", is_flag=True)
-def node_cmd(config_file: str, node_id: str, nats_url: str | None, verbose: bool) -> None:
-    """Serve one node's catalog: its providers and CLI resources."""
+def node_cmd(
+    node_id: str,
+    config_file: str | None,
+    nats_url: str | None,
+    nats_token_env: str | None,
+    nats_user_env: str | None,
+    nats_password_env: str | None,
+    nats_ca: str | None,
+    no_follow: bool,
+    verbose: bool,
+) -> None:
+    """Serve one node's catalog: its providers and CLI resources.
+
+    With --config the node starts from its section of the file; without, it needs only the NATS
+    address (and credentials) and takes its catalog from the edge. Either way it follows the
+    catalog the edge publishes, so `iop refresh` reaches it.
+    """
     import asyncio
     import signal
 
     from iop import bus
     from iop.node.runtime import NodeRuntime
 
-    loaded = _load_or_exit(config_file)
-    dep = loaded.deployment
-    if node_id not in {n.id for n in dep.nodes}:
-        known = ", ".join(n.id for n in dep.nodes) or "none"
-        _fail(f"node '{node_id}' is not in {config_file} (its nodes: {known})", 2)
-    url = nats_url or default_nats_url(dep)
+    dep: config_mod.Deployment | None = None
+    if config_file is not None:
+        dep = _load_or_exit(config_file).deployment
+        if node_id not in {n.id for n in dep.nodes}:
+            known = ", ".join(n.id for n in dep.nodes) or "none"
+            _fail(f"node '{node_id}' is not in {config_file} (its nodes: {known})", 2)
+        nats_settings = dep.edge.nats
+        url = nats_url or default_nats_url(dep)
+    else:
+        if nats_url is None:
+            _fail("--nats URL is needed without --config (the node takes its catalog from the edge there)", 2)
+        try:
+            nats_settings = config_mod.NatsSettings(
+                url=str(nats_url), token_env=nats_token_env, user_env=nats_user_env,
+                password_env=nats_password_env, tls_ca=nats_ca,
+            )
+        except TypeError as exc:
+            _fail(f"NATS options: {exc}", 2)
+            return
+        url = str(nats_url)
     _logging(verbose)
 
     async def run() -> None:
@@ -127,9 +164,8 @@ def node_cmd(config_file: str, node_id: str, nats_url: str | None, verbose: bool
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        # The node's connections use the deployment's NATS credentials and CA (edge.nats).
-        bus.default_access.set(bus.NatsAccess.from_settings(dep.edge.nats))
-        runtime = NodeRuntime(dep, node_id, url)
+        access = bus.NatsAccess.from_settings(nats_settings)
+        runtime = NodeRuntime(dep, node_id, url, access=access, follow_edge=not no_follow)
         await runtime.start()
         print(f"iop node {node_id} serving (nats={url})", flush=True)
         await stop.wait()

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from pathlib import Path
+
+import pytest
 
 from iop import wire
 from iop.bus import EmbeddedNats
 from iop.refresh import diff
 from tests.fakes import fake_upstream
-from tests.harness import deployment, deployment_running, running_node, until
+from tests.harness import deployment, deployment_running, running_edge, running_node, until
 
 
 def pool_yaml(url_a: str, url_b: str, cap_a: int, cap_b: int | None, extra_node: str = "") -> str:
@@ -159,3 +162,79 @@ async def test_refresh_command_line(nats_server: EmbeddedNats, tmp_path: Path) -
             code, _, err = await iop()
             assert code == 2 and "nodes[0].providers[0].capacity" in err
             assert h.edge.scheduler.providers["prov-a"].capacity == 3
+
+
+async def test_raising_capacity_reaches_the_node_and_the_upstream(nats_server: EmbeddedNats) -> None:
+    gate = asyncio.Event()
+    async with fake_upstream(gate=gate) as a:
+        dep = deployment(pool_yaml(a.url, "", 1, None))
+        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+            running = [asyncio.create_task(http.post("/v1/chat/completions", json=BODY)) for _ in range(6)]
+            await a.wait_for(lambda u: u.in_flight == 1)
+            r = await http.post("/admin/refresh", content=pool_yaml(a.url, "", 4, None))
+            assert r.json()["changes"] == ["capacity node-a/prov-a: 1 → 4"]
+            # The node picks up its new catalog from the edge and runs 4 at once.
+            await a.wait_for(lambda u: u.in_flight == 4)
+            gate.set()
+            assert all(x.status_code == 200 for x in await asyncio.gather(*running))
+            assert a.peak == 4
+
+
+async def test_a_provider_added_to_a_running_node_starts_serving(nats_server: EmbeddedNats) -> None:
+    async with fake_upstream() as a, fake_upstream() as a2:
+        old = pool_yaml(a.url, "", 1, None)
+        new = old.replace(
+            "providers: [{id: prov-a, adapter: up, capacity: 1}]",
+            'providers: [{id: prov-a, adapter: up, capacity: 1}, {id: prov-a2, adapter: up2, capacity: 2}]',
+        ).replace(
+            f'adapters: [{{id: up, type: openai, base_url: "{a.url}", api: both}}]',
+            f'adapters: [{{id: up, type: openai, base_url: "{a.url}", api: both}}, '
+            f'{{id: up2, type: openai, base_url: "{a2.url}", api: both}}]',
+        ).replace("pool: [prov-a]", "pool: [prov-a, prov-a2]")
+        async with deployment_running(deployment(old), nats_server.url) as h, h.http() as http:
+            r = await http.post("/admin/refresh", content=new)
+            assert "provider_added node-a/prov-a2: capacity 2" in r.json()["changes"]
+            await until(lambda: h.edge.scheduler.providers["prov-a2"].connected, h.edge.registry.changed)
+            results = await asyncio.gather(*(http.post("/v1/chat/completions", json=BODY) for _ in range(9)))
+            assert all(x.status_code == 200 for x in results)
+            assert a2.total > 0
+
+
+async def test_a_node_without_a_file_takes_its_catalog_from_the_edge(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    async with fake_upstream() as a:
+        text = pool_yaml(a.url, "", 2, None)
+        async with running_edge(deployment(text), nats_server.url) as h, h.http() as http:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "iop", "node", "--node", "node-a", "--nats", nats_server.url,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            )
+            try:
+                await h.edge.registry.wait_connected(["node-a"], timeout_s=20)
+                await until(lambda: h.edge.scheduler.providers["prov-a"].connected, h.edge.registry.changed)
+                r = await http.post("/v1/chat/completions", json=BODY)
+                assert r.status_code == 200 and a.total == 1
+                # A refresh reaches it too: its upstream model name changes.
+                await http.post("/admin/refresh", content=text.replace("capacity: 2}", "capacity: 2, model: renamed}"))
+                await until(
+                    lambda: h.edge.registry.nodes["node-a"].live.get("prov-a") is not None, h.edge.registry.changed
+                )
+                async with asyncio.timeout(20):
+                    while not (a.bodies and a.bodies[-1]["model"] == "renamed"):
+                        await http.post("/v1/chat/completions", json=BODY)
+            finally:
+                proc.terminate()
+                out, _ = await proc.communicate()
+            assert proc.returncode == 0, out.decode()
+
+
+async def test_a_node_whose_file_differs_follows_the_edge(
+    nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with fake_upstream() as a, running_edge(deployment(pool_yaml(a.url, "", 3, None)), nats_server.url) as h:
+        caplog.set_level(logging.WARNING, logger="iop.node")
+        async with running_node(deployment(pool_yaml(a.url, "", 1, None)), "node-a", nats_server.url) as node:
+            assert node.node.providers[0].capacity == 3
+            assert "differs from the local file; following the edge" in caplog.text
+            await h.edge.registry.wait_connected(["node-a"], timeout_s=10)

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import nats.js.errors
 import uvicorn
 from nats.aio.client import Client as NATS
 from starlette.applications import Starlette
@@ -89,7 +90,14 @@ class Edge:
         """Each node's section of the deployment, one KV key per node, for nodes run without a file."""
         kv = await bus.catalog_bucket(self.js)
         for node in dep.nodes:
-            await kv.put(node.id, node_section(dep, node.id))
+            section = node_section(dep, node.id)
+            try:
+                current = await kv.get(node.id)
+            except nats.js.errors.KeyNotFoundError:
+                current = None
+            if current is None or current.value != section:
+                await kv.put(node.id, section)
+                await self.nc.publish(wire.catalog_subject(node.id), b"")  # the node re-reads its key
         for node_id in removed or []:
             with contextlib.suppress(Exception):
                 await kv.delete(node_id)

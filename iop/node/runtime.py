@@ -16,8 +16,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from iop import __version__, bus, config, wire
-from iop.errors import BusError, IopError, RequestError, Unavailable
+from iop.errors import IopError, RequestError, Unavailable
 from iop.node import adapters
+from iop.node.catalog import CatalogSource
+from iop.node.flow import STALL_TIMEOUT_S, FlowWindow
 
 log = logging.getLogger("iop.node")
 
@@ -26,82 +28,8 @@ FETCH_TIMEOUT_S = 1.0
 CANCEL_MEMORY_S = 120.0
 CHUNK_BYTES = 256 * 1024
 """The largest piece of an answer in one NATS message (far below any server's max_payload)."""
-STALL_TIMEOUT_S = 60.0
-"""A request whose flow-control window stays full this long (its client stopped reading) fails."""
 PROBES_UNANSWERED = 2
 """Consecutive probes without a responder after which the edge of a request counts as gone."""
-
-
-class ClientStalled(RequestError):
-    """The client stopped reading a streamed answer (the flow-control window stayed full)."""
-
-    status = 408
-    type = "server_error"
-    code = "client_stalled"
-
-
-class FlowWindow:
-    """How much of one answer the node may still send before the edge's client takes more.
-
-    The edge reports what its HTTP client has taken (`Credit`, cumulative); the node keeps at most
-    `wire.WINDOW_CHUNKS` chunks and `wire.WINDOW_BYTES` bytes beyond that in flight.
-    """
-
-    def __init__(self, on_blocked: asyncio.Event | None = None) -> None:
-        self.sent_chunks = 0
-        self.sent_bytes = 0
-        self.credit_chunks = 0
-        self.credit_bytes = 0
-        self.blocked = False
-        self.waits = 0
-        """How many times sending had to wait for credit (tests, overhead figures)."""
-        self._wake = asyncio.Event()
-        self._progress = 0.0
-        self._on_blocked = on_blocked
-
-    def fits(self, size: int) -> bool:
-        return (
-            self.sent_chunks - self.credit_chunks < wire.WINDOW_CHUNKS
-            and self.sent_bytes - self.credit_bytes + size <= wire.WINDOW_BYTES
-        )
-
-    def grant(self, chunks: int, nbytes: int) -> None:
-        # Credits are cumulative, so a late or repeated one never takes back what a newer one gave.
-        if chunks > self.credit_chunks or nbytes > self.credit_bytes:
-            self.credit_chunks = max(self.credit_chunks, chunks)
-            self.credit_bytes = max(self.credit_bytes, nbytes)
-            self._progress = time.monotonic()
-            self._wake.set()
-
-    async def reserve(self, size: int, stall_timeout_s: float) -> int:
-        """Wait until `size` more bytes fit, count them as sent and return their chunk's seq.
-
-        Raises ClientStalled when no credit arrives for `stall_timeout_s` while waiting; ends with
-        CancelledError when the request is cancelled (client gone, edge gone, node stopping).
-        """
-        if not self.fits(size):
-            self.waits += 1
-            self.blocked = True
-            if self._on_blocked is not None:
-                self._on_blocked.set()
-            since = time.monotonic()
-            try:
-                while not self.fits(size):
-                    self._wake.clear()
-                    left = max(since, self._progress) + stall_timeout_s - time.monotonic()
-                    if left <= 0:
-                        raise ClientStalled(
-                            f"the client took nothing of the answer for {stall_timeout_s:g}s; request abandoned"
-                        )
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(left):
-                            await self._wake.wait()
-            finally:
-                self.blocked = False
-        seq = self.sent_chunks
-        self.sent_chunks += 1
-        self.sent_bytes += size
-        return seq
 
 
 @dataclass(eq=False)
@@ -135,6 +63,10 @@ class Resource:
     served: int = 0
     failed: int = 0
     workers: list[asyncio.Task[None]] = field(default_factory=list)
+    retired: bool = False
+    """Taken out of the catalog: fetches no more work, finishes what it runs."""
+    psub: Any = None
+    sub: Any = None
 
     def live(self) -> wire.ProviderLive:
         return wire.ProviderLive(
@@ -151,18 +83,33 @@ class Resource:
 class NodeRuntime:
     """Serves one node's catalog over NATS. There is no node-wide limit of any kind."""
 
-    def __init__(self, deployment: config.Deployment, node_id: str, nats_url: str) -> None:
-        self.node = deployment.node(node_id)
+    def __init__(
+        self,
+        deployment: config.Deployment | None,
+        node_id: str,
+        nats_url: str,
+        *,
+        access: bus.NatsAccess | None = None,
+        follow_edge: bool = True,
+    ) -> None:
+        """`deployment` None: take the catalog from the edge (the iop_catalog bucket) at start.
+
+        With a deployment, the node starts from its section and, if `follow_edge`, switches to the
+        edge's section when one exists and follows it from then on.
+        """
+        self.node_id = node_id
+        self.node = deployment.node(node_id) if deployment is not None else config.Node(id=node_id)
+        self.from_file = deployment is not None
+        self.follow_edge = follow_edge
         self.nats_url = nats_url
+        self.access = access
         self.instance = secrets.token_hex(6)
         self.started_at = time.time()
         self.nc: NATS | None = None
-        self._adapters = {a.id: adapters.build(a) for a in self.node.adapters}
+        self._adapters: dict[str, adapters.Adapter] = {}
+        self._adapter_cfgs: dict[str, config.Adapter] = {}
+        self._old_adapters: list[adapters.Adapter] = []
         self.resources: dict[str, Resource] = {}
-        for p in self.node.providers:
-            a = self.node.adapter(p.adapter)
-            kind = "cli" if isinstance(a, config.CliAdapter) else "pool"
-            self.resources[p.id] = Resource(cfg=p, adapter=self._adapters[a.id], kind=kind)
         self._running: dict[str, Running] = {}
         self._cancelled: dict[str, float] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -179,43 +126,107 @@ class NodeRuntime:
 
     # --- lifecycle ------------------------------------------------------------------------------
 
-    async def start(self, *, connect_wait_s: float | None = None) -> None:
-        self.nc = await bus.connect(self.nats_url, f"iop-node-{self.node.id}", wait_s=connect_wait_s)
+    async def start(self, *, connect_wait_s: float | None = None, catalog_wait_s: float = 60.0) -> None:
+        access = self.access if self.access is not None else bus.default_access.get()
+        self.nc = await bus.connect(self.nats_url, f"iop-node-{self.node_id}", access=access, wait_s=connect_wait_s)
+        self.catalog = CatalogSource(self.nc, self.node_id)
+        if not self.from_file:
+            self.node = await self.catalog.wait_first(catalog_wait_s)
+        elif self.follow_edge:
+            got = await self.catalog.get()
+            if got is not None:
+                self.catalog.revision, edge_node = got
+                if edge_node != self.node:
+                    log.warning(
+                        "node %s: the edge's catalog differs from the local file; following the edge", self.node_id
+                    )
+                    self.node = edge_node
         await self._hello()
-        js = self.nc.jetstream()
-        pool = [r for r in self.resources.values() if r.kind == "pool"]
-        if pool:
-            await bus.ensure_work_stream(js)
-        for r in pool:
-            assert r.cfg.capacity is not None
-            await bus.ensure_provider_consumer(js, r.cfg.id, r.cfg.capacity, update=False)
-            psub = await js.pull_subscribe_bind(
-                durable=wire.consumer_name(r.cfg.id), stream=wire.WORK_STREAM
-            )
-            # One outstanding fetch(batch=1) per slot: never a batch larger than the free slots.
-            r.workers = [asyncio.create_task(self._fetch_loop(r, psub)) for _ in range(r.cfg.capacity)]
-        for r in self.resources.values():
-            if r.kind == "cli":
-                await self.nc.subscribe(
-                    wire.cli_subject(self.node.id, r.cfg.id),
-                    cb=self._cli_handler(r),
-                    pending_msgs_limit=100_000,
-                )
-        await self.nc.subscribe(wire.cancel_subject(self.node.id), cb=self._on_cancel)
+        await self.nc.subscribe(wire.cancel_subject(self.node_id), cb=self._on_cancel)
         await self.nc.subscribe(
-            wire.credit_subject(self.node.id), cb=self._on_credit, pending_msgs_limit=1_000_000
+            wire.credit_subject(self.node_id), cb=self._on_credit, pending_msgs_limit=1_000_000
         )
+        await self._apply(self.node)
+        # "Started" means the server has our subscriptions, not that they are still in our buffer.
+        await self.nc.flush(timeout=5)
         self._spawn(self._heartbeat_loop())
         self._spawn(self._progress_loop())
         self._spawn(self._probe_loop())
+        if self.follow_edge:
+            self._spawn(self.catalog.follow(self.apply_catalog))
         await self._heartbeat()
+        pool = [r for r in self.resources.values() if r.kind == "pool"]
         log.info(
             "node %s serving %d providers, %d CLI resources (instance %s)",
-            self.node.id,
+            self.node_id,
             len(pool),
             len(self.resources) - len(pool),
             self.instance,
         )
+
+    async def apply_catalog(self, node: config.Node) -> None:
+        """Switch to a new catalog while serving: running requests finish where they run."""
+        await self._apply(node)
+        await self._heartbeat()
+
+    async def _apply(self, node: config.Node) -> None:
+        assert self.nc is not None
+        self.node = node
+        new_cfgs = {a.id: a for a in node.adapters}
+        for aid, cfg in new_cfgs.items():
+            if self._adapter_cfgs.get(aid) != cfg:
+                if aid in self._adapters:
+                    self._old_adapters.append(self._adapters[aid])  # closed at stop: requests may still use it
+                self._adapters[aid] = adapters.build(cfg)
+                self._adapter_cfgs[aid] = cfg
+        for aid in list(self._adapters):
+            if aid not in new_cfgs:
+                self._old_adapters.append(self._adapters.pop(aid))
+                del self._adapter_cfgs[aid]
+        wanted = {p.id: p for p in node.providers}
+        for pid, gone in list(self.resources.items()):
+            p = wanted.get(pid)
+            if p is None or _kind(node, p) != gone.kind:
+                await self._retire(gone)
+                del self.resources[pid]
+        js = self.nc.jetstream()
+        for pid, p in wanted.items():
+            adapter = self._adapters[p.adapter]
+            existing = self.resources.get(pid)
+            if existing is None:
+                fresh = self.resources[pid] = Resource(cfg=p, adapter=adapter, kind=_kind(node, p))
+                await self._serve(fresh, js)
+                continue
+            r = existing
+            before = r.cfg.capacity or 0
+            r.cfg, r.adapter = p, adapter
+            if r.kind == "pool" and (p.capacity or 0) > before:
+                # One fetch loop per slot: more slots, more loops (fewer: the extra loops end).
+                r.workers += [
+                    asyncio.create_task(self._fetch_loop(r, r.psub, i)) for i in range(before, p.capacity or 0)
+                ]
+
+    async def _serve(self, r: Resource, js: Any) -> None:
+        assert self.nc is not None
+        if r.kind == "cli":
+            r.sub = await self.nc.subscribe(
+                wire.cli_subject(self.node_id, r.cfg.id), cb=self._cli_handler(r), pending_msgs_limit=100_000
+            )
+            return
+        assert r.cfg.capacity is not None
+        await bus.ensure_work_stream(js)
+        await bus.ensure_provider_consumer(js, r.cfg.id, r.cfg.capacity, update=False)
+        r.psub = await js.pull_subscribe_bind(durable=wire.consumer_name(r.cfg.id), stream=wire.WORK_STREAM)
+        # One outstanding fetch(batch=1) per slot: never a batch larger than the free slots.
+        r.workers = [asyncio.create_task(self._fetch_loop(r, r.psub, i)) for i in range(r.cfg.capacity)]
+
+    async def _retire(self, r: Resource) -> None:
+        """Stop taking work for a resource the catalog no longer has; what runs, finishes."""
+        r.retired = True
+        if r.sub is not None:
+            with contextlib.suppress(Exception):
+                await r.sub.unsubscribe()
+        log.info("node %s: %s left the catalog (finishing %d running)", self.node_id, r.cfg.id, r.in_flight)
 
     async def stop(self, grace_s: float = 30.0) -> None:
         """Stop taking work, let running items finish up to `grace_s`, fail the rest, leave."""
@@ -243,7 +254,7 @@ class NodeRuntime:
             with contextlib.suppress(Exception):
                 await self.nc.flush(timeout=2)
             await self.nc.close()
-        for a in self._adapters.values():
+        for a in [*self._adapters.values(), *self._old_adapters]:
             await a.close()
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -259,7 +270,7 @@ class NodeRuntime:
         connected for up to HEARTBEATS_MISSED heartbeats: it retries for that long before giving up.
         """
         assert self.nc is not None
-        hello = wire.Hello(node=self.node.id, instance=self.instance, providers=list(self.resources))
+        hello = wire.Hello(node=self.node_id, instance=self.instance, providers=[p.id for p in self.node.providers])
         loop = asyncio.get_running_loop()
         give_up = loop.time() + wire.HEARTBEAT_INTERVAL_S * (wire.HEARTBEATS_MISSED + 2)
         while True:
@@ -350,8 +361,9 @@ class NodeRuntime:
 
     # --- pool work ------------------------------------------------------------------------------
 
-    async def _fetch_loop(self, r: Resource, psub: Any) -> None:
-        while not self._stopping:
+    async def _fetch_loop(self, r: Resource, psub: Any, index: int) -> None:
+        # Loop `index` serves slot `index`: a lowered capacity or a retired provider ends it.
+        while not self._stopping and not r.retired and index < (r.cfg.capacity or 0):
             try:
                 msgs = await psub.fetch(1, timeout=FETCH_TIMEOUT_S)
             except (nats.errors.TimeoutError, TimeoutError):
@@ -523,21 +535,12 @@ class NodeRuntime:
             run.window.grant(credit.chunks, credit.nbytes)
 
 
+def _kind(node: config.Node, p: config.Provider) -> str:
+    return "cli" if isinstance(node.adapter(p.adapter), config.CliAdapter) else "pool"
+
+
 async def _quietly(aw: Any) -> None:
     try:
         await aw
     except (nats.errors.Error, OSError, TimeoutError) as exc:
         log.debug("ignored while failing a request: %s", exc)
-
-
-async def run_node(deployment: config.Deployment, node_id: str, nats_url: str, stop: asyncio.Event) -> None:
-    """Run until `stop` is set (Ctrl-C / SIGTERM), then stop gracefully."""
-    runtime = NodeRuntime(deployment, node_id, nats_url)
-    try:
-        await runtime.start()
-    except BusError:
-        raise
-    try:
-        await stop.wait()
-    finally:
-        await runtime.stop()
