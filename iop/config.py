@@ -101,6 +101,15 @@ class EdgeSettings(_Strict):
             "/status (and /metrics); unset = no client auth."
         ),
     ] = None
+    max_body_mb: Annotated[
+        float,
+        Meta(
+            gt=0,
+            le=1024,
+            description="Largest request body accepted, in MiB (413 above it). Bodies larger than one NATS "
+            "message are carried to the node in parts.",
+        ),
+    ] = 32.0
 
 
 class ModelAlias(_Strict):

@@ -99,6 +99,9 @@ def diff(old: config.Deployment, new: config.Deployment) -> list[Change]:
                        after="/".join(new_cat.routes[alias]))
             )
 
+    if old.edge.max_body_mb != new.edge.max_body_mb:
+        changes.append(Change(kind="max_body", target="edge.max_body_mb", before=str(old.edge.max_body_mb),
+                              after=str(new.edge.max_body_mb)))
     if old.edge.queue != new.edge.queue:
         before, after = _enc(old.edge.queue), _enc(new.edge.queue)
         changes.append(Change(kind="queue", target="edge.queue", before=before, after=after))

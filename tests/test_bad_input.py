@@ -18,6 +18,7 @@ from iop.bus import EmbeddedNats
 from tests.harness import deployment, deployment_running
 
 YAML = """
+edge: {max_body_mb: 1}
 models:
   - alias: sim
     pool: [sim-1]
@@ -115,8 +116,10 @@ def test_wrong_content_type_is_415(edge_url: str) -> None:
 
 def test_body_over_the_limit_is_413(edge_url: str) -> None:
     with httpx.Client(base_url=edge_url) as http:
-        big = {**GOOD, "messages": [{"role": "user", "content": "x" * (9 * 1024 * 1024)}]}
+        big = {**GOOD, "messages": [{"role": "user", "content": "x" * (1024 * 1024)}]}
         _error(http.post("/v1/chat/completions", json=big), 413, "request_too_large")
+        fits = {**GOOD, "messages": [{"role": "user", "content": "x" * (1000 * 1024)}]}
+        assert http.post("/v1/chat/completions", json=fits).status_code == 200
 
 
 def test_unknown_path_and_wrong_method_are_json(edge_url: str) -> None:
@@ -126,9 +129,13 @@ def test_unknown_path_and_wrong_method_are_json(edge_url: str) -> None:
         _error(http.post("/v1/models"), 405, "method_not_allowed")
 
 
+def _nested(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    _nested,
     max_leaves=12,
 )
 request_like = st.fixed_dictionaries(

@@ -34,9 +34,6 @@ from iop.refresh import diff, node_section
 
 log = logging.getLogger("iop.edge")
 
-MAX_BODY_BYTES = 8 * 1024 * 1024 - 64 * 1024
-"""Default request body limit: what fits one NATS message with the work item around it."""
-
 
 @dataclass
 class RefreshResult:
@@ -61,7 +58,7 @@ class Edge:
         self.nc = nc
         self.js = nc.jetstream()
         self.queue_timeout_s = deployment.edge.queue.timeout_s
-        self.max_body_bytes = MAX_BODY_BYTES
+        self.max_body_bytes = int(deployment.edge.max_body_mb * 1024 * 1024)
         self.started_at = time.time()
         self.scheduler = Scheduler(deployment.edge.queue.max_waiting)
         for pid, ref in self.catalog.providers.items():
@@ -143,6 +140,7 @@ class Edge:
             self.deployment = new
             self.catalog = new_cat
             self.queue_timeout_s = new.edge.queue.timeout_s
+            self.max_body_bytes = int(new.edge.max_body_mb * 1024 * 1024)
             self.scheduler.max_waiting = new.edge.queue.max_waiting
             draining = self.scheduler.apply(
                 {
