@@ -55,18 +55,17 @@ def config_schema() -> None:
     click.echo(config_mod.json_schema_text())
 
 def _run_async(main: Any) -> None:
-    """Run on asyncio's loop, or on uvloop with IOP_LOOP=uvloop when it is installed (for benchmarks)."""
+    """Run on uvloop when it is installed (IOP_LOOP=asyncio forces asyncio's own loop)."""
     import asyncio
+    import contextlib
     import importlib
     import os
 
     factory = None
-    if os.environ.get("IOP_LOOP") == "uvloop":
-        try:
-            # Imported by name: uvloop is optional, and CI type-checks without it installed.
+    if os.environ.get("IOP_LOOP", "uvloop") == "uvloop":
+        # By name: uvloop is absent on some platforms (Windows), where asyncio's loop serves.
+        with contextlib.suppress(ImportError):
             factory = importlib.import_module("uvloop").new_event_loop
-        except ImportError:
-            _fail("IOP_LOOP=uvloop, but uvloop is not installed")
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main)
 
