@@ -283,11 +283,17 @@ class Owned:
 
 
 def install_signal_handlers() -> None:
-    """SIGTERM ends a run like Ctrl-C does: through the finally blocks that stop our processes."""
+    """SIGINT and SIGTERM end a run through the finally blocks that stop our processes.
+
+    SIGINT is set explicitly: a shell starts background jobs with it ignored, and Python keeps that.
+    """
 
     def on_term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+        # Through SIGINT's path: inside an event loop, asyncio's Runner turns it into a clean
+        # cancellation and a KeyboardInterrupt; an exception raised here could be lost in a callback.
+        signal.raise_signal(signal.SIGINT)
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, on_term)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -181,6 +182,31 @@ def render(result: dict[str, Any]) -> str:
                 rows,
             )
         )
+    budget = [c for c in lat if c["concurrency"] > 1]
+    if budget:
+        ncpu = int(meta.get("machine", {}).get("nproc") or 2)
+        rows = []
+        for c in budget:
+            per = cpu_per_request(c)
+            total = sum(per.values())
+            rows.append(
+                [
+                    c["cell"],
+                    fmt(c["iop_rps"], 0),
+                    *(f"{per[k]:.3f}" for k in PROCESSES),
+                    f"{total:.3f}",
+                    f"{1000 * ncpu / total:.0f}" if total else "n/a",
+                    fmt(c["other_cores_iop_arm"]),
+                ]
+            )
+        parts.append(
+            f"Throughput and CPU per request (ms, medians over rounds) of every process on the path; the ceiling is"
+            f" {ncpu} idle cores divided by the total\n"
+            + table(
+                ["cell", "iop req/s", *PROCESSES, "total", "ceiling req/s", "foreign cores"],
+                rows,
+            )
+        )
     relay = [c for c in ab.get("cells", []) if c["kind"] == "relay"]
     if relay:
         rows = [
@@ -190,7 +216,7 @@ def render(result: dict[str, Any]) -> str:
                 fmt(c["iop_events_per_s"], 0),
                 fmt(c["events_per_answer"], 0),
                 fmt(c["iop_reads_per_answer"], 0),
-                fmt(c["added_ttfb_p50_ms"]),
+                fmt(c["iop_ttfb_p50_ms"]),
                 fmt(c["cpu_s_per_1k"]["edge+node"], 1),
             ]
             for c in relay
@@ -204,7 +230,7 @@ def render(result: dict[str, Any]) -> str:
                     "iop events/s",
                     "events/answer",
                     "client reads/answer (iop)",
-                    "added TTFB p50 ms",
+                    "iop TTFB p50 ms",
                     "edge+node CPU-s per 1k answers",
                 ],
                 rows,
@@ -306,10 +332,46 @@ def render(result: dict[str, Any]) -> str:
                 ],
             )
         )
+    beside = litellm_rows(ab)
+    if beside:
+        parts.append(
+            "Beside LiteLLM proxy (one worker), the yardstick's figures on this machine as quoted in issue #7\n"
+            + table(["figure", "LiteLLM", "iop"], beside)
+        )
     ts = [Target(**t) for t in result.get("targets", [])]
     if ts:
         parts.append("Targets\n" + table(["target", "goal", "measured", "verdict", "gap"], [t.row() for t in ts]))
     return "\n\n".join(parts)
+
+
+PROCESSES = ("edge", "node", "nats", "upstream", "client")
+
+
+def cpu_per_request(cell: dict[str, Any]) -> dict[str, float]:
+    """Median over rounds of each process's CPU milliseconds per request in the iop arm."""
+    out = {}
+    for k in PROCESSES:
+        vals = [1000 * r["iop"]["cpu_s"].get(k, 0.0) / r["iop"]["count"] for r in cell["runs"] if r["iop"]["count"]]
+        out[k] = statistics.median(vals) if vals else 0.0
+    return out
+
+
+def litellm_rows(ab: dict[str, Any]) -> list[list[str]]:
+    c1, c32 = _cell(ab, "chat/nonstream/c1"), _cell(ab, "chat/nonstream/c32")
+    if not c1 or not c32:
+        return []
+    return [
+        ["added p50, c=1 (ms)", f"{LITELLM['added_p50_c1_ms']:g}", fmt(c1["added_p50_ms"])],
+        ["added p99, c=1 (ms)", f"{LITELLM['added_p99_c1_ms']:g}", fmt(c1["added_p99_ms"])],
+        ["added p50, c=32 (ms)", f"{LITELLM['added_p50_c32_ms']:g}", fmt(c32["added_p50_ms"])],
+        ["req/s, c=1", f"{LITELLM['rps_c1']:g}", fmt(c1["iop_rps"], 0)],
+        ["req/s, c=32", f"{LITELLM['rps_c32']:g}", fmt(c32["iop_rps"], 0)],
+        [
+            "gateway CPU-s per 1,000 requests, c=32",
+            f"{LITELLM['cpu_s_per_1k']:g}",
+            fmt(c32["cpu_s_per_1k"]["edge+node"]),
+        ],
+    ]
 
 
 def _pct(v: float | None) -> str:

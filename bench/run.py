@@ -63,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/<date>.json)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs)")
+    ap.add_argument("--render", type=Path, default=None, metavar="JSON", help="only print the tables of a saved run")
     a = ap.parse_args(argv)
+    if a.render is not None:
+        saved = json.loads(a.render.read_text())
+        judge(saved)
+        print(render(saved))
+        return 0
     only = {x.strip() for x in a.only.split(",") if x.strip()}
     if unknown := only - set(SCENARIOS):
         ap.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
