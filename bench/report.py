@@ -142,7 +142,7 @@ def render(result: dict[str, Any]) -> str:
         f"iop benchmarks, {meta.get('started', '?')}: {m.get('nproc')} x {m.get('cpu_model')},"
         f" Python {m.get('python')};"
         f" iop at {g.get('commit')}{dirty}; storage {meta.get('options', {}).get('storage')},"
-        f" loop {meta.get('options', {}).get('loop')};"
+        f" event loop {meta.get('options', {}).get('loop')};"
         f" load average {meta.get('loadavg_start')} -> {meta.get('loadavg_end')}"
     )
     ab = sc.get("ab") or {}

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib
 import logging
 import os
 import signal
@@ -59,10 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     deployment = config.load(a.config).deployment
     ids = [x for x in a.nodes.split(",") if x] or [n.id for n in deployment.nodes]
     factory = None
-    if os.environ.get("IOP_LOOP") == "uvloop":  # as `iop node` does
-        import uvloop
-
-        factory = uvloop.new_event_loop
+    if os.environ.get("IOP_LOOP", "uvloop") == "uvloop":  # the event loop `iop node` runs on
+        with contextlib.suppress(ImportError):
+            factory = importlib.import_module("uvloop").new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(serve(deployment, ids, a.nats))
 
