@@ -306,9 +306,12 @@ async def connect(
             if not refused.done():
                 refused.set_result(problem)
             return
-        if not last_error:
+        # Said on the second failure, not the first: a server refusing our credentials may reset
+        # the first connection before its refusal arrives, and then the refusal is the one line.
+        if len(last_error) == 1:
             log.warning("%s: waiting for NATS at %s (%s)", name, shown, _reason(exc))
-        last_error[:] = [_reason(exc)]
+        last_error.append(_reason(exc))
+        del last_error[:-2]
 
     async def _disconnected() -> None:
         if not connected:
@@ -362,7 +365,7 @@ async def connect(
         raise BusError(refused.result())
     if failure is not None:
         raise BusError(f"cannot connect to NATS at {shown}: {_reason(failure)}") from failure
-    why = last_error[0] if last_error else "no answer"
+    why = last_error[-1] if last_error else "no answer"
     raise BusError(f"cannot connect to NATS at {shown} within {wait_s:g}s: {why}")
 
 
