@@ -54,6 +54,17 @@ def cpu_split(pid: int) -> tuple[float, float]:
     return (int(f[11]) / TICKS, int(f[12]) / TICKS) if f else (0.0, 0.0)
 
 
+def context_switches(pid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of a process's main thread so far."""
+    out = {"voluntary_ctxt_switches": 0, "nonvoluntary_ctxt_switches": 0}
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in out:
+                out[key] = int(value)
+    return out["voluntary_ctxt_switches"], out["nonvoluntary_ctxt_switches"]
+
+
 def rss_bytes(pid: int) -> int:
     try:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import load
 from abtest import start_upstream
-from procs import Owned, cpu_split, free_port, install_signal_handlers, log
+from procs import Owned, context_switches, cpu_split, free_port, install_signal_handlers, log
 from stack import openai_pool_node, start_stack
 
 PY_SPY = Path(sys.executable).parent / "py-spy"
@@ -59,7 +59,11 @@ def category(func: str, file: str) -> str:
     """What the function on top of the stack is doing, by area; socket syscalls and waiting apart."""
     if "selectors" in file and func.endswith("select"):
         return "idle (waiting in select)"
-    if "selector_events" in file and ("write" in func or "send" in func):
+    if file.endswith("runners.py") or func.endswith(("run_until_complete", "run_forever")):
+        return "idle (waiting in select)"  # uvloop: its loop is C; waiting shows as the runner on top
+    if func.endswith(("StreamWriter.writelines", "StreamWriter.write")) or (
+        ("selector_events" in file or "uvloop" in file) and ("write" in func or "send" in func)
+    ):
         return "socket writes (syscall; loopback delivery is charged to the writer)"
     if "selector_events" in file and ("read" in func or "recv" in func):
         return "socket reads (syscall)"
@@ -75,7 +79,9 @@ def summarize(raw: Path, top: int = 12) -> str:
     total = idle = 0
     for line in raw.read_text(errors="replace").splitlines():
         stack, _, n = line.rpartition(" ")
-        if not n.isdigit() or "_run_once" not in stack:
+        # The main thread only (it runs the event loop); threads started by `threading` (asyncio's
+        # child watcher, executors) begin in threading.py.
+        if not n.isdigit() or stack.startswith("_bootstrap (threading.py"):
             continue
         count = int(n)
         parsed = [m for f in stack.split(";") if (m := _FRAME.match(f.strip()))]
@@ -180,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         if stack.nats_pid:
             pids["nats-server"] = stack.nats_pid
         cpu0 = {name: cpu_split(pid) for name, pid in pids.items()}
+        ctx0 = {name: context_switches(pid) for name, pid in pids.items()}
         runner.start()
         spies = {
             name: subprocess.Popen(
@@ -209,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"py-spy on the {name} failed: {err.decode(errors='replace')[-500:]}")
         runner.join(timeout=a.seconds + 120)
         cpu = {name: [b - a for a, b in zip(cpu0[name], cpu_split(pid), strict=True)] for name, pid in pids.items()}
+        ctx = {
+            name: [b - a for a, b in zip(ctx0[name], context_switches(pid), strict=True)] for name, pid in pids.items()
+        }
         r = result.get("r")
         calls = count_syscalls(pids, spec, a.syscall_seconds) if a.syscall_seconds > 0 else {}
     finally:
@@ -225,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in cpu:
         user, system = cpu[name]
         kernel = 100 * system / max(1e-9, user + system)
-        print(f"\n{name}: {1000 * (user + system) / n:.2f} CPU-ms per request ({kernel:.0f}% in the kernel)")
+        print(
+            f"\n{name}: {1000 * (user + system) / n:.2f} CPU-ms per request ({kernel:.0f}% in the kernel);"
+            f" {ctx[name][0] / n:.1f} voluntary and {ctx[name][1] / n:.2f} involuntary context switches per request"
+        )
         if name in calls:
             print("  system calls per request (strace -c, a separate run): " + calls[name])
         raw = out / f"{name}.txt"
