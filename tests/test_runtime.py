@@ -6,13 +6,11 @@ import asyncio
 import sys
 from pathlib import Path
 
-import httpx
 import openai
-import pytest
 
 from iop.bus import EmbeddedNats
 from iop.node.adapters.mock import mock_token
-from tests.fakes import FakeUpstream, fake_upstream
+from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, running_edge, running_node, until
 
 
@@ -312,11 +310,6 @@ async def test_unknown_model_is_404_and_no_connected_provider_is_503(nats_server
                 await h.edge.registry.wait_connected(["node-a"], timeout_s=10)
                 r = await http.post("/v1/chat/completions", json={"model": "m", "messages": msgs})
                 assert r.status_code == 200
-
-
-def test_harness_imports() -> None:
-    assert FakeUpstream().text() == "w0 w1 w2"
-    assert httpx is not None and pytest is not None
 
 
 async def test_failover_before_the_first_byte_and_the_breaker(nats_server: EmbeddedNats) -> None:

@@ -62,6 +62,19 @@ class Registry:
         if self._task is not None:
             self._task.cancel()
 
+    def apply(self, new: config.Deployment) -> None:
+        """Follow a refreshed node list: new nodes appear disconnected, removed ones are forgotten."""
+        wanted = {n.id: n for n in new.nodes}
+        for node_id in list(self.nodes):
+            if node_id not in wanted:
+                del self.nodes[node_id]
+        for node_id, node in wanted.items():
+            st = self.nodes.get(node_id)
+            if st is None:
+                self.nodes[node_id] = NodeState(cfg=node)
+            else:
+                st.cfg = node
+
     def bus_reconnected(self) -> None:
         """While the edge itself was cut off it heard nothing: restart every node's clock."""
         now = time.monotonic()

@@ -25,7 +25,7 @@ from starlette.types import Scope
 
 from iop import bus, config, wire
 from iop.edge.api import ApiEndpoint, check_bearer
-from iop.edge.registry import NodeState, Registry
+from iop.edge.registry import Registry
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
 from iop.edge.status import status_of
@@ -150,7 +150,7 @@ class Edge:
                 },
                 new_cat.pools,
             )
-            _apply_nodes(self.registry, new)
+            self.registry.apply(new)
             result.applied.append("edge: pools, providers and routes switched")
             gone = [pid for pid in old_cat.providers if pid not in new_cat.providers]
             for pid in gone:
@@ -303,20 +303,6 @@ async def run_edge(
     finally:
         if embedded is not None:
             await embedded.stop()
-
-
-def _apply_nodes(registry: Registry, new: config.Deployment) -> None:
-    """The registry follows the new node list: new nodes appear disconnected, removed ones go."""
-    wanted = {n.id: n for n in new.nodes}
-    for node_id in list(registry.nodes):
-        if node_id not in wanted:
-            del registry.nodes[node_id]
-    for node_id, node in wanted.items():
-        st = registry.nodes.get(node_id)
-        if st is None:
-            registry.nodes[node_id] = NodeState(cfg=node)
-        else:
-            st.cfg = node
 
 
 async def _reload(edge: Edge, path: Path) -> None:
