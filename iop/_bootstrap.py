@@ -109,9 +109,7 @@ def main() -> None:
     try:
         unpack(archive, target, [manifest["nats_server"]])
     except OSError as exc:
-        print(
-            f"iop: cannot unpack into {root}: {exc}; set IOP_CACHE_DIR to a writable folder", file=sys.stderr
-        )
+        print(f"iop: cannot unpack into {root}: {exc}; set IOP_CACHE_DIR to a writable folder", file=sys.stderr)
         sys.exit(1)
 
     # The payload goes first so that nothing installed beside this Python shadows a pinned dependency;

@@ -178,7 +178,9 @@ class EmbeddedNats:
             fh.write(conf)
         binary = nats_server_path()
         self.proc = await asyncio.create_subprocess_exec(
-            binary, "-c", name,
+            binary,
+            "-c",
+            name,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
@@ -424,9 +426,7 @@ def _consumer_config(provider: str, capacity: int) -> js_api.ConsumerConfig:
     )
 
 
-async def ensure_provider_consumer(
-    js: JetStreamContext, provider: str, capacity: int, *, update: bool = True
-) -> None:
+async def ensure_provider_consumer(js: JetStreamContext, provider: str, capacity: int, *, update: bool = True) -> None:
     """One durable pull consumer per provider; `max_ack_pending = capacity` is the hard cap.
 
     An existing consumer whose cap differs is updated in place (a live capacity change) when

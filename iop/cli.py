@@ -54,6 +54,7 @@ def config_schema() -> None:
     """Print the JSON Schema of the deployment file (for editors)."""
     click.echo(config_mod.json_schema_text())
 
+
 def _run_async(main: Any) -> None:
     """Run on uvloop when it is installed (IOP_LOOP=asyncio forces asyncio's own loop)."""
     import asyncio
@@ -104,7 +105,10 @@ def edge_cmd(config_file: str, listen: str | None, nats_url: str | None, verbose
 @main.command("node")
 @click.option("--node", "node_id", required=True, help="This node's id.")
 @click.option(
-    "--config", "config_file", default=None, type=click.Path(dir_okay=False),
+    "--config",
+    "config_file",
+    default=None,
+    type=click.Path(dir_okay=False),
     help="Deployment file to start from (default: take this node's catalog from the edge).",
 )
 @click.option("--nats", "nats_url", default=None, help="NATS URL (default: the edge's address from the file).")
@@ -150,8 +154,11 @@ def node_cmd(
             _fail("--nats URL is needed without --config (the node takes its catalog from the edge there)", 2)
         try:
             nats_settings = config_mod.NatsSettings(
-                url=str(nats_url), token_env=nats_token_env, user_env=nats_user_env,
-                password_env=nats_password_env, tls_ca=nats_ca,
+                url=str(nats_url),
+                token_env=nats_token_env,
+                user_env=nats_user_env,
+                password_env=nats_password_env,
+                tls_ca=nats_ca,
             )
         except TypeError as exc:
             _fail(f"NATS options: {exc}", 2)
@@ -242,23 +249,55 @@ def refresh_cmd(config_file: str, edge_url: str, dry_run: bool, api_key: str | N
 
 
 @main.command("smoke")
-@click.option("--config", "config_file", default=None, type=click.Path(dir_okay=False),
-              help="Deployment to start and check (default: the built-in iop/configs/smoke.yaml).")
+@click.option(
+    "--config",
+    "config_file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Deployment to start and check (default: the built-in iop/configs/smoke.yaml).",
+)
 @click.option("--edge", "edge_url", default=None, help="Check the deployment behind this running edge instead.")
 @click.option("--model", default=None, help="Pool alias to fill (default: the first pool).")
 @click.option("--direct", default=None, help="Direct-route alias to call while the pool is full (default: the first).")
-@click.option("--expect-nodes", type=click.IntRange(min=0), default=None,
-              help="Connected nodes expected (default: every node of the deployment).")
-@click.option("--expect-capacity", type=click.IntRange(min=1), default=None,
-              help="Connected capacity of the pool expected (default: its total capacity).")
-@click.option("--requests", "requests_n", type=click.IntRange(min=1), default=None,
-              help="Pool requests in the burst, more than the capacity (default: 40, or 4x the capacity).")
-@click.option("--ready-timeout", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
-              help="Seconds to wait for nodes, pool and route to be connected.")
-@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Seconds one request may take (default: 30, or 300 with --edge).")
-@click.option("--skip-node", "skip_nodes", multiple=True, metavar="ID",
-              help="Do not start this node (start it yourself with --nats, or see how a missing node is reported).")
+@click.option(
+    "--expect-nodes",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Connected nodes expected (default: every node of the deployment).",
+)
+@click.option(
+    "--expect-capacity",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Connected capacity of the pool expected (default: its total capacity).",
+)
+@click.option(
+    "--requests",
+    "requests_n",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Pool requests in the burst, more than the capacity (default: 40, or 4x the capacity).",
+)
+@click.option(
+    "--ready-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=20.0,
+    show_default=True,
+    help="Seconds to wait for nodes, pool and route to be connected.",
+)
+@click.option(
+    "--request-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Seconds one request may take (default: 30, or 300 with --edge).",
+)
+@click.option(
+    "--skip-node",
+    "skip_nodes",
+    multiple=True,
+    metavar="ID",
+    help="Do not start this node (start it yourself with --nats, or see how a missing node is reported).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--api-key", envvar="IOP_API_KEY", default=None, help="Bearer key for --edge (env IOP_API_KEY).")
 def smoke_cmd(

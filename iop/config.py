@@ -44,12 +44,12 @@ class NatsSettings(_Strict):
             description="`embedded` starts the bundled nats-server; otherwise nats:// or tls:// URLs, comma-separated.",
         ),
     ] = "embedded"
-    listen: Annotated[
-        Address, Meta(description="The embedded server's client address (nodes connect here).")
-    ] = "127.0.0.1:4222"
-    store_dir: Annotated[
-        str, Meta(min_length=1, description="The embedded server's JetStream file store.")
-    ] = ".iop/nats"
+    listen: Annotated[Address, Meta(description="The embedded server's client address (nodes connect here).")] = (
+        "127.0.0.1:4222"
+    )
+    store_dir: Annotated[str, Meta(min_length=1, description="The embedded server's JetStream file store.")] = (
+        ".iop/nats"
+    )
     user_env: Annotated[
         EnvName | None,
         Meta(description="Environment variable holding the NATS user name (with password_env)."),
@@ -78,20 +78,18 @@ class NatsSettings(_Strict):
 class QueueSettings(_Strict):
     """The wait queue in front of each pool."""
 
-    timeout_s: Annotated[
-        Seconds, Meta(description="How long a pool request may wait for a free slot (then 503).")
-    ] = 60.0
-    max_waiting: Annotated[
-        int, Meta(ge=1, description="How many requests may wait per pool; one more gets 429.")
-    ] = 1000
+    timeout_s: Annotated[Seconds, Meta(description="How long a pool request may wait for a free slot (then 503).")] = (
+        60.0
+    )
+    max_waiting: Annotated[int, Meta(ge=1, description="How many requests may wait per pool; one more gets 429.")] = (
+        1000
+    )
 
 
 class EdgeSettings(_Strict):
     """The HTTP front: where it listens, how it reaches NATS, how pools queue."""
 
-    listen: Annotated[Address, Meta(description="host:port of the OpenAI-compatible HTTP API.")] = (
-        "127.0.0.1:8080"
-    )
+    listen: Annotated[Address, Meta(description="host:port of the OpenAI-compatible HTTP API.")] = "127.0.0.1:8080"
     nats: NatsSettings = msgspec.field(default_factory=NatsSettings)
     queue: QueueSettings = msgspec.field(default_factory=QueueSettings)
     api_keys_env: Annotated[
@@ -120,9 +118,7 @@ class ModelAlias(_Strict):
         Annotated[list[str], Meta(min_length=1)] | None,
         Meta(description="Provider ids whose capacity serves this alias (a provider pool)."),
     ] = None
-    route: Annotated[
-        str | None, Meta(description="`node/provider`: a direct route to one CLI resource.")
-    ] = None
+    route: Annotated[str | None, Meta(description="`node/provider`: a direct route to one CLI resource.")] = None
 
 
 class CliAdapter(_Strict, tag="cli", tag_field="type"):
@@ -154,9 +150,9 @@ class OpenAIAdapter(_Strict, tag="openai", tag_field="type"):
         Literal["chat", "responses", "both"],
         Meta(description="What the upstream serves: /chat/completions, /responses, or both."),
     ] = "chat"
-    api_key_env: Annotated[
-        EnvName | None, Meta(description="Environment variable holding the upstream's API key.")
-    ] = None
+    api_key_env: Annotated[EnvName | None, Meta(description="Environment variable holding the upstream's API key.")] = (
+        None
+    )
     timeout_s: Annotated[Seconds, Meta(description="Upper bound on one upstream request.")] = 600.0
 
 
@@ -252,9 +248,7 @@ class Catalog:
     @classmethod
     def of(cls, dep: Deployment) -> Catalog:
         providers = {
-            p.id: ProviderRef(node=n, provider=p, adapter=n.adapter(p.adapter))
-            for n in dep.nodes
-            for p in n.providers
+            p.id: ProviderRef(node=n, provider=p, adapter=n.adapter(p.adapter)) for n in dep.nodes for p in n.providers
         }
         pools: dict[str, list[str]] = {}
         routes: dict[str, tuple[str, str]] = {}
@@ -286,8 +280,7 @@ _ADAPTER_TYPES = {str(c.__struct_config__.tag) for c in (CliAdapter, OpenAIAdapt
 _EDGE_DEFAULTS = EdgeSettings()
 _NATS_DEFAULTS = _EDGE_DEFAULTS.nats
 _LEGACY = (
-    "legacy setting: it no longer gates admission (each provider's capacity does) "
-    "and is kept as metadata for status"
+    "legacy setting: it no longer gates admission (each provider's capacity does) and is kept as metadata for status"
 )
 
 
@@ -441,9 +434,7 @@ class _CrossCheck:
         if isinstance(runtime, dict) and runtime.get("concurrency") is not None:
             self.warnings.append(Problem((*at, "runtime", "concurrency"), _LEGACY))
 
-    def provider(
-        self, at: validate.Path, provider: dict[Any, Any], node: str, adapters: dict[str, str | None]
-    ) -> None:
+    def provider(self, at: validate.Path, provider: dict[Any, Any], node: str, adapters: dict[str, str | None]) -> None:
         ref = provider.get("adapter")
         if not isinstance(ref, str):
             ref = None  # the structural check reports it
@@ -623,9 +614,7 @@ def summary(loaded: Loaded) -> str:
         for alias, members in catalog.pools.items():
             caps = [catalog.providers[m].provider.capacity or 0 for m in members]
             each = ", ".join(f"{m} {c}" for m, c in zip(members, caps, strict=True))
-            lines.append(
-                f"  {alias}: {_plural(len(members), 'candidate')}, total capacity {sum(caps)} ({each})"
-            )
+            lines.append(f"  {alias}: {_plural(len(members), 'candidate')}, total capacity {sum(caps)} ({each})")
     if catalog.routes:
         lines += ["", "direct routes"]
         lines += [f"  {alias} -> {node}/{prov}" for alias, (node, prov) in catalog.routes.items()]

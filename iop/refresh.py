@@ -62,8 +62,9 @@ def diff(old: config.Deployment, new: config.Deployment) -> list[Change]:
         if a.provider.model != b.provider.model:
             changes.append(Change(kind="model", target=target, before=a.provider.model, after=b.provider.model))
         if a.provider.adapter != b.provider.adapter:
-            changes.append(Change(kind="provider_adapter", target=target, before=a.provider.adapter,
-                                  after=b.provider.adapter))
+            changes.append(
+                Change(kind="provider_adapter", target=target, before=a.provider.adapter, after=b.provider.adapter)
+            )
 
     for nid in sorted(old_nodes.keys() & new_nodes.keys()):
         a_ad = {ad.id: ad for ad in old_nodes[nid].adapters}
@@ -85,8 +86,12 @@ def diff(old: config.Deployment, new: config.Deployment) -> list[Change]:
     for alias in sorted(old_cat.pools.keys() & new_cat.pools.keys()):
         if old_cat.pools[alias] != new_cat.pools[alias]:
             changes.append(
-                Change(kind="pool_members", target=alias, before=", ".join(old_cat.pools[alias]),
-                       after=", ".join(new_cat.pools[alias]))
+                Change(
+                    kind="pool_members",
+                    target=alias,
+                    before=", ".join(old_cat.pools[alias]),
+                    after=", ".join(new_cat.pools[alias]),
+                )
             )
     for alias in sorted(new_cat.routes.keys() - old_cat.routes.keys()):
         changes.append(Change(kind="route_added", target=alias, after="/".join(new_cat.routes[alias])))
@@ -95,13 +100,23 @@ def diff(old: config.Deployment, new: config.Deployment) -> list[Change]:
     for alias in sorted(old_cat.routes.keys() & new_cat.routes.keys()):
         if old_cat.routes[alias] != new_cat.routes[alias]:
             changes.append(
-                Change(kind="route_changed", target=alias, before="/".join(old_cat.routes[alias]),
-                       after="/".join(new_cat.routes[alias]))
+                Change(
+                    kind="route_changed",
+                    target=alias,
+                    before="/".join(old_cat.routes[alias]),
+                    after="/".join(new_cat.routes[alias]),
+                )
             )
 
     if old.edge.max_body_mb != new.edge.max_body_mb:
-        changes.append(Change(kind="max_body", target="edge.max_body_mb", before=str(old.edge.max_body_mb),
-                              after=str(new.edge.max_body_mb)))
+        changes.append(
+            Change(
+                kind="max_body",
+                target="edge.max_body_mb",
+                before=str(old.edge.max_body_mb),
+                after=str(new.edge.max_body_mb),
+            )
+        )
     if old.edge.queue != new.edge.queue:
         before, after = _enc(old.edge.queue), _enc(new.edge.queue)
         changes.append(Change(kind="queue", target="edge.queue", before=before, after=after))

@@ -337,10 +337,7 @@ def _nats_url_problem(value: str) -> str | None:
         return None
     for item in value.split(","):
         if not _url_ok(item.strip(), ("nats", "tls")):
-            return (
-                f"expected 'embedded' or comma-separated nats:// or tls:// URLs, "
-                f"and {item.strip()!r} is not one"
-            )
+            return f"expected 'embedded' or comma-separated nats:// or tls:// URLs, and {item.strip()!r} is not one"
     return None
 
 

@@ -121,7 +121,9 @@ class FakeUpstream:
         if self.wants_tool(body):
             message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [self._tool_call(body)]}
             return {
-                "id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()),
+                "id": "chatcmpl-fake",
+                "object": "chat.completion",
+                "created": int(time.time()),
                 "model": body.get("model"),
                 "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}],
                 "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12},
@@ -138,25 +140,40 @@ class FakeUpstream:
         }
 
     async def _chat_stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": body.get("model")}
-        first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                      "finish_reason": None}]}
+        base = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": body.get("model"),
+        }
+        first = {
+            **base,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        }
         yield b"data: " + json.dumps(first).encode() + b"\n\n"
         if self.wants_tool(body):
             call = self._tool_call(body)
-            head = {"index": 0, "id": call["id"], "type": "function",
-                    "function": {"name": call["function"]["name"], "arguments": ""}}
-            for piece in ({"tool_calls": [head]},
-                          {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
-                          {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}):
+            head = {
+                "index": 0,
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": ""},
+            }
+            for piece in (
+                {"tool_calls": [head]},
+                {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+                {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+            ):
                 chunk = {**base, "choices": [{"index": 0, "delta": piece, "finish_reason": None}]}
                 yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
             last = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
             yield b"data: " + json.dumps(last).encode() + b"\n\n"
             if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {**base, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7,
-                                                          "total_tokens": 12}}
+                usage = {
+                    **base,
+                    "choices": [],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12},
+                }
                 yield b"data: " + json.dumps(usage).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
             return
@@ -169,24 +186,51 @@ class FakeUpstream:
         last = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
         yield b"data: " + json.dumps(last).encode() + b"\n\n"
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {**base, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": self.tokens,
-                                                      "total_tokens": 5 + self.tokens}}
+            usage = {
+                **base,
+                "choices": [],
+                "usage": {"prompt_tokens": 5, "completion_tokens": self.tokens, "total_tokens": 5 + self.tokens},
+            }
             yield b"data: " + json.dumps(usage).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     def _response_obj(self, body: dict[str, Any], status: str, text: str | None) -> dict[str, Any]:
         output = []
         if text is not None:
-            output = [{"id": "msg_fake", "type": "message", "status": "completed", "role": "assistant",
-                       "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+            output = [
+                {
+                    "id": "msg_fake",
+                    "type": "message",
+                    "status": "completed",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}],
+                }
+            ]
         return {
-            "id": "resp_fake", "object": "response", "created_at": int(time.time()), "status": status,
-            "model": body.get("model"), "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
-            "tools": [], "error": None, "incomplete_details": None, "instructions": None, "metadata": {},
-            "temperature": None, "top_p": None,
-            "usage": {"input_tokens": 5, "output_tokens": self.tokens, "total_tokens": 5 + self.tokens,
-                      "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens_details": {"reasoning_tokens": 0}} if text is not None else None,
+            "id": "resp_fake",
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": status,
+            "model": body.get("model"),
+            "output": output,
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "error": None,
+            "incomplete_details": None,
+            "instructions": None,
+            "metadata": {},
+            "temperature": None,
+            "top_p": None,
+            "usage": {
+                "input_tokens": 5,
+                "output_tokens": self.tokens,
+                "total_tokens": 5 + self.tokens,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            }
+            if text is not None
+            else None,
         }
 
     def _responses_body(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -210,8 +254,14 @@ class FakeUpstream:
             if self.token_interval_s:
                 await asyncio.sleep(self.token_interval_s)
             piece = ("" if i == 0 else " ") + f"w{i}"
-            yield ev("response.output_text.delta", item_id="msg_fake", output_index=0, content_index=0,
-                     delta=piece, logprobs=[])
+            yield ev(
+                "response.output_text.delta",
+                item_id="msg_fake",
+                output_index=0,
+                content_index=0,
+                delta=piece,
+                logprobs=[],
+            )
         yield ev("response.completed", response=self._response_obj(body, "completed", self.text()))
 
 

@@ -97,7 +97,12 @@ def test_bad_chat_bodies_get_openai_errors(edge_url: str, name: str, body: bytes
 
 @pytest.mark.parametrize(
     "body",
-    [{"model": "sim"}, {"model": "sim", "input": 5}, {"model": "sim", "input": [1, 2]}, {"model": "sim", "input": None}],  # noqa: E501
+    [
+        {"model": "sim"},
+        {"model": "sim", "input": 5},
+        {"model": "sim", "input": [1, 2]},
+        {"model": "sim", "input": None},
+    ],
 )
 def test_bad_responses_bodies_get_openai_errors(edge_url: str, body: dict[str, Any]) -> None:
     with httpx.Client(base_url=edge_url) as http:
@@ -109,8 +114,11 @@ def test_wrong_content_type_is_415(edge_url: str) -> None:
     with httpx.Client(base_url=edge_url) as http:
         r = http.post("/v1/chat/completions", content=json.dumps(GOOD), headers={"content-type": "text/plain"})
         _error(r, 415, "unsupported_media_type")
-        ok = http.post("/v1/chat/completions", content=json.dumps(GOOD),
-                       headers={"content-type": "application/json; charset=utf-8"})
+        ok = http.post(
+            "/v1/chat/completions",
+            content=json.dumps(GOOD),
+            headers={"content-type": "application/json; charset=utf-8"},
+        )
         assert ok.status_code == 200
 
 
@@ -143,13 +151,17 @@ request_like = st.fixed_dictionaries(
     optional={
         "model": st.sampled_from(["sim", "nope"]) | json_values,
         "stream": st.booleans() | json_values,
-        "messages": st.lists(st.fixed_dictionaries({"role": st.text(max_size=8)}, optional={"content": json_values}),
-                             max_size=3) | json_values,
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.text(max_size=8)}, optional={"content": json_values}), max_size=3
+        )
+        | json_values,
         "input": st.text(max_size=20) | json_values,
     },
 )
-raw_bodies = st.binary(max_size=200) | request_like.map(lambda d: json.dumps(d).encode()) | json_values.map(
-    lambda v: json.dumps(v).encode()
+raw_bodies = (
+    st.binary(max_size=200)
+    | request_like.map(lambda d: json.dumps(d).encode())
+    | json_values.map(lambda v: json.dumps(v).encode())
 )
 
 

@@ -12,7 +12,21 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_ruff_is_clean() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "ruff", "check", "iop", "tests", "bench", "build.py"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_ruff_format_is_clean() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "iop", "tests", "bench", "build.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -20,6 +34,9 @@ def test_ruff_is_clean() -> None:
 def test_mypy_strict_is_clean() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "mypy", "--no-error-summary"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -143,8 +143,17 @@ async def test_refresh_command_line(nats_server: EmbeddedNats, tmp_path: Path) -
 
             async def iop(*args: str) -> tuple[int, str, str]:
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "iop", "refresh", "--config", str(f), "--edge", h.url, *args,
-                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                    sys.executable,
+                    "-m",
+                    "iop",
+                    "refresh",
+                    "--config",
+                    str(f),
+                    "--edge",
+                    h.url,
+                    *args,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
                 )
                 out, err = await proc.communicate()
                 assert proc.returncode is not None
@@ -183,14 +192,18 @@ async def test_raising_capacity_reaches_the_node_and_the_upstream(nats_server: E
 async def test_a_provider_added_to_a_running_node_starts_serving(nats_server: EmbeddedNats) -> None:
     async with fake_upstream() as a, fake_upstream() as a2:
         old = pool_yaml(a.url, "", 1, None)
-        new = old.replace(
-            "providers: [{id: prov-a, adapter: up, capacity: 1}]",
-            'providers: [{id: prov-a, adapter: up, capacity: 1}, {id: prov-a2, adapter: up2, capacity: 2}]',
-        ).replace(
-            f'adapters: [{{id: up, type: openai, base_url: "{a.url}", api: both}}]',
-            f'adapters: [{{id: up, type: openai, base_url: "{a.url}", api: both}}, '
-            f'{{id: up2, type: openai, base_url: "{a2.url}", api: both}}]',
-        ).replace("pool: [prov-a]", "pool: [prov-a, prov-a2]")
+        new = (
+            old.replace(
+                "providers: [{id: prov-a, adapter: up, capacity: 1}]",
+                "providers: [{id: prov-a, adapter: up, capacity: 1}, {id: prov-a2, adapter: up2, capacity: 2}]",
+            )
+            .replace(
+                f'adapters: [{{id: up, type: openai, base_url: "{a.url}", api: both}}]',
+                f'adapters: [{{id: up, type: openai, base_url: "{a.url}", api: both}}, '
+                f'{{id: up2, type: openai, base_url: "{a2.url}", api: both}}]',
+            )
+            .replace("pool: [prov-a]", "pool: [prov-a, prov-a2]")
+        )
         async with deployment_running(deployment(old), nats_server.url) as h, h.http() as http:
             r = await http.post("/admin/refresh", content=new)
             assert "provider_added node-a/prov-a2: capacity 2" in r.json()["changes"]
@@ -200,15 +213,21 @@ async def test_a_provider_added_to_a_running_node_starts_serving(nats_server: Em
             assert a2.total > 0
 
 
-async def test_a_node_without_a_file_takes_its_catalog_from_the_edge(
-    nats_server: EmbeddedNats, tmp_path: Path
-) -> None:
+async def test_a_node_without_a_file_takes_its_catalog_from_the_edge(nats_server: EmbeddedNats, tmp_path: Path) -> None:
     async with fake_upstream() as a:
         text = pool_yaml(a.url, "", 2, None)
         async with running_edge(deployment(text), nats_server.url) as h, h.http() as http:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "iop", "node", "--node", "node-a", "--nats", nats_server.url,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                sys.executable,
+                "-m",
+                "iop",
+                "node",
+                "--node",
+                "node-a",
+                "--nats",
+                nats_server.url,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
             )
             try:
                 await h.edge.registry.wait_connected(["node-a"], timeout_s=20)

@@ -108,8 +108,13 @@ def test_smoke_from_archive_passes_and_leaves_nothing(built_archive: Path, tmp_p
     cwd.mkdir()
     venv_bin = str(Path(sys.executable).parent)
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != venv_bin)
-    env = {"PATH": path, "HOME": str(tmp_path), "IOP_CACHE_DIR": str(tmp_path / "cache"), "LANG": "C.UTF-8",
-           "TMPDIR": str(tmp)}
+    env = {
+        "PATH": path,
+        "HOME": str(tmp_path),
+        "IOP_CACHE_DIR": str(tmp_path / "cache"),
+        "LANG": "C.UTF-8",
+        "TMPDIR": str(tmp),
+    }
     # A bare Python (-S: no site-packages) from an empty folder: the archive alone must be enough.
     done = subprocess.run(
         [BARE_PYTHON, "-S", str(built_archive), "smoke"],
@@ -123,8 +128,17 @@ def test_smoke_from_archive_passes_and_leaves_nothing(built_archive: Path, tmp_p
         assert re.search(rf"^\S*\s+{provider}\s+pool\s+{capacity}\s+{capacity}\s", out, re.M), out
     assert re.search(r"^mac-codex-node\s+codex-cli\s+cli\s+unlimited\s+1\s+1\s+0$", out, re.M), out
     assert re.search(r"^qwen-coder\s+all\s+-\s+40\s+40\s", out, re.M), out
-    for name in ("ready", "answers", "saturated", "direct route", "pool peak", "provider peaks", "provider errors",
-                 "drained", "counted"):
+    for name in (
+        "ready",
+        "answers",
+        "saturated",
+        "direct route",
+        "pool peak",
+        "provider peaks",
+        "provider errors",
+        "drained",
+        "counted",
+    ):
         assert f"  ok    {name}: " in out
     assert "  FAIL  " not in out and "failed checks" not in out
     # Progress goes to stderr while it runs.
@@ -143,15 +157,26 @@ def test_smoke_json_reports_peaks_measured_on_the_nodes(tmp_path: Path) -> None:
     report = json.loads(done.stdout)
     assert report["ok"] is True and report["failed_checks"] == []
     assert (report["mode"], report["model"], report["direct"], report["requests_sent"]) == (
-        "self-contained", "qwen-coder", "codex", 24)
+        "self-contained",
+        "qwen-coder",
+        "codex",
+        24,
+    )
     peaks = {p["provider"]: (p["capacity"], p["peak_in_flight"], p["served"]) for p in report["providers"]}
     assert peaks["codex-cli"] == (None, 1, 1)
     assert {k: v[:2] for k, v in peaks.items() if k != "codex-cli"} == {
-        "mac-mlx-vllm": (2, 2), "gpu-a-vllm": (4, 4), "gpu-b-vllm": (4, 4)}
+        "mac-mlx-vllm": (2, 2),
+        "gpu-a-vllm": (4, 4),
+        "gpu-b-vllm": (4, 4),
+    }
     assert sum(v[2] for k, v in peaks.items() if k != "codex-cli") == 24
     pool = report["pool"]
     assert (pool["peak_running"], pool["total_capacity"], pool["waiting_at_end"], pool["running_at_end"]) == (
-        10, 10, 0, 0)
+        10,
+        10,
+        0,
+        0,
+    )
     rows = {(r["endpoint"], r["stream"]): r for r in report["requests"]}
     for endpoint in ("/v1/chat/completions", "/v1/responses"):
         for stream in (False, True):
@@ -168,7 +193,8 @@ async def test_smoke_edge_mode_checks_a_running_deployment(nats_server: Any, tmp
     async with deployment_running(dep, nats_server.url) as handle:
         code, out, err = await _smoke_async(
             ["--edge", handle.url, "--expect-nodes", "3", "--expect-capacity", "10", "--requests", "20", "--json"],
-            _tmpdir(tmp_path), tmp_path,
+            _tmpdir(tmp_path),
+            tmp_path,
         )
     assert code == 0, out + err
     report = json.loads(out)
@@ -210,7 +236,8 @@ def test_smoke_shows_why_a_process_it_started_died(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout + done.stderr
     assert "the edge never listened; started and stopped: edge (pid " in done.stdout
     assert "  FAIL  ready: edge exited with status 1; last lines of its log:\n      | iop: edge.nats.token_env:" in (
-        done.stdout)
+        done.stdout
+    )
     _assert_nothing_left(tmp, [])
 
 

@@ -267,8 +267,14 @@ def stream_error_event(api: wire.Api, exc: RequestError) -> bytes:
     err = {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
     if api == "chat":
         return b"data: " + _json({"error": err}) + b"\n\n"
-    event = {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param, "error": err,
-             "sequence_number": 0}
+    event = {
+        "type": "error",
+        "code": exc.code,
+        "message": exc.message,
+        "param": exc.param,
+        "error": err,
+        "sequence_number": 0,
+    }
     return b"event: error\ndata: " + _json(event) + b"\n\n"
 
 

@@ -31,9 +31,7 @@ class Channel:
     """The replies of one request, in order, plus what the edge must undo if it ends early."""
 
     id: str
-    queue: asyncio.Queue[wire.Started | wire.Chunk | wire.Done | wire.Failure] = field(
-        default_factory=asyncio.Queue
-    )
+    queue: asyncio.Queue[wire.Started | wire.Chunk | wire.Done | wire.Failure] = field(default_factory=asyncio.Queue)
     node: str = ""
     provider: str = ""
     stream_seq: int = 0
@@ -178,9 +176,7 @@ class Relay:
         for ch in list(self.channels.values()):
             if ch.node == node and not ch.ended:
                 ch.end()
-                ch.queue.put_nowait(
-                    wire.Failure(ch.id, -1, 502, "node_lost", f"node {node} was lost: {reason}")
-                )
+                ch.queue.put_nowait(wire.Failure(ch.id, -1, 502, "node_lost", f"node {node} was lost: {reason}"))
                 self._spawn(self._abandon(ch, tell_node=False))
 
     async def dispatch_pool(self, ch: Channel, provider: str, item: wire.WorkItem) -> None:

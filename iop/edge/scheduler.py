@@ -132,9 +132,7 @@ class Scheduler:
         for p in pool.providers:
             p.pools.append(pool)
 
-    async def acquire(
-        self, alias: str, deadline: float, exclude: frozenset[str] = frozenset()
-    ) -> ProviderSlots:
+    async def acquire(self, alias: str, deadline: float, exclude: frozenset[str] = frozenset()) -> ProviderSlots:
         """A slot of a provider of `alias` (none of `exclude`); `deadline` is on the loop's clock.
 
         Raises QueueFull when `max_waiting` requests already wait, Unavailable when no provider of

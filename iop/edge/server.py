@@ -204,8 +204,13 @@ def build_app(edge: Edge) -> Starlette:
         try:
             new = config.parse(text, "refresh").deployment
         except ConfigError as exc:
-            err = {"message": "the deployment file is invalid", "type": "invalid_request_error",
-                   "param": None, "code": "invalid_config", "problems": exc.problems}
+            err = {
+                "message": "the deployment file is invalid",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_config",
+                "problems": exc.problems,
+            }
             return JSONResponse({"error": err}, 400)
         result = await edge.refresh(new, dry_run=request.query_params.get("dry_run") in ("1", "true"))
         return JSONResponse(asdict(result), 500 if result.error else 200)

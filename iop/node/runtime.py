@@ -142,9 +142,7 @@ class NodeRuntime:
                     self.node = edge_node
         await self._hello()
         await self.nc.subscribe(wire.cancel_subject(self.node_id), cb=self._on_cancel)
-        await self.nc.subscribe(
-            wire.credit_subject(self.node_id), cb=self._on_credit, pending_msgs_limit=1_000_000
-        )
+        await self.nc.subscribe(wire.credit_subject(self.node_id), cb=self._on_credit, pending_msgs_limit=1_000_000)
         await self._apply(self.node)
         # "Started" means the server has our subscriptions, not that they are still in our buffer.
         await self.nc.flush(timeout=5)
@@ -201,9 +199,7 @@ class NodeRuntime:
             r.cfg, r.adapter = p, adapter
             if r.kind == "pool" and (p.capacity or 0) > before:
                 # One fetch loop per slot: more slots, more loops (fewer: the extra loops end).
-                r.workers += [
-                    asyncio.create_task(self._fetch_loop(r, js, i)) for i in range(before, p.capacity or 0)
-                ]
+                r.workers += [asyncio.create_task(self._fetch_loop(r, js, i)) for i in range(before, p.capacity or 0)]
 
     async def _serve(self, r: Resource, js: Any) -> None:
         assert self.nc is not None
@@ -493,9 +489,7 @@ class NodeRuntime:
         got = 0
         while got < item.body_size:
             try:
-                reply = await self.nc.request(
-                    item.reply_to, wire.encode(wire.BodyPart(item.id, got)), timeout=5.0
-                )
+                reply = await self.nc.request(item.reply_to, wire.encode(wire.BodyPart(item.id, got)), timeout=5.0)
             except (nats.errors.Error, TimeoutError) as exc:
                 raise Unavailable(
                     f"the request body could not be fetched from the edge: {type(exc).__name__}", code="cancelled"

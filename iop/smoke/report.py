@@ -100,19 +100,38 @@ def judge(report: Report, settle_gaps: list[str], edge_log: list[str] | None = N
 
     failed = [o for o in burst.pool if not o.ok]
     if failed:
-        checks.append(Check("answers", False, f"{len(failed)} of {len(burst.pool)} pool requests failed: "
-                            + _problems(failed)))
+        checks.append(
+            Check("answers", False, f"{len(failed)} of {len(burst.pool)} pool requests failed: " + _problems(failed))
+        )
     else:
-        checks.append(Check("answers", True, f"{len(burst.pool)} of {len(burst.pool)} pool requests answered,"
-                            " each well-formed (chat and Responses, streamed and whole)"))
+        checks.append(
+            Check(
+                "answers",
+                True,
+                f"{len(burst.pool)} of {len(burst.pool)} pool requests answered,"
+                " each well-formed (chat and Responses, streamed and whole)",
+            )
+        )
 
     sat = burst.saturation
     if sat.seen:
-        checks.append(Check("saturated", True, f"the burst filled pool {plan.model}: {sat.running} slots taken,"
-                            f" {sat.waiting} waiting at +{sat.at_s:.2f}s"))
+        checks.append(
+            Check(
+                "saturated",
+                True,
+                f"the burst filled pool {plan.model}: {sat.running} slots taken,"
+                f" {sat.waiting} waiting at +{sat.at_s:.2f}s",
+            )
+        )
     else:
-        checks.append(Check("saturated", False, f"pool {plan.model} never had waiting requests: the burst of"
-                            f" {plan.requests} did not exceed its free capacity"))
+        checks.append(
+            Check(
+                "saturated",
+                False,
+                f"pool {plan.model} never had waiting requests: the burst of"
+                f" {plan.requests} did not exceed its free capacity",
+            )
+        )
 
     if plan.direct is not None:
         checks.append(_direct_check(plan.direct, burst))
@@ -121,17 +140,34 @@ def judge(report: Report, settle_gaps: list[str], edge_log: list[str] | None = N
     since = "" if exact else " since the edge started"
     where = "counted at the edge from the nodes' Started messages"
     if peak > capacity:
-        checks.append(Check("pool peak", False, f"pool {plan.model} ran {peak} requests at once{since}, above its"
-                            f" capacity {capacity} ({where})"))
+        checks.append(
+            Check(
+                "pool peak",
+                False,
+                f"pool {plan.model} ran {peak} requests at once{since}, above its capacity {capacity} ({where})",
+            )
+        )
     elif exact and peak != capacity:
-        checks.append(Check("pool peak", False, f"pool {plan.model} ran at most {peak} requests at once, never its"
-                            f" full capacity {capacity} ({where})"))
+        checks.append(
+            Check(
+                "pool peak",
+                False,
+                f"pool {plan.model} ran at most {peak} requests at once, never its full capacity {capacity} ({where})",
+            )
+        )
     else:
-        checks.append(Check("pool peak", True, f"pool {plan.model} ran at most {peak} requests at once{since},"
-                            f" capacity {capacity} ({where})"))
+        checks.append(
+            Check(
+                "pool peak",
+                True,
+                f"pool {plan.model} ran at most {peak} requests at once{since}, capacity {capacity} ({where})",
+            )
+        )
         if peak < capacity:
-            report.notes.append(f"pool {plan.model} peaked at {peak} of {capacity}{since}: with real upstreams"
-                                " the peak depends on their speed and the load")
+            report.notes.append(
+                f"pool {plan.model} peaked at {peak} of {capacity}{since}: with real upstreams"
+                " the peak depends on their speed and the load"
+            )
 
     rows, over = [], []
     for pid, (_, p) in providers(final).items():
@@ -174,8 +210,12 @@ def _provider_errors_check(report: Report, edge_log: list[str]) -> Check:
             text += f"; edge log: {said[-1]}"
         found.append(text)
     if found:
-        return Check("provider errors", False, "; ".join(found) + " (a request that fails before its first byte is"
-                     " retried on another provider, so clients may not have seen these)")
+        return Check(
+            "provider errors",
+            False,
+            "; ".join(found) + " (a request that fails before its first byte is"
+            " retried on another provider, so clients may not have seen these)",
+        )
     return Check("provider errors", True, "no provider failed a request during the run")
 
 
@@ -190,10 +230,18 @@ def _direct_check(alias: str, burst: BurstResult) -> Check:
     emptied = max(starts, default=0.0)
     started = d.started_s if d.started_s is not None else d.done_s
     if starts and started >= emptied:
-        return Check("direct route", False, f"{alias} started at +{started:.2f}s, after the pool's queue emptied"
-                     f" (+{emptied:.2f}s): it waited for the pool")
-    return Check("direct route", True, f"{alias} answered in {d.latency_ms:.0f} ms while {burst.unanswered_at_direct}"
-                 f" pool requests were unanswered; the pool's queue emptied only at +{emptied:.2f}s")
+        return Check(
+            "direct route",
+            False,
+            f"{alias} started at +{started:.2f}s, after the pool's queue emptied"
+            f" (+{emptied:.2f}s): it waited for the pool",
+        )
+    return Check(
+        "direct route",
+        True,
+        f"{alias} answered in {d.latency_ms:.0f} ms while {burst.unanswered_at_direct}"
+        f" pool requests were unanswered; the pool's queue emptied only at +{emptied:.2f}s",
+    )
 
 
 def _counted_check(report: Report) -> Check:
@@ -204,8 +252,9 @@ def _counted_check(report: Report) -> Check:
     served = sum(d.get(pid, (0, 0))[0] for pid in pool.get("candidates", []))
     answered = sum(1 for o in burst.pool if o.ok)
     if served != answered:
-        return Check("counted", False, f"the providers served {served} pool requests, the client received"
-                     f" {answered} answers")
+        return Check(
+            "counted", False, f"the providers served {served} pool requests, the client received {answered} answers"
+        )
     return Check("counted", True, f"the providers served {served} pool requests, one per answer received")
 
 
@@ -360,37 +409,61 @@ def render(report: Report) -> str:
             node = "" if r["node"] == last_node else r["node"] + ("" if r["node_connected"] else " (down)")
             last_node = r["node"]
             cap = "unlimited" if r["capacity"] is None else str(r["capacity"])
-            table.append([node, r["provider"], r["kind"] or "", cap, str(r["peak_in_flight"]),
-                          str(r["served"]), str(r["failed"])])
-        out += ["", *_table(table), "(peak in flight: measured on each node since it started;"
-                " served/failed: during this run)"]
+            table.append(
+                [
+                    node,
+                    r["provider"],
+                    r["kind"] or "",
+                    cap,
+                    str(r["peak_in_flight"]),
+                    str(r["served"]),
+                    str(r["failed"]),
+                ]
+            )
+        out += [
+            "",
+            *_table(table),
+            "(peak in flight: measured on each node since it started; served/failed: during this run)",
+        ]
 
     status = report.final or report.baseline
     if report.plan is not None and status is not None and (pool := pool_of(status, report.plan.model)):
         sat = report.burst.saturation if report.burst else None
         table = [["POOL", "CANDIDATES", "CAPACITY", "PEAK RUNNING", "MOST WAITING SEEN", "WAITING NOW"]]
-        table.append([
-            pool["alias"],
-            f"{pool.get('connected_candidates')}/{len(pool.get('candidates', []))}",
-            f"{pool.get('connected_capacity')}/{pool.get('total_capacity')}",
-            str(pool.get("peak_running")),
-            str(sat.max_waiting) if sat and sat.samples else "-",
-            str(pool.get("waiting")),
-        ])
+        table.append(
+            [
+                pool["alias"],
+                f"{pool.get('connected_candidates')}/{len(pool.get('candidates', []))}",
+                f"{pool.get('connected_capacity')}/{pool.get('total_capacity')}",
+                str(pool.get("peak_running")),
+                str(sat.max_waiting) if sat and sat.samples else "-",
+                str(pool.get("waiting")),
+            ]
+        )
         out += ["", *_table(table)]
 
     groups = request_groups(report)
     if groups:
         table = [["MODEL", "ENDPOINT", "STREAM", "SENT", "OK", "LATENCY p50", "p99", "QUEUE WAIT p50", "p99"]]
         for g in groups:
-            table.append([
-                g["label"], g["endpoint"], "-" if g["stream"] is None else "yes" if g["stream"] else "no",
-                str(g["requests"]), str(g["ok"]),
-                _ms(g["latency_ms"]["p50"]), _ms(g["latency_ms"]["p99"]),
-                _ms(g["queue_ms"]["p50"]), _ms(g["queue_ms"]["p99"]),
-            ])
-        out += ["", *_table(table), "(milliseconds; latency measured by the client, queue wait reported by"
-                " the edge in x-iop-queue-ms)"]
+            table.append(
+                [
+                    g["label"],
+                    g["endpoint"],
+                    "-" if g["stream"] is None else "yes" if g["stream"] else "no",
+                    str(g["requests"]),
+                    str(g["ok"]),
+                    _ms(g["latency_ms"]["p50"]),
+                    _ms(g["latency_ms"]["p99"]),
+                    _ms(g["queue_ms"]["p50"]),
+                    _ms(g["queue_ms"]["p99"]),
+                ]
+            )
+        out += [
+            "",
+            *_table(table),
+            "(milliseconds; latency measured by the client, queue wait reported by the edge in x-iop-queue-ms)",
+        ]
 
     out += ["", "checks"]
     out += [f"  {'ok  ' if c.ok else 'FAIL'}  {c.name}: {c.detail}" for c in report.checks]

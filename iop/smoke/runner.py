@@ -154,8 +154,12 @@ def _isolated(text: str, work: Path) -> str:
     data["edge"] = edge
     edge["listen"] = "127.0.0.1:0"
     edge.pop("api_keys_env", None)
-    edge["nats"] = {**(edge.get("nats") or {}), "url": "embedded", "listen": "127.0.0.1:0",
-                    "store_dir": str(work / "nats")}
+    edge["nats"] = {
+        **(edge.get("nats") or {}),
+        "url": "embedded",
+        "listen": "127.0.0.1:0",
+        "store_dir": str(work / "nats"),
+    }
     return yaml.safe_dump(data, sort_keys=False)
 
 
@@ -167,18 +171,23 @@ def _precheck(opts: Options, dep: config.Deployment, source: str) -> None:
         if node not in nodes:
             raise UsageError(f"--skip-node {node}: not a node of {source} (its nodes: {', '.join(nodes)})")
     if opts.model is not None and opts.model not in catalog.pools:
-        raise UsageError(f"--model {opts.model}: not a pool alias of {source} (its pools: "
-                         f"{', '.join(catalog.pools) or 'none'})")
+        raise UsageError(
+            f"--model {opts.model}: not a pool alias of {source} (its pools: {', '.join(catalog.pools) or 'none'})"
+        )
     if opts.direct is not None and opts.direct not in catalog.routes:
-        raise UsageError(f"--direct {opts.direct}: not a direct route of {source} (its routes: "
-                         f"{', '.join(catalog.routes) or 'none'})")
+        raise UsageError(
+            f"--direct {opts.direct}: not a direct route of {source} (its routes: "
+            f"{', '.join(catalog.routes) or 'none'})"
+        )
     if not catalog.pools:
         raise UsageError(f"{source} has no pool alias, so there is no capacity to check")
     alias = opts.model or next(iter(catalog.pools))
     capacity = opts.expect_capacity or sum(catalog.providers[p].provider.capacity or 0 for p in catalog.pools[alias])
     if opts.requests is not None and opts.requests <= capacity:
-        raise UsageError(f"--requests {opts.requests}: the burst must be larger than the capacity of pool {alias}"
-                         f" ({capacity}) to fill it")
+        raise UsageError(
+            f"--requests {opts.requests}: the burst must be larger than the capacity of pool {alias}"
+            f" ({capacity}) to fill it"
+        )
 
 
 async def _self_contained(opts: Options, ui: Progress, spawned: list[Children]) -> Report:
@@ -204,8 +213,11 @@ async def _self_contained(opts: Options, ui: Progress, spawned: list[Children]) 
             if edge.exit_code is not None:
                 report.fail("ready", edge.describe_exit())
             else:
-                report.fail("ready", f"the edge did not say where it listens within {EDGE_START_S:g}s; last lines"
-                            " of its log:" + "".join(f"\n      | {line}" for line in edge.tail()))
+                report.fail(
+                    "ready",
+                    f"the edge did not say where it listens within {EDGE_START_S:g}s; last lines"
+                    " of its log:" + "".join(f"\n      | {line}" for line in edge.tail()),
+                )
             return report
         report.edge, report.nats = m.group(1), m.group(2)
         children.adopt_helpers(edge)
@@ -221,8 +233,13 @@ async def _self_contained(opts: Options, ui: Progress, spawned: list[Children]) 
         if children is not None:
             await children.stop(ui.say)
             report.processes = [
-                {"role": c.role, "name": c.name, "pid": c.pid, "exit_code": c.exit_code,
-                 "helpers": [h.pid for h in c.helpers]}
+                {
+                    "role": c.role,
+                    "name": c.name,
+                    "pid": c.pid,
+                    "exit_code": c.exit_code,
+                    "helpers": [h.pid for h in c.helpers],
+                }
                 for c in children.children
             ]
         shutil.rmtree(work, ignore_errors=True)
@@ -308,8 +325,9 @@ async def _exercise(report: Report, opts: Options, ui: Progress, children: Child
             burst = await run_burst(burst_client, read_pool, plan.model, plan.direct, plan.requests, ui.say)
         report.burst = burst
         ok = sum(1 for o in burst.pool if o.ok)
-        ui.say(f"burst: {ok}/{plan.requests} answered well-formed in {burst.duration_s:.1f}s; waiting for status"
-               " to settle")
+        ui.say(
+            f"burst: {ok}/{plan.requests} answered well-formed in {burst.duration_s:.1f}s; waiting for status to settle"
+        )
         report.final, gaps = await _settle(reader, plan, report)
         edge = next((c for c in children.children if c.role == "edge"), None) if children else None
         judge(report, gaps, edge.lines() if edge else None)
