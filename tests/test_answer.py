@@ -18,7 +18,7 @@ try:
 except ImportError:  # older SDKs use httpx
     import httpx as httpx2  # type: ignore[no-redef]
 
-from iop.answer import AnswerWriter, Usage, answer_writer
+from iop.openai.answer import AnswerWriter, Usage, answer_writer
 
 RESPONSE_EVENT: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
 PIECES = ["Hel", "lo", ", wor", "ld — ü ✓", "\n", '"quoted"']

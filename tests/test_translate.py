@@ -23,7 +23,8 @@ except ImportError:  # older SDKs use httpx
     import httpx as httpx2  # type: ignore[no-redef]
 
 from iop.errors import BadRequest, UpstreamError
-from iop.translate import (
+from iop.openai.sse import SseDecoder, SseEvent
+from iop.openai.translate import (
     ChatToResponsesStream,
     ResponsesToChatStream,
     chat_to_responses_answer,
@@ -31,7 +32,6 @@ from iop.translate import (
     responses_to_chat_answer,
     responses_to_chat_request,
 )
-from iop.translate_stream import SseDecoder, SseEvent
 
 DATA = Path(__file__).parent / "data" / "translate"
 RESPONSE_EVENT: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)

@@ -13,9 +13,9 @@ from typing import Any
 import msgspec
 
 from iop import config, wire
-from iop.answer import Usage, answer_writer
 from iop.errors import BadRequest, UpstreamError
 from iop.node.adapters import Send
+from iop.openai.answer import Usage, answer_writer
 
 _decode = msgspec.json.Decoder().decode
 _BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER")

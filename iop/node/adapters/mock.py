@@ -8,8 +8,8 @@ from typing import Any
 import msgspec
 
 from iop import config, wire
-from iop.answer import Usage, answer_writer
 from iop.node.adapters import Send
+from iop.openai.answer import Usage, answer_writer
 
 _WORDS = ("iop", "mock", "model", "answers", "with", "deterministic", "text")
 _decode = msgspec.json.Decoder().decode

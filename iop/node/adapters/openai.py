@@ -12,7 +12,7 @@ from iop import config, wire
 from iop.errors import RequestError, UpstreamError, error_for_status
 from iop.node.adapters import Send
 from iop.node.http1 import ConnectFailed, HttpError, HttpPool, HttpResponse, Timeout
-from iop.translate import (
+from iop.openai.translate import (
     ChatToResponsesStream,
     ResponsesToChatStream,
     chat_to_responses_answer,

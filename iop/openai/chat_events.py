@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from iop.errors import RequestError, error_body
-from iop.usage import Usage
+from iop.openai.usage import Usage
 
 _encode = msgspec.json.Encoder().encode
 

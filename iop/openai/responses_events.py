@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from iop.usage import Usage
+from iop.openai.usage import Usage
 
 _encode = msgspec.json.Encoder().encode
 

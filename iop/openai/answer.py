@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from iop.chat_events import ChatChunks, chat_completion, error_type
 from iop.errors import error_body
-from iop.responses_events import (
+from iop.openai.chat_events import ChatChunks, chat_completion, error_type
+from iop.openai.responses_events import (
     ResponseEvents,
     final_status,
     finish_response,
@@ -17,7 +17,7 @@ from iop.responses_events import (
     new_id,
     response_object,
 )
-from iop.usage import Usage
+from iop.openai.usage import Usage
 
 __all__ = ["AnswerWriter", "Usage", "answer_writer"]
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import msgspec
 
-from iop.chat_events import chat_completion
 from iop.errors import BadRequest, UpstreamError
-from iop.responses_events import (
+from iop.openai.chat_events import chat_completion
+from iop.openai.responses_events import (
     final_status,
     finish_response,
     function_call_item,
@@ -32,8 +32,8 @@ from iop.responses_events import (
     reasoning_item,
     response_object,
 )
-from iop.translate_stream import ChatToResponsesStream, ResponsesToChatStream, as_mapping, chat_finish_reason
-from iop.usage import Usage
+from iop.openai.translate_stream import ChatToResponsesStream, ResponsesToChatStream, as_mapping, chat_finish_reason
+from iop.openai.usage import Usage
 
 __all__ = [
     "ChatToResponsesStream",
