@@ -16,7 +16,8 @@ import nats
 from iop import wire
 from iop.bus import EmbeddedNats
 from iop.node.adapters.mock import mock_token
-from iop.node.runtime import NodeRuntime, Running
+from iop.node.running import Running
+from iop.node.runtime import NodeRuntime
 from tests.harness import EdgeHandle, deployment, running_edge, running_node, until
 from tests.test_faults import sse_events, wait_gone
 

@@ -1,0 +1,35 @@
+"""CLI resources: one core NATS subscription each, reached by a direct route; every request runs at once."""
+
+from __future__ import annotations
+
+import logging
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from iop import wire
+from iop.node.resource import Resource
+from iop.node.running import RunningRequests
+
+log = logging.getLogger("iop.node")
+
+
+async def subscribe(running: RunningRequests, r: Resource) -> Subscription:
+    """Serve CLI resource `r` on its subject until the subscription ends."""
+
+    async def handle(msg: Msg) -> None:
+        # Subscription callbacks run one at a time: hand each request to its own task at once.
+        try:
+            item = wire.decode_work(msg.data)
+        except Exception:
+            log.error("CLI resource %s: undecodable request dropped", r.cfg.id)
+            return
+        if running.stopping:
+            return  # no Accepted: the edge reports the resource unavailable
+        if msg.reply:
+            await running.nc.publish(msg.reply, wire.encode(wire.Accepted(item.id)))
+        running.start(r, item, None)
+
+    return await running.nc.subscribe(
+        wire.cli_subject(running.node_id, r.cfg.id), cb=handle, pending_msgs_limit=100_000
+    )

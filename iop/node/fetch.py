@@ -1,0 +1,98 @@
+"""Pool work: one fetch loop per provider slot on the provider's JetStream consumer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import nats.errors
+from nats.aio.msg import Msg
+
+from iop import wire
+from iop.node.resource import Resource
+from iop.node.running import RunningRequests
+
+log = logging.getLogger("iop.node")
+
+FETCH_TIMEOUT_S = 1.0
+"""How long one pull request waits; bounds how fast an idle worker notices the node stopping."""
+
+
+def start_workers(running: RunningRequests, r: Resource, js: Any, slots: range) -> list[asyncio.Task[None]]:
+    """One fetch loop per slot in `slots` of provider `r`."""
+    return [asyncio.create_task(fetch_loop(running, r, js, i)) for i in slots]
+
+
+async def fetch_loop(running: RunningRequests, r: Resource, js: Any, index: int) -> None:
+    """Serve slot `index` of a provider: one outstanding fetch(batch=1) at a time.
+
+    Each loop binds its own pull subscription. Loops sharing one see each other's responses
+    (a message, or the 408 that ends an expired pull) on one inbox, so a loop can go on waiting
+    for a pull the server has already expired: measured, a shared subscription kept 1 of 4
+    slots busy where one per loop kept 3.6 (bench/pull_fetch.py). A lowered capacity or a
+    retired provider ends the loop.
+    """
+    try:
+        psub = await js.pull_subscribe_bind(durable=wire.consumer_name(r.cfg.id), stream=wire.WORK_STREAM)
+    except (nats.errors.Error, OSError) as exc:
+        log.error("provider %s: cannot bind its consumer: %s", r.cfg.id, exc)
+        return
+    try:
+        await _fetch_until_done(running, r, psub, index)
+    finally:
+        with contextlib.suppress(Exception):
+            await psub.unsubscribe()
+
+
+async def _fetch_until_done(running: RunningRequests, r: Resource, psub: Any, index: int) -> None:
+    while not running.stopping and not r.retired and index < (r.cfg.capacity or 0):
+        try:
+            msgs = await psub.fetch(1, timeout=FETCH_TIMEOUT_S)
+        except (nats.errors.TimeoutError, TimeoutError):
+            continue
+        except nats.errors.ConnectionClosedError:
+            return
+        except (nats.errors.Error, OSError) as exc:
+            # Disconnected: nats-py reconnects by itself; don't spin meanwhile.
+            log.debug("fetch for %s failed: %s", r.cfg.id, exc)
+            await asyncio.sleep(0.5)
+            continue
+        for msg in msgs:
+            await _take(running, r, msg)
+
+
+async def _take(running: RunningRequests, r: Resource, msg: Msg) -> None:
+    try:
+        item = wire.decode_work(msg.data)
+    except Exception:
+        log.error("provider %s: undecodable work message dropped", r.cfg.id)
+        await msg.term()
+        return
+    if running.was_cancelled(item.id):
+        await msg.term()
+        return
+    if msg.metadata.num_delivered > 1 and not await _claim(running, item):
+        # Redelivered: the earlier delivery may have run. Only the edge knows whether the client
+        # still waits for it, and it never lets a request run twice once a byte reached the client.
+        log.info("provider %s: redelivered request %s dropped (its edge does not want it again)", r.cfg.id, item.id)
+        await msg.term()
+        return
+    if time.time() > item.deadline:
+        await msg.term()
+        await running.publish(item, wire.Failure(item.id, 0, 503, "queue_timeout", "waited past its deadline"))
+        return
+    run = running.start(r, item, msg)
+    assert run.task is not None
+    await asyncio.wait({run.task})
+
+
+async def _claim(running: RunningRequests, item: wire.WorkItem) -> bool:
+    """Ask the edge whether a redelivered item may run (its first delivery may have run already)."""
+    try:
+        reply = await running.nc.request(item.reply_to, wire.encode(wire.Claim(item.id)), timeout=2.0)
+    except (nats.errors.Error, TimeoutError):
+        return False
+    return wire.decode_verdict(reply.data).go

@@ -1,0 +1,233 @@
+"""The requests a node runs, pool and CLI alike: each one's task, its flow window, cancels and probes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from iop import wire
+from iop.errors import RequestError, Unavailable
+from iop.node.flow import STALL_TIMEOUT_S, FlowWindow
+from iop.node.resource import Resource
+
+log = logging.getLogger("iop.node")
+
+CANCEL_MEMORY_S = 120.0
+CHUNK_BYTES = 256 * 1024
+"""The largest piece of an answer in one NATS message (far below any server's max_payload)."""
+PROBES_UNANSWERED = 2
+"""Consecutive probes without a responder after which the edge of a request counts as gone."""
+
+
+@dataclass(eq=False)
+class Running:
+    """One request this node runs, with what the edge told it about its client."""
+
+    item: wire.WorkItem
+    msg: Msg | None
+    window: FlowWindow
+    since: float
+    task: asyncio.Task[None] | None = None
+    unanswered: int = 0
+    """Consecutive probes that found no responder at the edge."""
+    answered: bool = False
+    """The adapter has finished: the edge may already have forgotten it, nothing to stop any more."""
+
+
+class RunningRequests:
+    """Every request the node runs now, by id: started here, stopped by a Cancel, a lost edge or `stop`."""
+
+    def __init__(self, nc: NATS, node_id: str, instance: str, changed: asyncio.Event) -> None:
+        self.nc = nc
+        self.node_id = node_id
+        self.instance = instance
+        self.changed = changed
+        """Set when a request starts, ends, or waits for credit (observers clear it, then wait)."""
+        self.by_id: dict[str, Running] = {}
+        self._cancelled: dict[str, float] = {}
+        self.stopping = False
+        """The node is stopping: no new work, and a request cut short says so."""
+        self.stall_timeout_s = STALL_TIMEOUT_S
+        self.probe_interval_s = wire.PROBE_INTERVAL_S
+
+    def was_cancelled(self, request_id: str) -> bool:
+        """Whether a Cancel for this request arrived recently (before its work message did)."""
+        return request_id in self._cancelled
+
+    def start(self, r: Resource, item: wire.WorkItem, msg: Msg | None) -> Running:
+        # Registered before the task runs, so a Credit or Cancel arriving at once finds it.
+        run = Running(item, msg, FlowWindow(self.changed), time.monotonic())
+        self.by_id[item.id] = run
+        run.task = asyncio.create_task(self._run(r, run))
+        self.changed.set()
+        return run
+
+    async def finish(self, grace_s: float) -> None:
+        """Let running requests end by themselves for up to `grace_s`, then cancel the rest."""
+        running = [run.task for run in self.by_id.values() if run.task is not None]
+        if running:
+            log.info("node %s: waiting up to %gs for %d running requests", self.node_id, grace_s, len(running))
+            _, pending = await asyncio.wait(running, timeout=grace_s)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=5.0)
+
+    async def _run(self, r: Resource, run: Running) -> None:
+        item, msg, window = run.item, run.msg, run.window
+        r.in_flight += 1
+        if r.in_flight > r.peak_in_flight:
+            r.peak_in_flight = r.in_flight
+
+        async def send(data: bytes) -> None:
+            # Whatever an adapter hands over, no NATS message exceeds CHUNK_BYTES, and no more than
+            # the window is ever unread at the edge: a slow client slows the upstream, not memory.
+            for i in range(0, len(data), CHUNK_BYTES):
+                piece = data[i : i + CHUNK_BYTES]
+                seq = await window.reserve(len(piece), self.stall_timeout_s)
+                await self.publish(item, wire.Chunk(item.id, seq, piece))
+
+        try:
+            ack = msg.reply if msg is not None else ""
+            await self.publish(item, wire.Started(item.id, self.node_id, self.instance, ack))
+            if item.body_size:
+                item = msgspec.structs.replace(item, body=await self._fetch_body(item), body_size=0)
+            usage = await r.adapter.run(item, r.cfg.model, send)
+            run.answered = True
+            if msg is not None:
+                await msg.ack()  # before Done: the slot is free by the time the edge hears of it
+            await self.publish(item, wire.Done(item.id, window.sent_chunks, usage))
+            r.served += 1
+        except asyncio.CancelledError:
+            r.failed += 1
+            if msg is not None:
+                await _quietly(msg.term())
+            reason = "node is stopping" if self.stopping else "cancelled"
+            await _quietly(self.publish(item, wire.Failure(item.id, window.sent_chunks, 503, "cancelled", reason)))
+        except RequestError as exc:
+            r.failed += 1
+            if msg is not None:
+                await _quietly(msg.term())
+            failure = wire.Failure(item.id, window.sent_chunks, exc.status, exc.code, exc.message, exc.ended_stream)
+            await _quietly(self.publish(item, failure))
+        except Exception as exc:
+            r.failed += 1
+            log.exception("provider %s: request %s failed", r.cfg.id, item.id)
+            if msg is not None:
+                await _quietly(msg.term())
+            failure = wire.Failure(item.id, window.sent_chunks, 502, "node_error", f"{type(exc).__name__}: {exc}")
+            await _quietly(self.publish(item, failure))
+        finally:
+            r.in_flight -= 1
+            self.by_id.pop(item.id, None)
+            self.changed.set()
+
+    async def _fetch_body(self, item: wire.WorkItem) -> bytes:
+        """The body of an item that was too large to travel inline, fetched from its edge in parts."""
+        parts: list[bytes] = []
+        got = 0
+        while got < item.body_size:
+            try:
+                reply = await self.nc.request(item.reply_to, wire.encode(wire.BodyPart(item.id, got)), timeout=5.0)
+            except (nats.errors.Error, TimeoutError) as exc:
+                raise Unavailable(
+                    f"the request body could not be fetched from the edge: {type(exc).__name__}", code="cancelled"
+                ) from exc
+            if not reply.data:
+                raise Unavailable("the edge no longer has this request", code="cancelled")
+            parts.append(reply.data)
+            got += len(reply.data)
+        if got != item.body_size:
+            raise Unavailable(f"the request body arrived with {got} of {item.body_size} bytes", code="cancelled")
+        return b"".join(parts)
+
+    async def publish(self, item: wire.WorkItem, message: Any) -> None:
+        """Send one reply message (Started, Chunk, Done, Failure) to the request's edge."""
+        await self.nc.publish(item.reply_to, wire.encode(message))
+
+    # --- what the edge says about running requests ----------------------------------------------
+
+    async def on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = wire.decode_cancel(msg.data)
+        except Exception:
+            return
+        now = time.monotonic()
+        self._cancelled[cancel.id] = now
+        if len(self._cancelled) > 10_000:
+            self._cancelled = {k: t for k, t in self._cancelled.items() if now - t < CANCEL_MEMORY_S}
+        run = self.by_id.get(cancel.id)
+        if run is not None and run.task is not None:
+            run.task.cancel()
+
+    async def on_credit(self, msg: Msg) -> None:
+        try:
+            credit = wire.decode_credit(msg.data)
+        except msgspec.DecodeError:
+            return
+        run = self.by_id.get(credit.id)
+        if run is not None:
+            run.window.grant(credit.chunks, credit.nbytes)
+
+    # --- keeping long requests alive, and finding out when their edge is gone -------------------
+
+    async def progress_loop(self) -> None:
+        # Long answers outlive ack_wait; tell the broker they are alive so it never redelivers them.
+        while True:
+            await asyncio.sleep(wire.ACK_WAIT_S / 3)
+            for run in list(self.by_id.values()):
+                if run.msg is not None:
+                    with contextlib.suppress(Exception):
+                        await run.msg.in_progress()
+
+    async def probe_loop(self) -> None:
+        # A dead edge raises nothing when we publish to it; asking is how a node finds out, and the
+        # answer also carries the latest credit in case a Credit message was lost.
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            now = time.monotonic()
+            due = [run for run in self.by_id.values() if now - run.since >= self.probe_interval_s]
+            if due:
+                await asyncio.gather(*(self._probe(run) for run in due))
+
+    async def _probe(self, run: Running) -> None:
+        try:
+            reply = await self.nc.request(
+                run.item.reply_to, wire.encode(wire.Probe(run.item.id)), timeout=self.probe_interval_s
+            )
+            credit = wire.decode_credit(reply.data)
+        except nats.errors.NoRespondersError:
+            # Twice in a row, so that an edge reconnecting to NATS is not taken for a dead one.
+            run.unanswered += 1
+            if run.unanswered >= PROBES_UNANSWERED:
+                self._abandon(run, "its edge is gone")
+            return
+        except (nats.errors.Error, TimeoutError, OSError, msgspec.DecodeError) as exc:
+            log.debug("probe for %s unanswered: %s", run.item.id, exc)
+            return
+        run.unanswered = 0
+        if credit.known:
+            run.window.grant(credit.chunks, credit.nbytes)
+        else:
+            self._abandon(run, "its edge no longer has it")
+
+    def _abandon(self, run: Running, why: str) -> None:
+        if run.task is not None and not run.task.done() and not run.answered:
+            log.warning("node %s: stopping request %s: %s", self.node_id, run.item.id, why)
+            run.task.cancel()
+
+
+async def _quietly(aw: Any) -> None:
+    try:
+        await aw
+    except (nats.errors.Error, OSError, TimeoutError) as exc:
+        log.debug("ignored while failing a request: %s", exc)
