@@ -86,12 +86,34 @@ class QueueSettings(_Strict):
     )
 
 
+class HttpSettings(_Strict):
+    """Limits on client connections, enforced before a request reaches authentication."""
+
+    max_head_kb: Annotated[
+        int, Meta(ge=1, le=1024, description="Largest request head (line + headers), KiB; 431 above.")
+    ] = 64
+    max_headers: Annotated[int, Meta(ge=8, le=1000, description="Most headers in one request; 431 above.")] = 100
+    head_timeout_s: Annotated[
+        float, Meta(gt=0, le=600, description="Time a client has to send a request head, from connect; 408 after.")
+    ] = 10.0
+    body_idle_timeout_s: Annotated[
+        float, Meta(gt=0, le=3600, description="Longest silence while a request body is being received; 408 after.")
+    ] = 30.0
+    keepalive_s: Annotated[
+        int, Meta(ge=1, le=3600, description="An idle kept-alive connection is closed after this many seconds.")
+    ] = 5
+    max_connections: Annotated[
+        int, Meta(ge=16, le=1_000_000, description="Open client connections; a newcomer past it gets 503.")
+    ] = 4096
+
+
 class EdgeSettings(_Strict):
     """The HTTP front: where it listens, how it reaches NATS, how pools queue."""
 
     listen: Annotated[Address, Meta(description="host:port of the OpenAI-compatible HTTP API.")] = "127.0.0.1:8080"
     nats: NatsSettings = msgspec.field(default_factory=NatsSettings)
     queue: QueueSettings = msgspec.field(default_factory=QueueSettings)
+    http: HttpSettings = msgspec.field(default_factory=HttpSettings)
     api_keys_env: Annotated[
         EnvName | None,
         Meta(

@@ -195,7 +195,7 @@ def test_config_unknown_field_without_a_near_name_lists_the_known_ones() -> None
     data = base()
     data["edge"]["frobnicate"] = 1
     assert only_problem(data) == (
-        "edge.frobnicate: unknown field; known fields: listen, nats, queue, api_keys_env, max_body_mb"
+        "edge.frobnicate: unknown field; known fields: listen, nats, queue, http, api_keys_env, max_body_mb"
     )
 
 

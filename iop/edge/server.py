@@ -24,6 +24,7 @@ from starlette.routing import Route
 from starlette.types import Scope
 
 from iop import bus, config, wire
+from iop.edge import http as edge_http
 from iop.edge.api import ApiEndpoint, check_bearer
 from iop.edge.registry import Registry
 from iop.edge.relay import Relay
@@ -59,6 +60,14 @@ class Edge:
         self.js = nc.jetstream()
         self.queue_timeout_s = deployment.edge.queue.timeout_s
         self.max_body_bytes = int(deployment.edge.max_body_mb * 1024 * 1024)
+        h = deployment.edge.http
+        self.http_limits = edge_http.HttpLimits(
+            max_head_bytes=h.max_head_kb * 1024,
+            max_headers=h.max_headers,
+            head_timeout_s=h.head_timeout_s,
+            body_idle_timeout_s=h.body_idle_timeout_s,
+            max_connections=h.max_connections,
+        )
         self.started_at = time.time()
         self.scheduler = Scheduler(deployment.edge.queue.max_waiting)
         for pid, ref in self.catalog.providers.items():
@@ -238,9 +247,29 @@ def build_app(edge: Edge) -> Starlette:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/admin/refresh", refresh, methods=["POST"]),
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes,
         exception_handlers={RequestError: request_error, HTTPException: http_error},
+    )
+    # `/v1/models/` is not `/v1/models`: a 307 to another URL confuses clients more than a clear 404.
+    app.router.redirect_slashes = False
+    return app
+
+
+def http_server(edge: Edge, *, host: str = "127.0.0.1", port: int = 0, grace_s: float = 30.0) -> uvicorn.Server:
+    """The edge's uvicorn server: its app on iop's connection limits (iop/edge/http.py)."""
+    return uvicorn.Server(
+        uvicorn.Config(
+            build_app(edge),
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=int(grace_s),
+            http=edge_http.protocol_class(edge.http_limits),
+            timeout_keep_alive=edge.deployment.edge.http.keepalive_s,
+        )
     )
 
 
@@ -258,6 +287,7 @@ async def run_edge(
     embedded: bus.EmbeddedNats | None = None
     url = nats_url or settings.nats.url
     access = bus.NatsAccess.from_settings(settings.nats)  # before anything starts: a missing secret is fatal
+    edge_http.raise_fd_limit()
     if url == "embedded":
         # A relative store_dir is relative to the working directory, like any path on a command line.
         embedded = bus.EmbeddedNats(settings.nats.listen, Path(settings.nats.store_dir), access=access)
@@ -268,17 +298,7 @@ async def run_edge(
         edge = Edge(dep, nc, nats_url=url)
         await edge.start()
         host, _, port = (listen or settings.listen).rpartition(":")
-        server = uvicorn.Server(
-            uvicorn.Config(
-                build_app(edge),
-                host=host,
-                port=int(port),
-                log_level="warning",
-                access_log=False,
-                lifespan="off",
-                timeout_graceful_shutdown=int(grace_s),
-            )
-        )
+        server = http_server(edge, host=host, port=int(port), grace_s=grace_s)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,0 +1,232 @@
+"""The edge's HTTP/1.1 connections: uvicorn's httptools protocol with the limits a public server needs.
+
+uvicorn bounds neither the size of a request head nor the time a client may take to send it, and it
+keeps a connection that never sends a byte open forever. One client streaming a single endless header
+grew the edge by ~170 MiB in 40 s and stalled its event loop; 1,100 idle sockets used up a 1,024 file
+limit. This protocol refuses both cheaply, before the application (and so before authentication) sees
+anything:
+
+- a request head over `max_head_bytes` or with more than `max_headers` headers → 431;
+- a head not complete `head_timeout_s` after the connection (or the previous answer) → 408;
+- a request body that stalls for `body_idle_timeout_s` → 408;
+- more than `max_connections` open connections → 503 for the newcomer;
+- protocol garbage → 400; every refusal is OpenAI-style error JSON with `connection: close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from iop.errors import error_body
+
+log = logging.getLogger("iop.edge")
+
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
+
+
+LINGER_S = 1.0
+"""How long a refused connection is still read (and dropped) before it is closed."""
+LINGER_BYTES = 1024 * 1024
+"""How much a refused client may still send before its connection is closed at once."""
+
+
+class HttpLimits:
+    """The numbers the protocol enforces; one instance per edge, shared by every connection."""
+
+    def __init__(
+        self,
+        *,
+        max_head_bytes: int = 64 * 1024,
+        max_headers: int = 100,
+        head_timeout_s: float = 10.0,
+        body_idle_timeout_s: float = 30.0,
+        max_connections: int = 4096,
+    ) -> None:
+        self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
+        self.head_timeout_s = head_timeout_s
+        self.body_idle_timeout_s = body_idle_timeout_s
+        self.max_connections = max_connections
+        self.open = 0
+        """Client connections open now."""
+        self.closed = asyncio.Event()
+        """Set whenever a connection closes (what waits for room under `max_connections` waits on)."""
+        self.refused: dict[int, int] = {}
+        """Connections refused so far, by status (shown to operators and asserted by tests)."""
+
+    def count(self, status: int) -> None:
+        self.refused[status] = self.refused.get(status, 0) + 1
+
+
+def protocol_class(limits: HttpLimits) -> type[asyncio.Protocol]:
+    """A protocol class bound to `limits`, for `uvicorn.Config(http=...)`."""
+
+    class Bound(LimitedHttpProtocol):
+        pass
+
+    Bound.limits = limits
+    return Bound
+
+
+class LimitedHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
+    limits: HttpLimits = HttpLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_open = True
+        self._head_bytes = 0
+        self._header_count = 0
+        self._body_open = False
+        self._refusing = 0
+        self._discarded = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # The connection
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.limits.open += 1
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(503, "the edge has too many open connections; retry shortly", "too_many_connections")
+            return
+        self._arm(self.limits.head_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self.limits.open -= 1
+        self.limits.closed.set()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refusing:
+            # Lingering after a refusal: read and drop, so the close does not reset the connection
+            # (a reset would destroy the error answer before the client read it).
+            self._discarded += len(data)
+            if self._discarded > LINGER_BYTES:
+                self.transport.close()
+            return
+        if self._head_open:
+            self._head_bytes += len(data)
+        elif self._body_open:
+            self._arm(self.limits.body_idle_timeout_s)
+        super().data_received(data)
+        if self._refusing:
+            return
+        if self._head_open and self._head_bytes > self.limits.max_head_bytes:
+            # Everything fed while the head is still open was head: refuse before it grows further.
+            self._refuse(431, f"request head larger than {self.limits.max_head_bytes} bytes", "header_too_large")
+
+    # Parser callbacks (called inside feed_data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if not self._head_open:
+            # The next request on a kept-alive connection: its head starts now.
+            self._head_open = True
+            self._head_bytes = 0
+            self._header_count = 0
+            self._arm(self.limits.head_timeout_s)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.limits.max_headers:
+            self._refusing = 431
+            return
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._head_open = False
+        if self._refusing:
+            self._refuse(431, f"more than {self.limits.max_headers} request headers", "header_too_large")
+            return
+        self._body_open = True
+        self._arm(self.limits.body_idle_timeout_s)
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refusing:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._body_open = False
+        self._disarm()
+        if not self._refusing:
+            super().on_message_complete()
+
+    # Refusals
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, f"malformed HTTP request: {msg}", "bad_http")
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        self._refusing = status
+        self._head_open = self._body_open = False
+        self._disarm()
+        self.limits.count(status)
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # The application may be waiting for more body: tell it the client is gone.
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        if self.cycle is not None and self.cycle.response_started:
+            # An answer was already sent or is on its way (e.g. a 401 before the body was read): end it.
+            self.transport.close()
+            return
+        type_ = "server_error" if status >= 500 else "invalid_request_error"
+        body = error_body(message, type_, code)
+        head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % (
+            status,
+            _REASONS[status],
+            len(body),
+        )
+        if status == 503:
+            head += b"retry-after: 1\r\n"
+        self.transport.write(head + b"\r\n" + body)
+        if self.transport.can_write_eof():
+            # Half-close and linger briefly (nginx's lingering close): the client reads the answer
+            # even while it is still sending.
+            self.transport.write_eof()
+            self._timer = self.loop.call_later(LINGER_S, self.transport.close)
+        else:
+            self.transport.close()
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self._head_open:
+            self._refuse(408, f"request head not received within {self.limits.head_timeout_s:g}s", "header_timeout")
+        elif self._body_open:
+            self._refuse(408, f"request body stalled for {self.limits.body_idle_timeout_s:g}s", "body_timeout")
+
+    def _arm(self, delay_s: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(delay_s, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft open-files limit to the hard one (each connection is a file); returns the new limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
+            return soft
+        return hard
+    return soft

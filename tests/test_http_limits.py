@@ -1,0 +1,193 @@
+"""The edge against bad HTTP clients: oversized heads, slowloris, idle sockets, stalled bodies, floods."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from iop import bus
+from iop.bus import EmbeddedNats
+from iop.edge.server import Edge, http_server
+from tests.harness import deployment, running_node, until
+
+YAML = """
+edge:
+  http: {max_head_kb: 16, max_headers: 50, head_timeout_s: 0.5, body_idle_timeout_s: 0.5, max_connections: 16}
+models:
+  - alias: sim
+    pool: [sim-1]
+nodes:
+  - id: n1
+    adapters: [{id: sim, type: mock, latency_ms: 0, tokens: 2, token_interval_ms: 0}]
+    providers: [{id: sim-1, adapter: sim, capacity: 4}]
+"""
+
+GOOD = {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@dataclass
+class Served:
+    url: str
+    port: int
+    edge: Edge
+
+
+@asynccontextmanager
+async def edge_on_limits(nats_url: str) -> AsyncIterator[Served]:
+    """A real edge behind the same uvicorn server `iop edge` runs, and its node."""
+    dep = deployment(YAML)
+    nc = await bus.connect(nats_url, "test-edge", wait_s=5)
+    edge = Edge(dep, nc, nats_url=nats_url)
+    await edge.start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = http_server(edge, grace_s=1)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with running_node(dep, "n1", nats_url):
+            await edge.registry.wait_connected(["n1"], timeout_s=10)
+            yield Served(f"http://127.0.0.1:{port}", port, edge)
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+        await edge.stop()
+        await nc.close()
+
+
+@pytest.fixture
+async def served(nats_server: EmbeddedNats) -> AsyncIterator[Served]:
+    async with edge_on_limits(nats_server.url) as s:
+        yield s
+
+
+async def read_answer(reader: asyncio.StreamReader, timeout_s: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    """Everything the server sends until it closes: status, headers, body."""
+    async with asyncio.timeout(timeout_s):
+        raw = await reader.read()  # until EOF: every refusal closes the connection
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = dict((k.lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines[1:]))
+    return status, headers, body
+
+
+def error_code(body: bytes) -> str:
+    return str(json.loads(body)["error"]["code"])
+
+
+async def good_request_ms(url: str) -> float:
+    async with httpx.AsyncClient(timeout=10) as client:
+        started = time.perf_counter()
+        r = await client.post(url + "/v1/chat/completions", json=GOOD)
+        assert r.status_code == 200, r.text
+        return (time.perf_counter() - started) * 1000
+
+
+async def test_http_endless_header_is_refused_431_and_good_requests_go_on(served: Served) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-flood: ")
+    sent = 0
+    latencies = []
+    try:
+        # Keep streaming one header value until the edge refuses: never more than ~20x the limit.
+        while sent < 20 * 16 * 1024 and not reader.at_eof():
+            writer.write(b"a" * 4096)
+            sent += 4096
+            await writer.drain()
+            if sent % (64 * 1024) == 0:
+                latencies.append(await good_request_ms(served.url))
+    except ConnectionError:
+        pass  # the edge closed while we were still writing: that is the refusal
+    status, headers, body = await read_answer(reader)
+    writer.close()
+    assert status == 431
+    assert headers["content-type"] == "application/json"
+    assert error_code(body) == "header_too_large"
+    latencies.append(await good_request_ms(served.url))
+    print(f"\ngood requests during the header flood: {', '.join(f'{ms:.1f}' for ms in latencies)} ms")
+    assert served.edge.http_limits.refused[431] == 1
+
+
+async def test_http_too_many_headers_is_refused_431(served: Served) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    headers = b"".join(b"x-h%d: v\r\n" % i for i in range(60))
+    writer.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + headers + b"\r\n")
+    status, _, body = await read_answer(reader)
+    writer.close()
+    assert status == 431
+    assert error_code(body) == "header_too_large"
+
+
+async def test_http_slow_head_is_closed_408(served: Served) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")  # and never the rest
+    started = time.monotonic()
+    status, _, body = await read_answer(reader)
+    waited = time.monotonic() - started
+    writer.close()
+    assert status == 408
+    assert error_code(body) == "header_timeout"
+    print(f"\nslow head closed after {waited:.2f}s (head_timeout_s 0.5)")
+
+
+async def test_http_idle_socket_is_closed(served: Served) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    status, _, body = await read_answer(reader)  # sends nothing at all
+    writer.close()
+    assert status == 408
+    assert error_code(body) == "header_timeout"
+
+
+async def test_http_stalled_body_is_closed_408(served: Served) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b'content-length: 1000\r\n\r\n{"model": '
+    )
+    status, _, body = await read_answer(reader)
+    writer.close()
+    assert status == 408
+    assert error_code(body) == "body_timeout"
+    await good_request_ms(served.url)
+
+
+async def test_http_connections_past_the_cap_get_503_then_service_resumes(served: Served) -> None:
+    held = [await asyncio.open_connection("127.0.0.1", served.port) for _ in range(16)]
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    status, headers, body = await read_answer(reader)
+    writer.close()
+    assert status == 503
+    assert headers["retry-after"] == "1"
+    assert error_code(body) == "too_many_connections"
+    for _, w in held:
+        w.close()
+    limits = served.edge.http_limits
+    await until(lambda: limits.open < limits.max_connections, limits.closed)
+    await good_request_ms(served.url)
+
+
+async def test_http_garbage_gets_json_400(served: Served) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    writer.write(b"\x16\x03\x01 this is not http\r\n\r\n")
+    status, headers, body = await read_answer(reader)
+    writer.close()
+    assert status == 400
+    assert headers["content-type"] == "application/json"
+    assert error_code(body) == "bad_http"
+
+
+async def test_http_trailing_slash_is_a_json_404_not_a_redirect(served: Served) -> None:
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(served.url + "/v1/chat/completions/", json=GOOD)
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "not_found"
