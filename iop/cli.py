@@ -135,11 +135,7 @@ def node_cmd(
     address (and credentials) and takes its catalog from the edge. Either way it follows the
     catalog the edge publishes, so `iop refresh` reaches it.
     """
-    import asyncio
-    import signal
-
-    from iop import bus
-    from iop.node.runtime import NodeRuntime
+    from iop.node.main import default_nats_url, run_node
 
     dep: config_mod.Deployment | None = None
     if config_file is not None:
@@ -166,33 +162,10 @@ def node_cmd(
         url = str(nats_url)
     _logging(verbose)
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        access = bus.NatsAccess.from_settings(nats_settings)
-        runtime = NodeRuntime(dep, node_id, url, access=access, follow_edge=not no_follow)
-        await runtime.start()
-        print(f"iop node {node_id} serving (nats={url})", flush=True)
-        await stop.wait()
-        await runtime.stop()
-
     try:
-        _run_async(run())
+        _run_async(run_node(dep, node_id, nats_url=url, nats_settings=nats_settings, follow_edge=not no_follow))
     except IopError as exc:
         _fail(str(exc))
-
-
-def default_nats_url(dep: config_mod.Deployment) -> str:
-    """Where a node finds NATS when not told: the edge's embedded server, or the external URL."""
-    nats = dep.edge.nats
-    if nats.url != "embedded":
-        return nats.url
-    host, _, port = nats.listen.rpartition(":")
-    if host in ("0.0.0.0", "", "::", "[::]"):
-        host = "127.0.0.1"
-    return f"nats://{host}:{port}"
 
 
 @main.command("status")
