@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 
-from iop import config, wire
+from iop import config, validate, wire
 from iop.bundle import nats_server_path
 from iop.errors import BusError
 
@@ -147,7 +147,7 @@ class EmbeddedNats:
     async def start(self, timeout_s: float = 15.0) -> None:
         """Start the server and return once it accepts clients (its log says `Server is ready`)."""
         secured = self.access is not None and self.access.has_credentials
-        if not secured and not config.is_loopback(self.host):
+        if not secured and not validate.is_loopback(self.host):
             raise BusError(
                 f"edge.nats.listen: refusing to start NATS on {self.host}:{self.port} without credentials "
                 "(not a loopback address): set user_env and password_env, or token_env"
