@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -14,6 +13,7 @@ import msgspec
 from starlette.types import Message, Receive, Scope, Send
 
 from iop import wire
+from iop.edge.dispatch import DirectDispatch, PoolDispatch
 from iop.edge.relay import Channel
 from iop.errors import (
     BadRequest,
@@ -27,8 +27,6 @@ from iop.errors import (
 
 if TYPE_CHECKING:
     from iop.edge.server import Edge
-
-log = logging.getLogger("iop.edge")
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -153,64 +151,36 @@ class ApiEndpoint:
         )
 
     async def _serve_pool(self, body: bytes, model: str, stream: bool, out: _TrackedSend) -> None:
-        """Queue for a slot, dispatch, relay; fail over to another provider while nothing was sent."""
+        """Queue for a slot, dispatch, relay; the dispatch owns the slot and fails over."""
         edge = self.edge
-        sched = edge.scheduler
         arrived = asyncio.get_running_loop().time()
         deadline = arrived + edge.queue_timeout_s
-        tried: frozenset[str] = frozenset()
-        while True:
-            slot = await sched.acquire(model, deadline, tried)
-            ch = edge.relay.open()
-            ch.node, ch.provider, ch.pool = slot.node, slot.id, sched.pools[model]
-            ch.on_end = lambda slot=slot: sched.release(slot)  # type: ignore[misc]
-            try:
-                try:
-                    await edge.relay.dispatch_pool(ch, slot.id, self._item(ch, body, model, stream))
-                except BaseException:
-                    ch.end()
-                    raise
-                await self._answer(ch, stream, out, arrived, deadline)
-                sched.succeeded(slot)
-                return
-            except RequestError as exc:
-                if exc.code not in RETRYABLE:
-                    raise
-                sched.failed(slot)
-                tried |= {slot.id}
-                others = [p for p in sched.pools[model].providers if p.id not in tried]
-                if out.started or len(tried) > MAX_RETRIES or not others:
-                    raise
-                log.warning("provider %s failed before answering (%s); retrying on another", slot.id, exc.code)
-            finally:
-                edge.relay.close(ch)
+        dispatch = PoolDispatch(edge.scheduler, edge.relay, model, deadline, on_finished=edge.on_request_finished)
+
+        async def answer(ch: Channel, provider: str) -> RequestError | None:
+            return await self._answer(ch, provider, stream, out, arrived, deadline)
+
+        await dispatch.run(lambda ch: self._item(ch, body, model, stream), answer, lambda: out.started)
 
     async def _serve_direct(self, body: bytes, model: str, stream: bool, out: _TrackedSend) -> None:
         edge = self.edge
         node, resource = edge.catalog.routes[model]
-        ch = edge.relay.open()
-        ch.node, ch.provider = node, resource
-        try:
-            await edge.relay.dispatch_direct(ch, node, resource, self._item(ch, body, model, stream))
-            await self._answer(ch, stream, out, asyncio.get_running_loop().time(), None)
-        finally:
-            edge.relay.close(ch)
+        arrived = asyncio.get_running_loop().time()
+        dispatch = DirectDispatch(edge.relay, model, node, resource, on_finished=edge.on_request_finished)
+
+        async def answer(ch: Channel, provider: str) -> RequestError | None:
+            return await self._answer(ch, provider, stream, out, arrived, None)
+
+        await dispatch.run(lambda ch: self._item(ch, body, model, stream), answer)
 
     async def _answer(
-        self, ch: Channel, stream: bool, out: _TrackedSend, arrived: float, start_deadline: float | None
-    ) -> None:
+        self, ch: Channel, provider: str, stream: bool, out: _TrackedSend, arrived: float, start_deadline: float | None
+    ) -> RequestError | None:
         replies = self.edge.relay.replies(ch, start_deadline)
         if stream:
-            await _relay_stream(self.api, replies, out, ch.provider, arrived, ch)
-        else:
-            await _relay_whole(replies, out, ch.provider, arrived, ch)
-
-
-RETRYABLE = frozenset(
-    {"upstream_unavailable", "upstream_error", "upstream_timeout", "node_lost", "node_error", "cancelled"}
-)
-"""Failures of the provider, not of the request: another provider of the pool may succeed."""
-MAX_RETRIES = 2
+            return await _relay_stream(self.api, replies, out, provider, arrived, ch)
+        await _relay_whole(replies, out, provider, arrived, ch)
+        return None
 
 
 class _TrackedSend:
@@ -231,7 +201,7 @@ def _timing_headers(provider: str, arrived: float, started: float) -> list[tuple
     return [(b"x-iop-provider", provider.encode()), (b"x-iop-queue-ms", f"{queue_ms:.1f}".encode())]
 
 
-async def _relay_whole(replies: AsyncIterator[bytes], send: Send, provider: str, arrived: float, ch: Any) -> None:
+async def _relay_whole(replies: AsyncIterator[bytes], send: Send, provider: str, arrived: float, ch: Channel) -> None:
     parts = [data async for data in replies]
     started = _mono_to_loop(ch.started_mono)
     body = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -242,8 +212,9 @@ async def _relay_whole(replies: AsyncIterator[bytes], send: Send, provider: str,
 
 
 async def _relay_stream(
-    api: wire.Api, replies: AsyncIterator[bytes], send: Send, provider: str, arrived: float, ch: Any
-) -> None:
+    api: wire.Api, replies: AsyncIterator[bytes], send: Send, provider: str, arrived: float, ch: Channel
+) -> RequestError | None:
+    """Relay an SSE answer; returns the error it ended with once the response had started."""
     # Wait for the first bytes before answering 200: a failure before them is a clean HTTP error.
     it = replies.__aiter__()
     try:
@@ -253,14 +224,17 @@ async def _relay_stream(
     headers = _SSE + _timing_headers(provider, arrived, _mono_to_loop(ch.started_mono))
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": first, "more_body": True})
+    failed: RequestError | None = None
     try:
         async for data in it:
             await send({"type": "http.response.body", "body": data, "more_body": True})
     except RequestError as exc:
         # Started streams end with an error event the client sees, never a silent cut.
+        failed = exc
         if not exc.ended_stream:
             await send({"type": "http.response.body", "body": stream_error_event(api, exc), "more_body": True})
     await send({"type": "http.response.body", "body": b""})
+    return failed
 
 
 def stream_error_event(api: wire.Api, exc: RequestError) -> bytes:

@@ -17,7 +17,6 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from iop import bus, wire
-from iop.edge.scheduler import PoolQueue
 from iop.errors import Unavailable, UpstreamError, error_for_status
 
 log = logging.getLogger("iop.edge")
@@ -28,21 +27,27 @@ HEADER_ROOM = 1024
 
 @dataclass(eq=False)
 class Channel:
-    """The replies of one request, in order, plus what the edge must undo if it ends early."""
+    """The replies of one request, in order, plus what the edge must undo if it ends early.
+
+    The relay knows nothing of pools or slots: whoever opened the channel learns of its life through
+    `on_started` (the node began running it) and `on_ended` (it is over for the node: done, failed,
+    lost, or closed by the edge). Each runs at most once, and `on_started` never after `on_ended`.
+    """
 
     id: str
-    queue: asyncio.Queue[wire.Started | wire.Chunk | wire.Done | wire.Failure] = field(default_factory=asyncio.Queue)
     node: str = ""
-    provider: str = ""
+    """The node the work goes to (where a cancel or credit is sent)."""
+    on_started: Callable[[], None] | None = None
+    on_ended: Callable[[], None] | None = None
+    """Runs when the node reports the end: frees what the request held before its client read it all."""
+    queue: asyncio.Queue[wire.Started | wire.Chunk | wire.Done | wire.Failure] = field(default_factory=asyncio.Queue)
     stream_seq: int = 0
     """The work message's JetStream sequence, to delete it if the request ends before it starts."""
     started: bool = False
     ended: bool = False
-    on_end: Callable[[], None] | None = None
-    """Runs once when the node reports the end (frees the edge's slot before the client has read it all)."""
     started_mono: float = 0.0
+    first_chunk_mono: float = 0.0
     ack_subject: str = ""
-    pool: PoolQueue | None = None
     body: bytes = b""
     """The request body, kept here when it was too large to travel inside the work item."""
     taken_chunks: int = 0
@@ -54,13 +59,18 @@ class Channel:
     """Answer bytes received from the node and not yet taken by the HTTP side (bounded by the window)."""
     peak_buffered_bytes: int = 0
 
+    def start(self) -> None:
+        if not self.started and not self.ended:
+            self.started = True
+            self.started_mono = time.monotonic()
+            if self.on_started is not None:
+                self.on_started()
+
     def end(self) -> None:
         if not self.ended:
             self.ended = True
-            if self.started and self.pool is not None:
-                self.pool.run_ended()
-            if self.on_end is not None:
-                self.on_end()
+            if self.on_ended is not None:
+                self.on_ended()
 
 
 class Relay:
@@ -87,9 +97,16 @@ class Relay:
             pending_bytes_limit=2 * 1024 * 1024 * 1024,
         )
 
-    def open(self) -> Channel:
+    def open(
+        self,
+        node: str,
+        *,
+        on_started: Callable[[], None] | None = None,
+        on_ended: Callable[[], None] | None = None,
+    ) -> Channel:
+        """A channel for one request to `node`; `close()` it when the request is over."""
         rid = secrets.token_hex(12)
-        ch = Channel(rid)
+        ch = Channel(rid, node, on_started, on_ended)
         self.channels[rid] = ch
         return ch
 
@@ -122,17 +139,16 @@ class Relay:
         if ch is None:
             return
         if isinstance(reply, wire.Chunk):
+            if not ch.first_chunk_mono:
+                ch.first_chunk_mono = time.monotonic()
             ch.buffered_bytes += len(reply.data)
             if ch.buffered_bytes > ch.peak_buffered_bytes:
                 ch.peak_buffered_bytes = ch.buffered_bytes
                 self.peak_buffered_bytes = max(self.peak_buffered_bytes, ch.buffered_bytes)
         elif isinstance(reply, wire.Started):
             if not ch.started and not ch.ended:
-                ch.started = True
-                ch.started_mono = time.monotonic()
                 ch.ack_subject = reply.ack
-                if ch.pool is not None:
-                    ch.pool.run_started()
+                ch.start()
         elif isinstance(reply, wire.Done | wire.Failure):
             ch.end()
         ch.queue.put_nowait(reply)
@@ -191,6 +207,7 @@ class Relay:
                 timeout=5.0,
             )
         except (nats.errors.Error, TimeoutError) as exc:
+            ch.end()  # nothing reached a node: there is nothing to cancel
             reason = str(exc) or type(exc).__name__
             raise Unavailable(f"cannot queue the request on NATS: {reason}", code="bus_error") from exc
         ch.stream_seq = ack.seq

@@ -26,6 +26,7 @@ from starlette.types import Scope
 from iop import bus, config, wire
 from iop.edge import http as edge_http
 from iop.edge.api import ApiEndpoint, check_bearer
+from iop.edge.dispatch import Finished
 from iop.edge.registry import Registry
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
@@ -76,6 +77,8 @@ class Edge:
         for alias, members in self.catalog.pools.items():
             self.scheduler.add_pool(alias, members)
         self.relay = Relay(nc, self.js, self.edge_id)
+        self.on_request_finished: Finished | None = None
+        """Called once with every served request's `DispatchResult` (pool and direct routes alike)."""
         self.registry = Registry(deployment, self.scheduler, self.edge_id, self.relay.node_lost)
         self._refresh_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
