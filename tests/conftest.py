@@ -1,18 +1,14 @@
-"""Fixtures shared by every test: a real nats-server per test, and dist/iop.pyz built once per run."""
+"""Fixtures shared by tests: a real nats-server per test, throwaway certificates, dist/iop.pyz built once."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from iop.bus import EmbeddedNats
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.harness import build_archive, have_openssl, make_pki, snapshot_sources
 
 
 @pytest.fixture
@@ -26,23 +22,12 @@ async def nats_server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
         await server.stop()
 
 
-def snapshot_sources(dest: Path) -> Path:
-    """A copy of what build.py reads: colleagues edit iop/ while tests run, and two builds from one
-    copy must be comparable."""
-    dest.mkdir()
-    shutil.copy2(ROOT / "build.py", dest / "build.py")
-    shutil.copy2(ROOT / "build-requirements.txt", dest / "build-requirements.txt")
-    shutil.copytree(ROOT / "iop", dest / "iop", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    return dest
-
-
-def build_archive(sources: Path, out: Path) -> subprocess.CompletedProcess[str]:
-    """Run `build.py --out OUT` from `sources`; fails the test if the build fails."""
-    # The shared dependency cache under the repo's build/ is what keeps this quick after the first run.
-    command = [sys.executable, str(sources / "build.py"), "--out", str(out), "--build-dir", str(ROOT / "build")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=540, check=False)
-    assert done.returncode == 0, done.stderr
-    return done
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A throwaway CA with a server and a client certificate, and a second CA that signed neither."""
+    if not have_openssl():
+        pytest.skip("the openssl command is not installed, so no test certificates can be made")
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="session")

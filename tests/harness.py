@@ -1,19 +1,49 @@
-"""Run edges and nodes inside the test's event loop, on a real NATS and real uvicorn."""
+"""What tests share: edges and nodes in the test's event loop or as `python -m iop` processes, waiting on
+conditions, broker checks, SSE parsing, throwaway certificates and the zipapp build.
+
+Tests import helpers from here (fake upstreams from tests/fakes.py, fixtures from tests/conftest.py),
+never from one another.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
+from nats.js import JetStreamContext
+from openai._streaming import ServerSentEvent, SSEDecoder
+from openai.types.responses import ResponseStreamEvent
+from pydantic import TypeAdapter
 
-from iop import bus, config
+try:
+    import httpx2  # the openai SDK's HTTP client since 3.0
+except ImportError:  # older SDKs use httpx
+    import httpx as httpx2  # type: ignore[no-redef]
+
+from iop import bus, config, wire
 from iop.edge.server import Edge, build_app
 from iop.node.runtime import NodeRuntime
 from tests.fakes import serve_asgi
+
+REPO = Path(__file__).resolve().parents[1]
+
+# --- waiting ----------------------------------------------------------------------------------
 
 
 async def until(predicate: Callable[[], bool], changed: asyncio.Event, timeout_s: float = 10.0) -> None:
@@ -22,6 +52,19 @@ async def until(predicate: Callable[[], bool], changed: asyncio.Event, timeout_s
         while not predicate():
             changed.clear()
             await changed.wait()
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0, every_s: float = 0.02) -> float:
+    """Poll a condition held by another process (the broker, the OS) until it holds; seconds it took."""
+    t0 = time.monotonic()
+    for _ in range(int(timeout_s / every_s) + 1):
+        if await check():
+            return time.monotonic() - t0
+        await asyncio.sleep(every_s)  # the condition lives elsewhere: nothing here can signal it
+    raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+# --- edges and nodes in the test's event loop -------------------------------------------------
 
 
 def deployment(text: str) -> config.Deployment:
@@ -78,3 +121,279 @@ async def deployment_running(dep: config.Deployment, nats_url: str) -> AsyncIter
         finally:
             for cm in reversed(entered):
                 await cm.__aexit__(None, None, None)
+
+
+# --- `python -m iop` as child processes -------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    # A child must not outlive a test run that was itself killed.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class IopProcess:
+    """`python -m iop …` as a child of the test; its stdout and stderr are collected line by line as they come."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self.lines: list[str] = []  # both streams, in the order they were read
+        self._changed = asyncio.Event()
+        self._readers = [
+            asyncio.create_task(self._read(proc.stdout, self.stdout)),
+            asyncio.create_task(self._read(proc.stderr, self.stderr)),
+        ]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    async def _read(self, stream: asyncio.StreamReader | None, into: list[str]) -> None:
+        assert stream is not None
+        while line := await stream.readline():
+            text = line.decode(errors="replace").rstrip()
+            into.append(text)
+            self.lines.append(text)
+            self._changed.set()
+        self._changed.set()
+
+    async def wait_line(self, pattern: str, timeout_s: float = 15.0) -> re.Match[str]:
+        """The first line of stdout or stderr matching `pattern`; fails if the process ends without one."""
+        rx = re.compile(pattern)
+        seen = 0
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for line in self.lines[seen:]:
+                    if m := rx.search(line):
+                        return m
+                seen = len(self.lines)
+                if all(r.done() for r in self._readers):
+                    tail = "\n".join(self.lines[-30:])
+                    ended = f"process ended ({self.proc.returncode}) without printing {pattern!r}"
+                    raise AssertionError(f"{ended}:\n{tail}")
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def exit_code(self, timeout_s: float = 15.0) -> int:
+        """Wait for the process to exit by itself and for its output to be read."""
+        async with asyncio.timeout(timeout_s):
+            rc = await self.proc.wait()
+            await asyncio.gather(*self._readers)
+        return rc
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM and up to `grace_s` to exit (0: SIGKILL at once), then SIGKILL; then its output is read."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+            try:
+                async with asyncio.timeout(grace_s):
+                    await self.proc.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                await self.proc.wait()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*self._readers), 5)
+
+
+@asynccontextmanager
+async def iop_process(
+    *args: str, cwd: Path = REPO, env: Mapping[str, str] | None = None, stop_grace_s: float = 15.0
+) -> AsyncIterator[IopProcess]:
+    """Run `python -m iop ARGS` from this checkout; stopped on exit (see `IopProcess.stop`)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "iop",
+        *args,
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})},
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        preexec_fn=_die_with_parent,
+    )
+    child = IopProcess(proc)
+    try:
+        yield child
+    finally:
+        await child.stop(stop_grace_s)
+
+
+@asynccontextmanager
+async def node_process(config_file: Path, node_id: str, nats_url: str) -> AsyncIterator[IopProcess]:
+    """A node as its own process, returned once it says it serves; SIGKILLed on exit."""
+    args = ("node", "--config", str(config_file), "--node", node_id, "--nats", nats_url)
+    async with iop_process(*args, stop_grace_s=0) as p:
+        await p.wait_line(rf"iop node {node_id} serving")
+        yield p
+
+
+@asynccontextmanager
+async def edge_process(config_file: Path, nats_url: str) -> AsyncIterator[tuple[IopProcess, str]]:
+    """An edge as its own process on a free port; yields it and its base URL; SIGKILLed on exit."""
+    args = ("edge", "--config", str(config_file), "--listen", "127.0.0.1:0", "--nats", nats_url)
+    async with iop_process(*args, stop_grace_s=0) as p:
+        m = await p.wait_line(r"iop edge listening on (http://\S+)")
+        yield p, m.group(1)
+
+
+def pid_gone(pid: int) -> bool:
+    """True when the process has exited (a zombie waiting to be reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def wait_gone(pid: int, timeout_s: float = 5.0) -> None:
+    """Wait for a process that is not our child to exit, on its pidfd (readable once it exits)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def exited() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(fd, exited)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await done
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+# --- the broker's view ------------------------------------------------------------------------
+
+
+async def broker_counts(js: JetStreamContext, provider: str) -> tuple[int, int]:
+    """(ack pending, pending) of a provider's consumer: running and not yet fetched."""
+    info = await js.consumer_info(wire.WORK_STREAM, wire.consumer_name(provider))
+    return info.num_ack_pending, info.num_pending
+
+
+async def stream_messages(js: JetStreamContext) -> int:
+    return (await js.stream_info(wire.WORK_STREAM)).state.messages
+
+
+# --- what a client reads ----------------------------------------------------------------------
+
+RESPONSE_EVENT: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
+# Codes the real API sends and Codex acts on, missing from the SDK's ResponseError.code Literal.
+CODES_BEYOND_SDK = {"context_length_exceeded", "insufficient_quota"}
+
+
+def sse_events(text: str) -> list[dict[str, object]]:
+    """The JSON `data:` payloads of an SSE stream (without `[DONE]`)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def sse(data: bytes) -> list[ServerSentEvent]:
+    """The events a client reads from `data`, decoded by the openai SDK's own SSE decoder."""
+    return list(SSEDecoder().iter_bytes(iter([data])))
+
+
+def responses_events(data: bytes) -> list[Any]:
+    """Every SSE event validated as the SDK's typed Responses stream event; sequence numbers 0, 1, 2, …"""
+    events = []
+    for n, event in enumerate(sse(data)):
+        body = json.loads(event.data)
+        assert event.event == body["type"]
+        error = (body.get("response") or {}).get("error") or {}
+        if body["type"] == "response.failed" and error.get("code") in CODES_BEYOND_SDK:
+            error["code"] = "server_error"
+        typed = RESPONSE_EVENT.validate_python(body)
+        assert typed.sequence_number == n
+        events.append(typed)
+    return events
+
+
+def sdk_client(body: bytes, content_type: str) -> openai.OpenAI:
+    """An openai client whose every request is answered with `body`, offline."""
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(200, headers={"content-type": content_type}, content=body)
+
+    http = httpx2.Client(transport=httpx2.MockTransport(answer))
+    return openai.OpenAI(api_key="test", base_url="http://iop.test/v1", http_client=http, max_retries=0)
+
+
+# --- throwaway certificates -------------------------------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
+
+
+def _ec_key_args(name: str) -> list[str]:
+    return ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", f"{name}.key"]
+
+
+def _make_ca(d: Path, name: str) -> None:
+    subject = ["-subj", f"/CN={name}", "-addext", "keyUsage=critical,keyCertSign,cRLSign"]
+    _openssl("req", "-x509", *_ec_key_args(name), "-out", f"{name}.pem", "-days", "1", *subject, cwd=d)
+
+
+def _make_cert(d: Path, ca: str, name: str, usage: str) -> None:
+    _openssl("req", *_ec_key_args(name), "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+    (d / f"{name}.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+        f"extendedKeyUsage={usage}\n"
+        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
+    )
+    signing = ["-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial"]
+    output = ["-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext"]
+    _openssl("x509", "-req", "-in", f"{name}.csr", *signing, *output, cwd=d)
+
+
+def make_pki(d: Path) -> Path:
+    """In `d`, made by the openssl CLI: a throwaway CA (`ca.pem`) with a server certificate for 127.0.0.1 and
+    localhost (`server.pem`/`.key`) and a client certificate (`client.pem`/`.key`), and a second CA that
+    signed neither (`other-ca.pem`). Returns `d`."""
+    _make_ca(d, "ca")
+    _make_ca(d, "other-ca")
+    _make_cert(d, "ca", "server", "serverAuth")
+    _make_cert(d, "ca", "client", "clientAuth")
+    return d
+
+
+def have_openssl() -> bool:
+    return shutil.which("openssl") is not None
+
+
+# --- the zipapp -------------------------------------------------------------------------------
+
+
+def snapshot_sources(dest: Path) -> Path:
+    """A copy of what build.py reads: colleagues edit iop/ while tests run, and two builds from one
+    copy must be comparable."""
+    dest.mkdir()
+    shutil.copy2(REPO / "build.py", dest / "build.py")
+    shutil.copy2(REPO / "build-requirements.txt", dest / "build-requirements.txt")
+    shutil.copytree(REPO / "iop", dest / "iop", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dest
+
+
+def build_archive(sources: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """Run `build.py --out OUT` from `sources`; fails the test if the build fails."""
+    # The shared dependency cache under the repo's build/ is what keeps this quick after the first run.
+    command = [sys.executable, str(sources / "build.py"), "--out", str(out), "--build-dir", str(REPO / "build")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=540, check=False)
+    assert done.returncode == 0, done.stderr
+    return done

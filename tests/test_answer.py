@@ -4,30 +4,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Literal
 
 import openai
 import pytest
-from openai._streaming import ServerSentEvent, SSEDecoder
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import TypeAdapter
-
-try:
-    import httpx2  # the openai SDK's HTTP client since 3.0
-except ImportError:  # older SDKs use httpx
-    import httpx as httpx2  # type: ignore[no-redef]
+from openai.types.responses import Response
 
 from iop.openai.answer import AnswerWriter, Usage, answer_writer
+from tests.harness import responses_events, sdk_client, sse
 
-RESPONSE_EVENT: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
 PIECES = ["Hel", "lo", ", wor", "ld — ü ✓", "\n", '"quoted"']
 TEXT = "".join(PIECES)
-
-
-def sse(raw: bytes) -> list[ServerSentEvent]:
-    """The events a client reads from `raw`, decoded by the openai SDK's own SSE decoder."""
-    return list(SSEDecoder().iter_bytes(iter([raw])))
 
 
 def run(writer: AnswerWriter, pieces: list[str], usage: Usage, finish_reason: str = "stop") -> bytes:
@@ -37,34 +25,12 @@ def run(writer: AnswerWriter, pieces: list[str], usage: Usage, finish_reason: st
     return out + writer.finish(usage, finish_reason)
 
 
-def responses_events(raw: bytes) -> list[Any]:
-    """Every SSE event validated as a typed Responses stream event; sequence numbers 0, 1, 2, …"""
-    events = []
-    for n, event in enumerate(sse(raw)):
-        data = json.loads(event.data)
-        assert event.event == data["type"]
-        typed = RESPONSE_EVENT.validate_python(data)
-        assert typed.sequence_number == n
-        events.append(typed)
-    return events
-
-
 def chat_chunks(raw: bytes) -> list[ChatCompletionChunk]:
     events = sse(raw)
     assert events[-1].data == "[DONE]"
     chunks = [ChatCompletionChunk.model_validate_json(e.data) for e in events[:-1]]
     assert len({c.id for c in chunks}) == 1
     return chunks
-
-
-def sdk_client(body: bytes, content_type: str) -> openai.OpenAI:
-    """An openai client whose every request is answered with `body`, offline."""
-
-    def answer(request: httpx2.Request) -> httpx2.Response:
-        return httpx2.Response(200, headers={"content-type": content_type}, content=body)
-
-    http = httpx2.Client(transport=httpx2.MockTransport(answer))
-    return openai.OpenAI(api_key="test", base_url="http://iop.test/v1", http_client=http, max_retries=0)
 
 
 def test_answer_chat_stream_chunks_validate_and_concatenate() -> None:

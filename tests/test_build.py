@@ -16,7 +16,7 @@ import pytest
 from iop import _bootstrap
 from iop.bundle import nats_server_path
 from iop.errors import BusError
-from tests.conftest import build_archive
+from tests.harness import build_archive
 
 # The interpreter behind the test venv: it has none of iop's dependencies on its path when run with -S.
 BARE_PYTHON = getattr(sys, "_base_executable", sys.executable)

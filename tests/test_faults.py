@@ -1,190 +1,33 @@
 """Faults with real processes: a node SIGKILLed mid-stream and restarted, an edge restarted.
 
-Also the helpers the other `test_faults_*` files share: `python -m iop` children, broker checks,
-and waiting for a process (group) to be gone. Measured figures are printed (`pytest -s`) and
-recorded in docs/reliability.md.
+Measured figures are printed (`pytest -s`) and recorded in docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import json
-import os
-import re
-import signal
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import nats
-from nats.js import JetStreamContext
 
 from iop import wire
 from iop.bus import EmbeddedNats
 from tests.fakes import fake_upstream
-from tests.harness import deployment, running_edge, until
+from tests.harness import (
+    broker_counts,
+    deployment,
+    edge_process,
+    eventually,
+    node_process,
+    running_edge,
+    sse_events,
+    stream_messages,
+    until,
+)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-# --- helpers shared by the fault tests --------------------------------------------------------
-
-
-def _die_with_parent() -> None:
-    # A child must not outlive a test run that was itself killed.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-class IopProcess:
-    """`python -m iop …` as a child of the test, its output collected line by line."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.lines: list[str] = []
-        self._new = asyncio.Event()
-        self._reader = asyncio.create_task(self._read())
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    async def _read(self) -> None:
-        assert self.proc.stdout is not None
-        while line := await self.proc.stdout.readline():
-            self.lines.append(line.decode(errors="replace").rstrip())
-            self._new.set()
-        self._new.set()
-
-    async def wait_line(self, pattern: str, timeout_s: float = 15.0) -> re.Match[str]:
-        """The first output line matching `pattern`; fails if the process ends without one."""
-        rx = re.compile(pattern)
-        seen = 0
-        async with asyncio.timeout(timeout_s):
-            while True:
-                for line in self.lines[seen:]:
-                    if m := rx.search(line):
-                        return m
-                seen = len(self.lines)
-                if self._reader.done():
-                    tail = "\n".join(self.lines[-30:])
-                    raise AssertionError(f"process ended without printing {pattern!r}:\n{tail}")
-                self._new.clear()
-                await self._new.wait()
-
-    def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-        await self.proc.wait()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(self._reader, 5)
-
-
-@asynccontextmanager
-async def iop_process(*args: str) -> AsyncIterator[IopProcess]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "iop",
-        *args,
-        cwd=REPO,
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        preexec_fn=_die_with_parent,
-    )
-    child = IopProcess(proc)
-    try:
-        yield child
-    finally:
-        await child.stop()
-
-
-@asynccontextmanager
-async def node_process(config_file: Path, node_id: str, nats_url: str) -> AsyncIterator[IopProcess]:
-    """A node as its own process, returned once it says it serves."""
-    async with iop_process("node", "--config", str(config_file), "--node", node_id, "--nats", nats_url) as p:
-        await p.wait_line(rf"iop node {node_id} serving")
-        yield p
-
-
-@asynccontextmanager
-async def edge_process(config_file: Path, nats_url: str) -> AsyncIterator[tuple[IopProcess, str]]:
-    """An edge as its own process on a free port; yields it and its base URL."""
-    async with iop_process("edge", "--config", str(config_file), "--listen", "127.0.0.1:0", "--nats", nats_url) as p:
-        m = await p.wait_line(r"iop edge listening on (http://\S+)")
-        yield p, m.group(1)
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0, every_s: float = 0.02) -> float:
-    """Poll a condition held by another process (the broker, the OS) until it holds; seconds it took."""
-    t0 = time.monotonic()
-    for _ in range(int(timeout_s / every_s) + 1):
-        if await check():
-            return time.monotonic() - t0
-        await asyncio.sleep(every_s)  # the condition lives elsewhere: nothing here can signal it
-    raise AssertionError(f"condition not met within {timeout_s}s")
-
-
-async def broker_counts(js: JetStreamContext, provider: str) -> tuple[int, int]:
-    """(ack pending, pending) of a provider's consumer: running and not yet fetched."""
-    info = await js.consumer_info(wire.WORK_STREAM, wire.consumer_name(provider))
-    return info.num_ack_pending, info.num_pending
-
-
-async def stream_messages(js: JetStreamContext) -> int:
-    return (await js.stream_info(wire.WORK_STREAM)).state.messages
-
-
-def pid_gone(pid: int) -> bool:
-    """True when the process has exited (a zombie waiting to be reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-async def wait_gone(pid: int, timeout_s: float = 5.0) -> None:
-    """Wait for a process that is not our child to exit, on its pidfd (readable once it exits)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-
-    def exited() -> None:
-        if not done.done():
-            done.set_result(None)
-
-    loop.add_reader(fd, exited)
-    try:
-        async with asyncio.timeout(timeout_s):
-            await done
-    finally:
-        loop.remove_reader(fd)
-        os.close(fd)
-
-
-def sse_events(text: str) -> list[dict[str, object]]:
-    """The JSON `data:` payloads of an SSE stream (without `[DONE]`)."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            out.append(json.loads(line[6:]))
-    return out
 
 
 # --- node killed mid-stream, node restarted ---------------------------------------------------

@@ -12,8 +12,7 @@ from pathlib import Path
 
 from iop.bus import MAX_PAYLOAD, EmbeddedNats
 from tests.fakes import FakeUpstream, fake_upstream
-from tests.harness import EdgeHandle, deployment, running_edge, running_node
-from tests.test_faults import pid_gone, sse_events, wait_gone
+from tests.harness import EdgeHandle, deployment, pid_gone, running_edge, running_node, sse_events, wait_gone
 
 TIMEOUT_S = 1.0
 BIG_LINES = 400_000

@@ -18,8 +18,7 @@ from iop.bus import EmbeddedNats
 from iop.node.adapters.mock import mock_token
 from iop.node.running import Running
 from iop.node.runtime import NodeRuntime
-from tests.harness import EdgeHandle, deployment, running_edge, running_node, until
-from tests.test_faults import sse_events, wait_gone
+from tests.harness import EdgeHandle, deployment, running_edge, running_node, sse_events, until, wait_gone
 
 BULK_BYTES = 16 * 1024 * 1024
 """Far more than the window plus every socket buffer on the way: the producer must be held back."""

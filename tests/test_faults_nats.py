@@ -11,8 +11,7 @@ import nats
 from iop.bus import EmbeddedNats
 from iop.edge.registry import LOST_AFTER_S
 from tests.fakes import fake_upstream
-from tests.harness import deployment, running_edge, running_node, until
-from tests.test_faults import broker_counts, eventually, stream_messages
+from tests.harness import broker_counts, deployment, eventually, running_edge, running_node, stream_messages, until
 
 
 def one_provider_yaml(url: str) -> str:

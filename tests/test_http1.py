@@ -6,10 +6,8 @@ import asyncio
 import contextlib
 import hashlib
 import re
-import shutil
 import socket
 import ssl
-import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -304,46 +302,11 @@ async def test_http1_https_context_is_made_once_and_names_the_host(monkeypatch: 
     assert calls == [{"args": ("upstream.example", 8443), "ssl": pool.ssl, "server_hostname": "upstream.example"}] * 2
 
 
-@pytest.fixture(scope="module")
-def tls_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 (made by the openssl CLI) and its key."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is not installed")
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
-
-
-async def test_http1_https_with_a_self_signed_certificate(tls_cert: tuple[Path, Path]) -> None:
-    cert, key = tls_cert
+async def test_http1_https_with_a_private_ca(pki: Path) -> None:
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_ctx.load_cert_chain(cert, key)
+    server_ctx.load_cert_chain(pki / "server.pem", pki / "server.key")
     async with raw_server(answering(OK), ssl_context=server_ctx) as srv:
-        pool = HttpPool(srv.url, ssl_context=ssl.create_default_context(cafile=str(cert)))
+        pool = HttpPool(srv.url, ssl_context=ssl.create_default_context(cafile=str(pki / "ca.pem")))
         untrusting = HttpPool(srv.url)
         try:
             assert [await fetch(pool), await fetch(pool)] == [(200, b"ok")] * 2

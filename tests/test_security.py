@@ -8,13 +8,10 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -28,7 +25,7 @@ from nats.aio.client import Client as NATS
 from iop import bus, config
 from iop.bundle import nats_server_path
 from iop.errors import BusError, ConfigError
-from tests.harness import deployment, deployment_running, running_edge, running_node
+from tests.harness import deployment, deployment_running, iop_process, running_edge, running_node
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-iop-test-key-5d1e9a"
@@ -249,79 +246,6 @@ async def test_embedded_nats_refuses_to_listen_beyond_loopback_without_credentia
 # --- `iop edge` / `iop node` as processes ---------------------------------------------------------
 
 
-@dataclass
-class IopProcess:
-    """A `python -m iop ...` child; its output is collected as it comes."""
-
-    proc: asyncio.subprocess.Process
-    stdout: list[str] = field(default_factory=list)
-    stderr: list[str] = field(default_factory=list)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    readers: list[asyncio.Task[None]] = field(default_factory=list)
-
-    async def _read(self, stream: asyncio.StreamReader | None, into: list[str]) -> None:
-        assert stream is not None
-        while line := await stream.readline():
-            into.append(line.decode(errors="replace").rstrip("\n"))
-            self.changed.set()
-        self.changed.set()
-
-    async def wait_stdout(self, pattern: str, timeout_s: float = 15.0) -> re.Match[str]:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                for line in self.stdout:
-                    if m := re.search(pattern, line):
-                        return m
-                if self.proc.returncode is not None and all(r.done() for r in self.readers):
-                    raise AssertionError(f"exited {self.proc.returncode}: {self.stderr}")
-                self.changed.clear()
-                await asyncio.wait(
-                    [asyncio.ensure_future(self.changed.wait()), asyncio.ensure_future(self.proc.wait())],
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-
-    async def exit_code(self, timeout_s: float = 15.0) -> int:
-        async with asyncio.timeout(timeout_s):
-            rc = await self.proc.wait()
-            await asyncio.gather(*self.readers)
-        return rc
-
-
-@asynccontextmanager
-async def iop_process(*args: str, cwd: Path, env: dict[str, str]) -> AsyncIterator[IopProcess]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "iop",
-        *args,
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    p = IopProcess(proc)
-    p.readers = [
-        asyncio.create_task(p._read(pipe, lines)) for pipe, lines in ((proc.stdout, p.stdout), (proc.stderr, p.stderr))
-    ]
-    try:
-        yield p
-    finally:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGTERM)
-            try:
-                async with asyncio.timeout(15):
-                    await proc.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-                await proc.wait()
-        for r in p.readers:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(r, 5)
-
-
 def _write_deployment(tmp_path: Path, edge: dict[str, object]) -> Path:
     data = yaml.safe_load(MOCK_POOL)
     data["edge"] = {"listen": "127.0.0.1:0", **edge}
@@ -375,7 +299,7 @@ async def test_edge_and_nodes_as_processes_with_nats_password_and_client_keys(tm
     )
     secrets = {"IOP_TEST_KEYS": KEY, "IOP_TEST_NATS_USER": "iop", "IOP_TEST_NATS_PASSWORD": NATS_SECRET}
     async with iop_process("edge", "--config", str(path), cwd=tmp_path, env=secrets) as edge:
-        m = await edge.wait_stdout(r"listening on (http://\S+) nats=(\S+)")
+        m = await edge.wait_line(r"listening on (http://\S+) nats=(\S+)")
         http_url, nats_url = m.group(1), m.group(2)
         node_args = ("node", "--config", str(path), "--node", "n1", "--nats", nats_url)
 
@@ -387,7 +311,7 @@ async def test_edge_and_nodes_as_processes_with_nats_password_and_client_keys(tm
         assert "$IOP_TEST_NATS_PASSWORD" in intruder.stderr[0] and "not-the-password" not in intruder.stderr[0]
 
         async with iop_process(*node_args, cwd=tmp_path, env=secrets) as node:
-            await node.wait_stdout("iop node n1 serving")
+            await node.wait_line("iop node n1 serving")
             client = openai.AsyncOpenAI(base_url=http_url + "/v1", api_key=KEY, max_retries=0)
             answer = await client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
             assert answer.choices[0].message.content
@@ -400,87 +324,6 @@ async def test_edge_and_nodes_as_processes_with_nats_password_and_client_keys(tm
 
 
 # --- TLS to an external NATS ----------------------------------------------------------------------
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
-
-
-def _make_ca(d: Path, name: str) -> None:
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        f"{name}.key",
-        "-out",
-        f"{name}.pem",
-        "-days",
-        "1",
-        "-subj",
-        f"/CN={name}",
-        "-addext",
-        "keyUsage=critical,keyCertSign,cRLSign",
-        cwd=d,
-    )
-
-
-def _make_cert(d: Path, ca: str, name: str, usage: str) -> None:
-    _openssl(
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        f"{name}.key",
-        "-out",
-        f"{name}.csr",
-        "-subj",
-        f"/CN={name}",
-        cwd=d,
-    )
-    (d / f"{name}.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-        f"extendedKeyUsage={usage}\n"
-        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
-    )
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        f"{name}.csr",
-        "-CA",
-        f"{ca}.pem",
-        "-CAkey",
-        f"{ca}.key",
-        "-CAcreateserial",
-        "-out",
-        f"{name}.pem",
-        "-days",
-        "1",
-        "-extfile",
-        f"{name}.ext",
-        cwd=d,
-    )
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A throwaway CA with a server and a client certificate, and a second CA that signed neither."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is not installed, so no test certificates can be made")
-    d = tmp_path_factory.mktemp("pki")
-    _make_ca(d, "ca")
-    _make_ca(d, "other-ca")
-    _make_cert(d, "ca", "server", "serverAuth")
-    _make_cert(d, "ca", "client", "clientAuth")
-    return d
 
 
 @asynccontextmanager

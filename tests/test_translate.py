@@ -12,15 +12,8 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from openai._streaming import ServerSentEvent, SSEDecoder
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import TypeAdapter
-
-try:
-    import httpx2  # the openai SDK's HTTP client since 3.0
-except ImportError:  # older SDKs use httpx
-    import httpx as httpx2  # type: ignore[no-redef]
+from openai.types.responses import Response
 
 from iop.errors import BadRequest, UpstreamError
 from iop.openai.sse import SseDecoder, SseEvent
@@ -32,11 +25,9 @@ from iop.openai.translate import (
     responses_to_chat_answer,
     responses_to_chat_request,
 )
+from tests.harness import responses_events, sdk_client, sse
 
 DATA = Path(__file__).parent / "data" / "translate"
-RESPONSE_EVENT: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
-# Codes the real API sends and Codex acts on, missing from the SDK's ResponseError.code Literal.
-CODES_BEYOND_SDK = {"context_length_exceeded", "insufficient_quota"}
 
 
 def load(name: str) -> Any:
@@ -45,21 +36,6 @@ def load(name: str) -> Any:
 
 def raw(name: str) -> bytes:
     return (DATA / name).read_bytes()
-
-
-def sse(data: bytes) -> list[ServerSentEvent]:
-    """What a client reads from `data`, decoded by the openai SDK's own SSE decoder."""
-    return list(SSEDecoder().iter_bytes(iter([data])))
-
-
-def sdk_client(body: bytes, content_type: str) -> openai.OpenAI:
-    """An openai client whose every request is answered with `body`, offline."""
-
-    def answer(request: httpx2.Request) -> httpx2.Response:
-        return httpx2.Response(200, headers={"content-type": content_type}, content=body)
-
-    http = httpx2.Client(transport=httpx2.MockTransport(answer))
-    return openai.OpenAI(api_key="test", base_url="http://iop.test/v1", http_client=http, max_retries=0)
 
 
 def feed_all(stream: ChatToResponsesStream | ResponsesToChatStream, pieces: Iterable[bytes]) -> bytes:
@@ -77,21 +53,6 @@ def line_ends(data: bytes, end: bytes) -> bytes:
 
 
 # --- checking what clients receive ----------------------------------------------------------
-
-
-def responses_events(data: bytes) -> list[Any]:
-    """Every event validated as the SDK's typed Responses event; sequence numbers 0, 1, 2, …"""
-    events = []
-    for n, event in enumerate(sse(data)):
-        body = json.loads(event.data)
-        assert event.event == body["type"]
-        error = (body.get("response") or {}).get("error") or {}
-        if body["type"] == "response.failed" and error.get("code") in CODES_BEYOND_SDK:
-            error["code"] = "server_error"
-        typed = RESPONSE_EVENT.validate_python(body)
-        assert typed.sequence_number == n
-        events.append(typed)
-    return events
 
 
 def summary(items: Iterable[Any]) -> list[dict[str, Any]]:
