@@ -102,8 +102,18 @@ class WorkItem(msgspec.Struct, kw_only=True, array_like=True):
 
 
 class Usage(msgspec.Struct, array_like=True):
+    """Tokens read and written by one answer; iop.openai.usage gives it each API's shape.
+
+    The details are None where the upstream did not report them. An older peer's two-element
+    array decodes with both None; an older decoder ignores the trailing two.
+    """
+
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int | None = None
+    """Of `input_tokens`, how many came from the upstream's prompt cache."""
+    reasoning_tokens: int | None = None
+    """Of `output_tokens`, how many were reasoning."""
 
 
 class Started(msgspec.Struct, tag="s", array_like=True):

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from iop.errors import RequestError, error_body
-from iop.openai.usage import Usage
+from iop.openai.usage import Usage, chat_usage
 
 _encode = msgspec.json.Encoder().encode
 
@@ -65,7 +65,7 @@ def chat_completion(
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
     }
     if usage is not None:
-        body["usage"] = usage.chat()
+        body["usage"] = chat_usage(usage)
     return body
 
 
@@ -123,7 +123,7 @@ class ChatChunks:
         out = self._chunk(b"{}", finish_reason)
         if self.include_usage:
             counted = usage if usage is not None else Usage()
-            out += self._envelope + b',"choices":[],"usage":' + _encode(counted.chat()) + b"}\n\n"
+            out += self._envelope + b',"choices":[],"usage":' + _encode(chat_usage(counted)) + b"}\n\n"
         return out + DONE
 
     def error(self, message: str, code: str) -> bytes:

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from iop.openai.usage import Usage
+from iop.openai.usage import Usage, responses_usage
 
 _encode = msgspec.json.Encoder().encode
 
@@ -134,7 +134,7 @@ def finish_response(
     response["status"] = status
     response["incomplete_details"] = details
     response["output"] = output
-    response["usage"] = usage.responses() if usage is not None else None
+    response["usage"] = responses_usage(usage) if usage is not None else None
     if status == "completed":
         response["completed_at"] = int(time.time())
     return response

@@ -33,7 +33,7 @@ from iop.openai.responses_events import (
     response_object,
 )
 from iop.openai.translate_stream import ChatToResponsesStream, ResponsesToChatStream, as_mapping, chat_finish_reason
-from iop.openai.usage import Usage
+from iop.openai.usage import usage_from_chat, usage_from_responses
 
 __all__ = [
     "ChatToResponsesStream",
@@ -270,7 +270,7 @@ def chat_to_responses_answer(body: Mapping[str, Any], request: Mapping[str, Any]
             arguments = _encode(arguments).decode()
         call_id = call.get("id") or new_id("call_")
         output.append(function_call_item(new_id("fc_"), call_id, function.get("name", ""), arguments, status))
-    usage = Usage.from_chat(body["usage"]) if isinstance(body.get("usage"), Mapping) else None
+    usage = usage_from_chat(body["usage"]) if isinstance(body.get("usage"), Mapping) else None
     return finish_response(response_object(request, model), output, usage, finish_reason)
 
 
@@ -471,7 +471,7 @@ def responses_to_chat_answer(body: Mapping[str, Any], model: str) -> dict[str, A
         elif kind == "function_call":
             function = {"name": item.get("name", ""), "arguments": item.get("arguments", "")}
             calls.append({"id": item.get("call_id") or new_id("call_"), "type": "function", "function": function})
-    usage = Usage.from_responses(body["usage"]) if isinstance(body.get("usage"), Mapping) else None
+    usage = usage_from_responses(body["usage"]) if isinstance(body.get("usage"), Mapping) else None
     content = "".join(texts) if texts or not (calls or refusals) else None
     created = body.get("created_at")
     return chat_completion(

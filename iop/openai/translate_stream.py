@@ -10,7 +10,7 @@ import msgspec
 from iop.openai.chat_events import ChatChunks
 from iop.openai.responses_events import ResponseEvents, new_id
 from iop.openai.sse import SseDecoder, SseEvent
-from iop.openai.usage import Usage
+from iop.openai.usage import Usage, usage_from_chat, usage_from_responses
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -107,7 +107,7 @@ class ChatToResponsesStream:
             message, code = _error_of(chunk["error"])
             return self._events.fail(f"upstream: {message}", code)
         if isinstance(chunk.get("usage"), Mapping):
-            self.usage = Usage.from_chat(chunk["usage"])
+            self.usage = usage_from_chat(chunk["usage"])
         out = b""
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, Mapping) or choice.get("index", 0) != 0:
@@ -263,7 +263,7 @@ class ResponsesToChatStream:
         if kind in ("response.completed", "response.incomplete"):
             response = as_mapping(event.get("response"))
             if isinstance(response.get("usage"), Mapping):
-                self.usage = Usage.from_responses(response["usage"])
+                self.usage = usage_from_responses(response["usage"])
             status = "incomplete" if kind == "response.incomplete" else "completed"
             self.ended = True
             reason = chat_finish_reason({"status": status, **response}, bool(self._calls))

@@ -1,66 +1,64 @@
-"""Token counts of one answer, and their shape in each OpenAI API."""
+"""Token counts of one answer (`iop.wire.Usage`, the type the node reports) in each OpenAI API's shape."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-import msgspec
+from iop.wire import Usage
+
+__all__ = ["Usage", "chat_usage", "responses_usage", "usage_from_chat", "usage_from_responses"]
 
 
 def _count(value: object) -> int:
-    # Upstreams send null or omit details they don't track; a count is never negative.
+    # Upstreams send null or omit counts they don't track; a count is never negative.
     return value if isinstance(value, int) and value > 0 else 0
 
 
-def _detail(details: object, key: str) -> int:
-    return _count(details.get(key)) if isinstance(details, Mapping) else 0
+def _detail(details: object, key: str) -> int | None:
+    if not isinstance(details, Mapping):
+        return None
+    value = details.get(key)
+    return _count(value) if isinstance(value, int) else None
 
 
-class Usage(msgspec.Struct):
-    """Tokens read and written by one answer; details default to 0 when unknown."""
+def chat_usage(usage: Usage) -> dict[str, Any]:
+    """The chat.completion `usage` object (details the upstream did not report read 0)."""
+    return {
+        "prompt_tokens": usage.input_tokens,
+        "completion_tokens": usage.output_tokens,
+        "total_tokens": usage.input_tokens + usage.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens or 0},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},
+    }
 
-    input_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    """Of `input_tokens`, how many came from the upstream's prompt cache."""
-    reasoning_tokens: int = 0
-    """Of `output_tokens`, how many were reasoning."""
 
-    def chat(self) -> dict[str, Any]:
-        """The chat.completion `usage` object."""
-        return {
-            "prompt_tokens": self.input_tokens,
-            "completion_tokens": self.output_tokens,
-            "total_tokens": self.input_tokens + self.output_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-        }
+def responses_usage(usage: Usage) -> dict[str, Any]:
+    """The Responses API `usage` object (details the upstream did not report read 0)."""
+    return {
+        "input_tokens": usage.input_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens or 0, "cache_write_tokens": 0},
+        "output_tokens": usage.output_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},
+        "total_tokens": usage.input_tokens + usage.output_tokens,
+    }
 
-    def responses(self) -> dict[str, Any]:
-        """The Responses API `usage` object."""
-        return {
-            "input_tokens": self.input_tokens,
-            "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": self.output_tokens,
-            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-            "total_tokens": self.input_tokens + self.output_tokens,
-        }
 
-    @classmethod
-    def from_chat(cls, usage: Mapping[str, Any]) -> Usage:
-        return cls(
-            input_tokens=_count(usage.get("prompt_tokens")),
-            output_tokens=_count(usage.get("completion_tokens")),
-            cached_tokens=_detail(usage.get("prompt_tokens_details"), "cached_tokens"),
-            reasoning_tokens=_detail(usage.get("completion_tokens_details"), "reasoning_tokens"),
-        )
+def usage_from_chat(usage: Mapping[str, Any]) -> Usage:
+    """The counts of a chat.completion `usage` object, read defensively."""
+    return Usage(
+        input_tokens=_count(usage.get("prompt_tokens")),
+        output_tokens=_count(usage.get("completion_tokens")),
+        cached_tokens=_detail(usage.get("prompt_tokens_details"), "cached_tokens"),
+        reasoning_tokens=_detail(usage.get("completion_tokens_details"), "reasoning_tokens"),
+    )
 
-    @classmethod
-    def from_responses(cls, usage: Mapping[str, Any]) -> Usage:
-        return cls(
-            input_tokens=_count(usage.get("input_tokens")),
-            output_tokens=_count(usage.get("output_tokens")),
-            cached_tokens=_detail(usage.get("input_tokens_details"), "cached_tokens"),
-            reasoning_tokens=_detail(usage.get("output_tokens_details"), "reasoning_tokens"),
-        )
+
+def usage_from_responses(usage: Mapping[str, Any]) -> Usage:
+    """The counts of a Responses API `usage` object, read defensively."""
+    return Usage(
+        input_tokens=_count(usage.get("input_tokens")),
+        output_tokens=_count(usage.get("output_tokens")),
+        cached_tokens=_detail(usage.get("input_tokens_details"), "cached_tokens"),
+        reasoning_tokens=_detail(usage.get("output_tokens_details"), "reasoning_tokens"),
+    )

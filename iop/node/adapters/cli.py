@@ -105,7 +105,7 @@ class CliAdapter:
             raise UpstreamError(f"command {how}{detail}", code="cli_failed")
         usage = Usage(input_tokens=max(1, len(prompt) // 4), output_tokens=max(0, out_chars // 4))
         await send(writer.finish(usage))
-        return wire.Usage(usage.input_tokens, usage.output_tokens)
+        return usage
 
     async def close(self) -> None:
         return None

@@ -39,7 +39,7 @@ class MockAdapter:
             if item.stream:
                 await send(piece)
         await send(writer.finish(usage))
-        return wire.Usage(usage.input_tokens, usage.output_tokens)
+        return usage
 
     async def close(self) -> None:
         return None

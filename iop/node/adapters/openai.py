@@ -20,6 +20,7 @@ from iop.openai.translate import (
     responses_to_chat_answer,
     responses_to_chat_request,
 )
+from iop.openai.usage import usage_from_chat, usage_from_responses
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -107,8 +108,7 @@ class OpenAIAdapter:
                     # End the stream in the client's own API (e.g. response.failed for Codex).
                     await send(stream.fail(err.message, err.code))
                 raise StreamFailed(err.message, code=err.code, status=err.status) from exc
-            u = stream.usage
-            return wire.Usage(u.input_tokens, u.output_tokens) if u is not None else None
+            return stream.usage
         except msgspec.DecodeError as exc:
             raise UpstreamError("upstream answered with invalid JSON", code="upstream_error") from exc
         except HttpError as exc:
@@ -151,9 +151,7 @@ def _usage_of(answer: Mapping[str, Any]) -> wire.Usage | None:
     u = answer.get("usage")
     if not isinstance(u, Mapping):
         return None
-    if "input_tokens" in u:
-        return wire.Usage(int(u.get("input_tokens") or 0), int(u.get("output_tokens") or 0))
-    return wire.Usage(int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0))
+    return usage_from_responses(u) if "input_tokens" in u else usage_from_chat(u)
 
 
 def upstream_error(status: int, raw: bytes) -> RequestError:
