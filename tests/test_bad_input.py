@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -84,11 +85,20 @@ CASES = [
     ("empty messages", json.dumps({**GOOD, "messages": []}).encode(), 400, "invalid_request"),
     ("invalid utf-8", b'{"model": "sim", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "invalid_json"),
     ("unknown model", json.dumps({**GOOD, "model": "nope"}).encode(), 404, "model_not_found"),
+    (
+        "content nested 5000 deep",
+        b'{"model": "sim", "messages": [{"role": "user", "content": ' + b"[" * 5000 + b"]" * 5000 + b"}]}",
+        400,
+        "invalid_json",
+    ),
+    ("messages nested 5000 deep", b'{"model": "sim", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
 ]
 
 
 @pytest.mark.parametrize(("name", "body", "status", "code"), CASES, ids=[c[0] for c in CASES])
-def test_bad_chat_bodies_get_openai_errors(edge_url: str, name: str, body: bytes, status: int, code: str) -> None:
+def test_bad_chat_bodies_get_openai_errors(
+    edge_url: str, name: str, body: bytes, status: int, code: str | None
+) -> None:
     with httpx.Client(base_url=edge_url) as http:
         r = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
         _error(r, status, code)
@@ -175,3 +185,15 @@ def test_fuzzed_bodies_get_only_2xx_or_4xx_json(edge_url: str, body: bytes, path
             _error(r, r.status_code)
         elif r.headers["content-type"].startswith("application/json"):
             r.json()
+
+
+def test_models_retrieve_answers_each_alias_and_404s_an_unknown_one(edge_url: str) -> None:
+    client = openai.OpenAI(base_url=edge_url + "/v1", api_key="test", max_retries=0)
+    try:
+        model = client.models.retrieve("sim")
+        assert (model.id, model.object, model.owned_by) == ("sim", "model", "iop")
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.models.retrieve("nope")
+        assert caught.value.code == "model_not_found"
+    finally:
+        client.close()

@@ -81,6 +81,9 @@ def parse_head(api: wire.Api, body: bytes) -> tuple[str, bool]:
         raise BadRequest(f"invalid request body: {_path_message(exc)}", param=_param(exc)) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        # msgspec recurses once per nesting level, even in the parts it skips.
+        raise BadRequest("request body is nested too deeply", code="invalid_json") from None
 
 
 def _path_message(exc: msgspec.ValidationError) -> str:

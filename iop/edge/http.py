@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from iop.errors import error_body
+from iop.errors import IopError, error_body
 
 log = logging.getLogger("iop.edge")
 
@@ -217,6 +218,27 @@ class LimitedHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def bind(listen: str) -> socket.socket:
+    """A listening TCP socket on `host:port`; a busy or forbidden address is one clear error."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, int(port)))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ListenError(f"edge.listen: cannot listen on {listen}: {exc.strerror or exc}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+class ListenError(IopError):
+    """The edge's HTTP address cannot be bound (in use, not local, not permitted)."""
 
 
 def raise_fd_limit() -> int:

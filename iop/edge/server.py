@@ -31,7 +31,7 @@ from iop.edge.registry import Registry
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
 from iop.edge.status import status_of
-from iop.errors import ConfigError, RequestError, error_body
+from iop.errors import ConfigError, NotFound, RequestError, error_body
 from iop.refresh import diff, node_section
 
 log = logging.getLogger("iop.edge")
@@ -198,13 +198,19 @@ class Edge:
 
 
 def build_app(edge: Edge) -> Starlette:
+    def model_entry(alias: str) -> dict[str, Any]:
+        return {"id": alias, "object": "model", "created": int(edge.started_at), "owned_by": "iop"}
+
     async def models(request: Request) -> Response:
         edge.authorize(request.scope)
-        data = [
-            {"id": m.alias, "object": "model", "created": int(edge.started_at), "owned_by": "iop"}
-            for m in edge.deployment.models
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [model_entry(m.alias) for m in edge.deployment.models]})
+
+    async def model(request: Request) -> Response:
+        edge.authorize(request.scope)
+        alias = request.path_params["alias"]
+        if not any(m.alias == alias for m in edge.deployment.models):
+            raise NotFound(f"model '{alias}' does not exist; GET /v1/models lists the models", param="model")
+        return JSONResponse(model_entry(alias))
 
     async def status(request: Request) -> Response:
         edge.authorize(request.scope)
@@ -246,6 +252,8 @@ def build_app(edge: Edge) -> Starlette:
         Route("/v1/chat/completions", ApiEndpoint(edge, "chat")),
         Route("/v1/responses", ApiEndpoint(edge, "responses")),
         Route("/v1/models", models, methods=["GET"]),
+        # An alias may hold `/` (`org/model`), so the rest of the path is the id.
+        Route("/v1/models/{alias:path}", model, methods=["GET"]),
         Route("/status", status, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/admin/refresh", refresh, methods=["POST"]),
@@ -291,17 +299,18 @@ async def run_edge(
     url = nats_url or settings.nats.url
     access = bus.NatsAccess.from_settings(settings.nats)  # before anything starts: a missing secret is fatal
     edge_http.raise_fd_limit()
-    if url == "embedded":
-        # A relative store_dir is relative to the working directory, like any path on a command line.
-        embedded = bus.EmbeddedNats(settings.nats.listen, Path(settings.nats.store_dir), access=access)
-        await embedded.start()
-        url = embedded.url
+    # Bind the HTTP socket before anything starts: a busy port is one line, with nothing to undo.
+    sock = edge_http.bind(listen or settings.listen)
     try:
+        if url == "embedded":
+            # A relative store_dir is relative to the working directory, like any path on a command line.
+            embedded = bus.EmbeddedNats(settings.nats.listen, Path(settings.nats.store_dir), access=access)
+            await embedded.start()
+            url = embedded.url
         nc = await bus.connect(url, "iop-edge", access=access, wait_s=15.0)
         edge = Edge(dep, nc, nats_url=url)
         await edge.start()
-        host, _, port = (listen or settings.listen).rpartition(":")
-        server = http_server(edge, host=host, port=int(port), grace_s=grace_s)
+        server = http_server(edge, grace_s=grace_s)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -309,7 +318,7 @@ async def run_edge(
         if loaded.path is not None:
             path = loaded.path
             loop.add_signal_handler(signal.SIGHUP, lambda: edge._spawn(_reload(edge, path)))
-        serve = asyncio.create_task(server.serve(sockets=None))
+        serve = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if serve.done():
                 await serve
@@ -329,6 +338,7 @@ async def run_edge(
             await nc.flush(timeout=2)
         await nc.close()
     finally:
+        sock.close()
         if embedded is not None:
             await embedded.stop()
 
