@@ -152,10 +152,16 @@ class EmbeddedNats:
                 f"edge.nats.listen: refusing to start NATS on {self.host}:{self.port} without credentials "
                 "(not a loopback address): set user_env and password_env, or token_env"
             )
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.store_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BusError(f"store_dir {self.store_dir}: {exc.strerror or exc}") from exc
         if self.lock and self._lock_file is None:
             # nats-server does not lock its store; two servers on one directory would corrupt it.
-            f = (self.store_dir / "iop.lock").open("w")
+            try:
+                f = (self.store_dir / "iop.lock").open("w")
+            except OSError as exc:
+                raise BusError(f"store_dir {self.store_dir}: {exc.strerror or exc}") from exc
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -212,7 +218,21 @@ class EmbeddedNats:
             raise
         self._drain = asyncio.create_task(_drain_log(self.proc.stderr))
         auth = "clients need credentials" if secured else "loopback only, no credentials"
-        log.info("embedded nats-server ready on %s (store %s, %s)", self.url, self.store_dir, auth)
+        log.info(
+            "embedded nats-server (pid %d) ready on %s (store %s, %s)", self.proc.pid, self.url, self.store_dir, auth
+        )
+
+    async def wait(self) -> int:
+        """Until the server process exits; its exit status (negative: the signal that ended it)."""
+        proc = self.proc
+        if proc is None:
+            return 0
+        return await proc.wait()
+
+    async def restart(self, timeout_s: float = 15.0) -> None:
+        """Start the server again after it died: same port (clients reconnect by themselves), same store."""
+        await self._release_process()
+        await self.start(timeout_s)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, wait up to `timeout_s`, then SIGKILL; release the store lock."""
@@ -227,6 +247,14 @@ class EmbeddedNats:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
+        await self._release_process()
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    async def _release_process(self) -> None:
+        """Forget a process that has exited: its log reader and its generated config."""
+        self.proc = None
         if self._drain is not None:
             self._drain.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -235,9 +263,6 @@ class EmbeddedNats:
         if self._conf_dir is not None:
             shutil.rmtree(self._conf_dir, ignore_errors=True)
             self._conf_dir = None
-        if self._lock_file is not None:
-            self._lock_file.close()
-            self._lock_file = None
 
     @property
     def pid(self) -> int | None:

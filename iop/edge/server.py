@@ -31,7 +31,7 @@ from iop.edge.registry import Registry
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
 from iop.edge.status import status_of
-from iop.errors import ConfigError, NotFound, RequestError, error_body
+from iop.errors import BusError, ConfigError, NotFound, RequestError, error_body
 from iop.refresh import diff, node_section
 
 log = logging.getLogger("iop.edge")
@@ -61,6 +61,10 @@ class Edge:
         self.js = nc.jetstream()
         self.queue_timeout_s = deployment.edge.queue.timeout_s
         self.max_body_bytes = int(deployment.edge.max_body_mb * 1024 * 1024)
+        self.nats_down = ""
+        """Why the edge's own (embedded) NATS is down right now; empty while it runs."""
+        self.fatal = ""
+        """Set when the edge must stop with an error (its embedded NATS cannot be kept alive)."""
         h = deployment.edge.http
         self.http_limits = edge_http.HttpLimits(
             max_head_bytes=h.max_head_kb * 1024,
@@ -234,7 +238,12 @@ def build_app(edge: Edge) -> Starlette:
         return JSONResponse(asdict(result), 500 if result.error else 200)
 
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"ok": True, "nats": edge.nc.is_connected})
+        # Liveness: an edge cut off from NATS can serve nothing; say so, so a supervisor can act.
+        connected = edge.nc.is_connected and not edge.nats_down
+        body: dict[str, Any] = {"ok": connected, "nats": connected}
+        if not connected:
+            body["reason"] = edge.nats_down or "not connected to NATS"
+        return JSONResponse(body, 200 if connected else 503)
 
     async def request_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestError)
@@ -318,6 +327,9 @@ async def run_edge(
         if loaded.path is not None:
             path = loaded.path
             loop.add_signal_handler(signal.SIGHUP, lambda: edge._spawn(_reload(edge, path)))
+        supervisor = None
+        if embedded is not None:
+            supervisor = asyncio.create_task(_supervise_nats(embedded, edge, stop))
         serve = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if serve.done():
@@ -330,6 +342,8 @@ async def run_edge(
         if ready is not None:
             ready.set()
         await stop.wait()
+        if supervisor is not None:
+            supervisor.cancel()
         log.info("iop edge stopping: finishing in-flight requests (up to %gs)", grace_s)
         server.should_exit = True
         await serve
@@ -337,10 +351,49 @@ async def run_edge(
         with contextlib.suppress(Exception):
             await nc.flush(timeout=2)
         await nc.close()
+        if edge.fatal:
+            raise BusError(edge.fatal)
     finally:
         sock.close()
         if embedded is not None:
             await embedded.stop()
+
+
+NATS_RESTARTS = 3
+"""Restarts of a dead embedded nats-server within `NATS_RESTART_WINDOW_S` before the edge gives up."""
+NATS_RESTART_WINDOW_S = 60.0
+
+
+async def _supervise_nats(embedded: bus.EmbeddedNats, edge: Edge, stop: asyncio.Event) -> None:
+    """Restart the embedded nats-server when it dies; past the budget, stop the edge with an error.
+
+    Exiting non-zero is what lets a supervisor (systemd, a container runtime) act: an edge that
+    keeps answering HTTP without its NATS only turns every request into a 503.
+    """
+    restarts: list[float] = []
+    while True:
+        status = await embedded.wait()
+        now = time.monotonic()
+        restarts = [t for t in restarts if now - t < NATS_RESTART_WINDOW_S]
+        if len(restarts) >= NATS_RESTARTS:
+            edge.fatal = (
+                f"the embedded nats-server exited {NATS_RESTARTS + 1} times within {NATS_RESTART_WINDOW_S:g}s "
+                f"(last status {status}); stopping the edge"
+            )
+            log.error("%s", edge.fatal)
+            stop.set()
+            return
+        restarts.append(now)
+        log.error("the embedded nats-server exited (status %s); restarting it on %s", status, embedded.url)
+        edge.nats_down = f"embedded nats-server exited (status {status})"
+        try:
+            await embedded.restart()
+        except BusError as exc:
+            edge.fatal = f"the embedded nats-server exited and could not be restarted: {exc}"
+            log.error("%s", edge.fatal)
+            stop.set()
+            return
+        edge.nats_down = ""
 
 
 async def _reload(edge: Edge, path: Path) -> None:
