@@ -123,12 +123,20 @@ async def _reap(proc: asyncio.subprocess.Process) -> None:
 
 
 async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
-    # A command that never reads its stdin must not fail the request: ignore a closed pipe.
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        stdin.write(data)
-        await stdin.drain()
+    # A command that never reads its stdin must not fail the request: a pipe it closed is fine.
+    # asyncio says so with BrokenPipeError; uvloop, once it has seen the pipe close, with
+    # RuntimeError ("unable to perform operation on <WriteUnixTransport closed=True>").
+    try:
+        if not stdin.is_closing():
+            stdin.write(data)
+            await stdin.drain()
         stdin.close()
         await stdin.wait_closed()
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    except RuntimeError:
+        if not stdin.is_closing():
+            raise
 
 
 async def _tail(stream: asyncio.StreamReader) -> bytes:
