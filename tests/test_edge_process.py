@@ -1,0 +1,95 @@
+"""The edge as an operator runs it (`iop edge` processes): start-up failures and its embedded NATS dying."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+from pathlib import Path
+
+import httpx
+
+from tests.harness import IopProcess, eventually, iop_process
+
+DEPLOYMENT = """
+edge:
+  listen: {listen}
+  nats: {{listen: "127.0.0.1:0", store_dir: {store}}}
+models: [{{alias: sim, pool: [sim-1]}}]
+nodes:
+  - id: n1
+    adapters: [{{id: sim, type: mock, latency_ms: 0, tokens: 2, token_interval_ms: 0}}]
+    providers: [{{id: sim-1, adapter: sim, capacity: 2}}]
+"""
+
+READY = re.compile(r"embedded nats-server \(pid (\d+)\) ready")
+GOOD = {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def write_deployment(tmp_path: Path, listen: str = "127.0.0.1:0") -> tuple[Path, Path]:
+    store = tmp_path / "store"
+    path = tmp_path / "deployment.yaml"
+    path.write_text(DEPLOYMENT.format(listen=listen, store=store))
+    return path, store
+
+
+async def nats_pids(edge: IopProcess, count: int) -> list[int]:
+    """The pids of the embedded nats-servers the edge has started, once it has started `count`."""
+
+    def pids() -> list[int]:
+        return [int(m.group(1)) for line in edge.lines if (m := READY.search(line))]
+
+    async def enough() -> bool:
+        return len(pids()) >= count
+
+    await eventually(enough, timeout_s=20)
+    return pids()
+
+
+async def test_edge_on_a_busy_port_says_so_in_one_line_before_starting_anything(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        path, store = write_deployment(tmp_path, f"127.0.0.1:{port}")
+        async with iop_process("edge", "--config", str(path), cwd=tmp_path) as edge:
+            assert await edge.exit_code() != 0
+    assert edge.stderr == [f"iop: edge.listen: cannot listen on 127.0.0.1:{port}: Address already in use"]
+    assert not store.exists()  # NATS was never started
+
+
+async def test_edge_restarts_its_dead_nats_then_gives_up_and_exits_non_zero(tmp_path: Path) -> None:
+    path, _ = write_deployment(tmp_path)
+    async with iop_process("edge", "--config", str(path), cwd=tmp_path) as edge:
+        url = (await edge.wait_line(r"iop edge listening on (http://\S+)")).group(1)
+        nats_url = (await edge.wait_line(r"nats=(\S+)")).group(1)
+        nats_pid = (await nats_pids(edge, 1))[0]
+        async with (
+            iop_process("node", "--config", str(path), "--node", "n1", "--nats", nats_url, cwd=tmp_path) as node,
+            httpx.AsyncClient(base_url=url, timeout=10) as http,
+        ):
+            await node.wait_line("iop node n1 serving")
+            assert (await http.post("/v1/chat/completions", json=GOOD)).status_code == 200
+
+            os.kill(nats_pid, signal.SIGKILL)
+            await edge.wait_line(r"embedded nats-server exited \(status -9\); restarting")
+            pids = await nats_pids(edge, 2)
+
+            async def served() -> bool:
+                health = await http.get("/healthz")
+                if health.status_code != 200:
+                    assert health.json()["ok"] is False  # says why while NATS is away
+                    return False
+                return (await http.post("/v1/chat/completions", json=GOOD)).status_code == 200
+
+            took = await eventually(served, timeout_s=20, every_s=0.1)
+            print(f"\nserved again {took:.2f}s after the embedded nats-server was restarted")
+
+            # Three more deaths within the minute: the edge stops, non-zero, with one line saying why.
+            for n in (3, 4, 5):
+                os.kill(pids[-1], signal.SIGKILL)
+                if n < 5:
+                    pids = await nats_pids(edge, n)
+            assert await edge.exit_code(timeout_s=30) != 0
+    assert edge.stderr[-1].startswith("iop: the embedded nats-server exited 4 times within 60s"), edge.stderr[-3:]
