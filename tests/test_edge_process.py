@@ -93,3 +93,13 @@ async def test_edge_restarts_its_dead_nats_then_gives_up_and_exits_non_zero(tmp_
                     pids = await nats_pids(edge, n)
             assert await edge.exit_code(timeout_s=30) != 0
     assert edge.stderr[-1].startswith("iop: the embedded nats-server exited 4 times within 60s"), edge.stderr[-3:]
+
+
+async def test_edge_with_an_unusable_store_dir_names_the_path(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    store = tmp_path / "a-file" / "store"  # cannot exist: its parent is a file (root ignores mode bits)
+    path = tmp_path / "deployment.yaml"
+    path.write_text(DEPLOYMENT.format(listen="127.0.0.1:0", store=store))
+    async with iop_process("edge", "--config", str(path), cwd=tmp_path) as edge:
+        assert await edge.exit_code() != 0
+    assert edge.stderr == [f"iop: store_dir {store}: Not a directory"]
