@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -21,7 +22,7 @@ async def subscribe(running: RunningRequests, r: Resource) -> Subscription:
         # Subscription callbacks run one at a time: hand each request to its own task at once.
         try:
             item = wire.decode_work(msg.data)
-        except Exception:
+        except msgspec.DecodeError:
             log.error("CLI resource %s: undecodable request dropped", r.cfg.id)
             return
         if running.stopping:

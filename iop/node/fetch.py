@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from typing import Any
 
+import msgspec
 import nats.errors
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from iop import wire
 from iop.node.resource import Resource
@@ -21,12 +21,14 @@ FETCH_TIMEOUT_S = 1.0
 """How long one pull request waits; bounds how fast an idle worker notices the node stopping."""
 
 
-def start_workers(running: RunningRequests, r: Resource, js: Any, slots: range) -> list[asyncio.Task[None]]:
+def start_workers(
+    running: RunningRequests, r: Resource, js: JetStreamContext, slots: range
+) -> list[asyncio.Task[None]]:
     """One fetch loop per slot in `slots` of provider `r`."""
     return [asyncio.create_task(fetch_loop(running, r, js, i)) for i in slots]
 
 
-async def fetch_loop(running: RunningRequests, r: Resource, js: Any, index: int) -> None:
+async def fetch_loop(running: RunningRequests, r: Resource, js: JetStreamContext, index: int) -> None:
     """Serve slot `index` of a provider: one outstanding fetch(batch=1) at a time.
 
     Each loop binds its own pull subscription. Loops sharing one see each other's responses
@@ -43,11 +45,15 @@ async def fetch_loop(running: RunningRequests, r: Resource, js: Any, index: int)
     try:
         await _fetch_until_done(running, r, psub, index)
     finally:
-        with contextlib.suppress(Exception):
+        try:
             await psub.unsubscribe()
+        except nats.errors.Error as exc:  # the connection closed first: nothing left to undo
+            log.debug("provider %s: unsubscribing slot %d: %s", r.cfg.id, index, exc)
 
 
-async def _fetch_until_done(running: RunningRequests, r: Resource, psub: Any, index: int) -> None:
+async def _fetch_until_done(
+    running: RunningRequests, r: Resource, psub: JetStreamContext.PullSubscription, index: int
+) -> None:
     while not running.stopping and not r.retired and index < (r.cfg.capacity or 0):
         try:
             msgs = await psub.fetch(1, timeout=FETCH_TIMEOUT_S)
@@ -67,7 +73,7 @@ async def _fetch_until_done(running: RunningRequests, r: Resource, psub: Any, in
 async def _take(running: RunningRequests, r: Resource, msg: Msg) -> None:
     try:
         item = wire.decode_work(msg.data)
-    except Exception:
+    except msgspec.DecodeError:
         log.error("provider %s: undecodable work message dropped", r.cfg.id)
         await msg.term()
         return
@@ -93,6 +99,8 @@ async def _claim(running: RunningRequests, item: wire.WorkItem) -> bool:
     """Ask the edge whether a redelivered item may run (its first delivery may have run already)."""
     try:
         reply = await running.nc.request(item.reply_to, wire.encode(wire.Claim(item.id)), timeout=2.0)
-    except (nats.errors.Error, TimeoutError):
+        return wire.decode_verdict(reply.data).go
+    except (nats.errors.Error, TimeoutError, msgspec.DecodeError) as exc:
+        # No clear yes: not running it is the safe side (the edge fails or retries the request).
+        log.debug("claim of %s unanswered: %s", item.id, exc)
         return False
-    return wire.decode_verdict(reply.data).go

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -120,6 +119,8 @@ class RunningRequests:
             failure = wire.Failure(item.id, window.sent_chunks, exc.status, exc.code, exc.message, exc.ended_stream)
             await _quietly(self.publish(item, failure))
         except Exception as exc:
+            # The adapter boundary: any bug below it (adapter, upstream client, translation) must end
+            # as a Failure the client sees and a freed slot, never as a request left hanging.
             r.failed += 1
             log.exception("provider %s: request %s failed", r.cfg.id, item.id)
             if msg is not None:
@@ -159,7 +160,8 @@ class RunningRequests:
     async def on_cancel(self, msg: Msg) -> None:
         try:
             cancel = wire.decode_cancel(msg.data)
-        except Exception:
+        except msgspec.DecodeError:
+            log.warning("node %s: undecodable cancel dropped", self.node_id)
             return
         now = time.monotonic()
         self._cancelled[cancel.id] = now
@@ -173,6 +175,7 @@ class RunningRequests:
         try:
             credit = wire.decode_credit(msg.data)
         except msgspec.DecodeError:
+            log.warning("node %s: undecodable credit dropped", self.node_id)
             return
         run = self.by_id.get(credit.id)
         if run is not None:
@@ -186,8 +189,11 @@ class RunningRequests:
             await asyncio.sleep(wire.ACK_WAIT_S / 3)
             for run in list(self.by_id.values()):
                 if run.msg is not None:
-                    with contextlib.suppress(Exception):
+                    try:
                         await run.msg.in_progress()
+                    except (nats.errors.Error, OSError) as exc:
+                        # Acked meanwhile, or disconnected: the next round tries again if it still runs.
+                        log.debug("progress of %s not sent: %s", run.item.id, exc)
 
     async def probe_loop(self) -> None:
         # A dead edge raises nothing when we publish to it; asking is how a node finds out, and the

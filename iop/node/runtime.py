@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
 from collections.abc import Coroutine
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 from iop import bus, config, wire
 from iop.node import adapters, direct, fetch
@@ -175,7 +176,7 @@ class NodeRuntime:
                 # One fetch loop per slot: more slots, more loops (fewer: the extra loops end).
                 r.workers += fetch.start_workers(self._running, r, js, range(before, p.capacity or 0))
 
-    async def _serve(self, r: Resource, js: Any) -> None:
+    async def _serve(self, r: Resource, js: JetStreamContext) -> None:
         assert self._running is not None
         if r.kind == "cli":
             r.sub = await direct.subscribe(self._running, r)
@@ -190,8 +191,10 @@ class NodeRuntime:
         """Stop taking work for a resource the catalog no longer has; what runs, finishes."""
         r.retired = True
         if r.sub is not None:
-            with contextlib.suppress(Exception):
+            try:
                 await r.sub.unsubscribe()
+            except nats.errors.Error as exc:  # closed or reconnecting: the subscription is gone either way
+                log.debug("node %s: unsubscribing %s: %s", self.node_id, r.cfg.id, exc)
         log.info("node %s: %s left the catalog (finishing %d running)", self.node_id, r.cfg.id, r.in_flight)
 
     async def stop(self, grace_s: float = 30.0) -> None:
@@ -208,12 +211,17 @@ class NodeRuntime:
         for t in list(self._tasks):
             t.cancel()
         if self.nc is not None and self.nc.is_connected and self._presence is not None:
-            with contextlib.suppress(Exception):
+            try:
                 await self._presence.heartbeat(leaving=True)
+            except (nats.errors.Error, OSError) as exc:
+                # The edge then declares the node lost after missed heartbeats instead of at once.
+                log.debug("node %s: last heartbeat not sent: %s", self.node_id, exc)
         if self.nc is not None:
             # Not drain(): it waits out every idle pull request. All work has ended; flush and go.
-            with contextlib.suppress(Exception):
+            try:
                 await self.nc.flush(timeout=2)
+            except (nats.errors.Error, OSError) as exc:
+                log.debug("node %s: final flush: %s", self.node_id, exc)
             await self.nc.close()
         for a in [*self._adapters.values(), *self._old_adapters]:
             await a.close()
