@@ -203,9 +203,10 @@ class RunningRequests:
             now = time.monotonic()
             due = [run for run in self.by_id.values() if now - run.since >= self.probe_interval_s]
             if due:
-                await asyncio.gather(*(self._probe(run) for run in due))
+                await asyncio.gather(*(self.probe(run) for run in due))
 
-    async def _probe(self, run: Running) -> None:
+    async def probe(self, run: Running) -> None:
+        """Ask the edge of `run` whether it still wants it, and how far its client read (see probe_loop)."""
         try:
             reply = await self.nc.request(
                 run.item.reply_to, wire.encode(wire.Probe(run.item.id)), timeout=self.probe_interval_s
