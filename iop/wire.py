@@ -132,6 +132,8 @@ class Chunk(msgspec.Struct, tag="c", array_like=True):
     id: str
     seq: int
     data: bytes
+    headers: dict[str, str] | None = None
+    """HTTP headers for the client's answer (e.g. `x-iop-dropped-tools`); only on the first chunk."""
 
 
 class Done(msgspec.Struct, tag="d", array_like=True):
@@ -152,6 +154,8 @@ class Failure(msgspec.Struct, tag="f", array_like=True):
     message: str
     ended: bool = False
     """The node already ended the stream with an error event in the client's API (translated streams)."""
+    param: str | None = None
+    """The request field the failure is about (a refused parameter), as OpenAI errors name it."""
 
 
 class Accepted(msgspec.Struct, tag="a", array_like=True):

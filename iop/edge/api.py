@@ -180,9 +180,13 @@ class ApiEndpoint:
         self, ch: Channel, provider: str, stream: bool, out: _TrackedSend, arrived: float, start_deadline: float | None
     ) -> RequestError | None:
         replies = self.edge.relay.replies(ch, start_deadline)
-        if stream:
-            return await _relay_stream(self.api, replies, out, provider, arrived, ch)
-        await _relay_whole(replies, out, provider, arrived, ch)
+        try:
+            if stream:
+                return await _relay_stream(self.api, replies, out, provider, arrived, ch)
+            await _relay_whole(replies, out, provider, arrived, ch)
+        except RequestError as exc:
+            exc.headers.setdefault("x-iop-provider", provider)  # who failed or refused (e.g. a translation)
+            raise
         return None
 
 
@@ -204,13 +208,17 @@ def _timing_headers(provider: str, arrived: float, started: float) -> list[tuple
     return [(b"x-iop-provider", provider.encode()), (b"x-iop-queue-ms", f"{queue_ms:.1f}".encode())]
 
 
+def _node_headers(ch: Channel) -> list[tuple[bytes, bytes]]:
+    """The headers the node asked for with its answer (e.g. x-iop-dropped-tools)."""
+    return [(k.lower().encode(), v.encode()) for k, v in ch.headers.items()]
+
+
 async def _relay_whole(replies: AsyncIterator[bytes], send: Send, provider: str, arrived: float, ch: Channel) -> None:
     parts = [data async for data in replies]
     started = _mono_to_loop(ch.started_mono)
     body = parts[0] if len(parts) == 1 else b"".join(parts)
-    await send(
-        {"type": "http.response.start", "status": 200, "headers": _JSON + _timing_headers(provider, arrived, started)}
-    )
+    headers = _JSON + _timing_headers(provider, arrived, started) + _node_headers(ch)
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -224,7 +232,7 @@ async def _relay_stream(
         first = await it.__anext__()
     except StopAsyncIteration:
         first = b""
-    headers = _SSE + _timing_headers(provider, arrived, _mono_to_loop(ch.started_mono))
+    headers = _SSE + _timing_headers(provider, arrived, _mono_to_loop(ch.started_mono)) + _node_headers(ch)
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": first, "more_body": True})
     failed: RequestError | None = None

@@ -58,6 +58,8 @@ class Channel:
     buffered_bytes: int = 0
     """Answer bytes received from the node and not yet taken by the HTTP side (bounded by the window)."""
     peak_buffered_bytes: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    """HTTP headers the node asked for (on its first chunk), sent with the client's answer."""
 
     def start(self) -> None:
         if not self.started and not self.ended:
@@ -249,6 +251,8 @@ class Relay:
                 if reply.seq != expected:
                     raise UpstreamError("part of the answer was lost between node and edge", code="relay_gap")
                 expected += 1
+                if reply.headers:
+                    ch.headers.update(reply.headers)
                 yield reply.data
                 # Back here only once the HTTP side has sent the chunk (uvicorn's send waits while
                 # the socket is full): that is when the node may send more.
@@ -267,6 +271,7 @@ class Relay:
                 return
             elif isinstance(reply, wire.Failure):
                 err = error_for_status(reply.status, reply.message, reply.code)
+                err.param = reply.param
                 err.ended_stream = reply.ended and reply.chunks == expected
                 raise err
 

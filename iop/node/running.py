@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,13 +88,22 @@ class RunningRequests:
         if r.in_flight > r.peak_in_flight:
             r.peak_in_flight = r.in_flight
 
-        async def send(data: bytes) -> None:
+        pending: dict[str, str] = {}
+
+        async def send(data: bytes, headers: Mapping[str, str] | None = None) -> None:
+            # Headers travel on the next chunk with bytes: the edge answers once it has the first.
+            if headers:
+                pending.update(headers)
             # Whatever an adapter hands over, no NATS message exceeds CHUNK_BYTES, and no more than
             # the window is ever unread at the edge: a slow client slows the upstream, not memory.
             for i in range(0, len(data), CHUNK_BYTES):
                 piece = data[i : i + CHUNK_BYTES]
                 seq = await window.reserve(len(piece), self.stall_timeout_s)
-                await self.publish(item, wire.Chunk(item.id, seq, piece))
+                extra = None
+                if pending:
+                    extra = dict(pending)
+                    pending.clear()
+                await self.publish(item, wire.Chunk(item.id, seq, piece, extra))
 
         try:
             ack = msg.reply if msg is not None else ""
@@ -116,7 +126,9 @@ class RunningRequests:
             r.failed += 1
             if msg is not None:
                 await _quietly(msg.term())
-            failure = wire.Failure(item.id, window.sent_chunks, exc.status, exc.code, exc.message, exc.ended_stream)
+            failure = wire.Failure(
+                item.id, window.sent_chunks, exc.status, exc.code, exc.message, exc.ended_stream, exc.param
+            )
             await _quietly(self.publish(item, failure))
         except Exception as exc:
             # The adapter boundary: any bug below it (adapter, upstream client, translation) must end

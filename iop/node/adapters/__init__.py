@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Mapping
 from typing import Protocol
 
 from iop import config, wire
 
-Send = Callable[[bytes], Awaitable[None]]
-"""Publishes bytes of the answer (already in the client's API and framing) to the edge."""
+
+class Send(Protocol):
+    """Publishes bytes of the answer (already in the client's API and framing) to the edge.
+
+    `headers` are HTTP headers for the client's answer; they must come with or before the first
+    bytes (the edge answers once it has them).
+    """
+
+    def __call__(self, data: bytes, headers: Mapping[str, str] | None = None) -> Awaitable[None]: ...
 
 
 class Adapter(Protocol):
