@@ -173,6 +173,20 @@ class OpenAIAdapter(_Strict, tag="openai", tag_field="type"):
         None
     )
     timeout_s: Annotated[Seconds, Meta(description="Upper bound on one upstream request.")] = 600.0
+    vision: Annotated[
+        bool,
+        Meta(
+            description="The model takes images: when translating Responses to chat, input_image parts pass "
+            "as image_url parts (else they become a short text placeholder)."
+        ),
+    ] = False
+    replay_reasoning: Annotated[
+        bool,
+        Meta(
+            description="When translating Responses to chat, earlier reasoning items go back as the "
+            "assistant's reasoning_content (for chat templates that interleave thinking with tool calls)."
+        ),
+    ] = False
 
 
 class MockAdapter(_Strict, tag="mock", tag_field="type"):

@@ -10,9 +10,11 @@ from typing import Any
 
 import msgspec
 
+from iop.openai.tool_names import Origin
 from iop.openai.usage import Usage, responses_usage
 
 _encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
 
 # The error codes a response.failed may carry: the OpenAI SDK's `ResponseError.code` values
 # plus the ones Codex CLI acts on (it compacts on context_length_exceeded). Anything else is
@@ -105,9 +107,9 @@ def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[s
 
 
 def function_call_item(
-    item_id: str, call_id: str, name: str, arguments: str, status: str = "completed"
+    item_id: str, call_id: str, name: str, arguments: str, status: str = "completed", namespace: str | None = None
 ) -> dict[str, Any]:
-    return {
+    item = {
         "id": item_id,
         "type": "function_call",
         "status": status,
@@ -115,6 +117,61 @@ def function_call_item(
         "call_id": call_id,
         "name": name,
     }
+    if namespace is not None:
+        item["namespace"] = namespace  # Codex finds a namespaced tool by both, never by a joined name
+    return item
+
+
+def call_item(origin: Origin, item_id: str, call_id: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    """The output item for a chat tool call whose function stands for `origin` (see ToolMap).
+
+    `arguments` is the chat call's JSON string: a custom tool's is `{"input": ...}` (its raw text
+    when it is not that JSON), a tool search's is parsed into an object.
+    """
+    if origin.kind == "custom":
+        item = {
+            "id": item_id,
+            "type": "custom_tool_call",
+            "status": status,
+            "call_id": call_id,
+            "name": origin.name,
+            "input": custom_input(arguments),
+        }
+        if origin.namespace is not None:
+            item["namespace"] = origin.namespace
+        return item
+    if origin.kind == "tool_search":
+        return {
+            "id": item_id,
+            "type": "tool_search_call",
+            "status": status,
+            "call_id": call_id,
+            "execution": "client",
+            "arguments": search_arguments(arguments),
+        }
+    return function_call_item(item_id, call_id, origin.name, arguments, status, origin.namespace)
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool's input out of the one-string-parameter function's arguments."""
+    try:
+        value = _decode(arguments)
+    except msgspec.DecodeError:
+        return arguments  # a model that answered with the raw text: take it as it is
+    if isinstance(value, dict) and isinstance(value.get("input"), str):
+        return str(value["input"])
+    return value if isinstance(value, str) else arguments
+
+
+def search_arguments(arguments: str) -> object:
+    try:
+        value = _decode(arguments) if arguments.strip() else {}
+    except msgspec.DecodeError:
+        return {"query": arguments}
+    return value if isinstance(value, dict) else {"query": arguments}
+
+
+CALL_ID_PREFIX = {"function": "fc_", "custom": "ctc_", "tool_search": "tsc_"}
 
 
 def final_status(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
@@ -152,14 +209,17 @@ class _TextItem:
 
 
 class _CallItem:
-    """A function_call item whose arguments are still streaming."""
+    """A tool call item whose arguments are still streaming."""
 
-    def __init__(self, item_id: str, call_id: str, name: str, output_index: int) -> None:
+    def __init__(self, item_id: str, call_id: str, origin: Origin, output_index: int) -> None:
         self.item_id = item_id
         self.call_id = call_id
-        self.name = name
+        self.origin = origin
         self.output_index = output_index
         self.pieces: list[str] = []
+
+    def item(self, status: str) -> dict[str, Any]:
+        return call_item(self.origin, self.item_id, self.call_id, "".join(self.pieces), status)
 
 
 class ResponseEvents:
@@ -279,13 +339,21 @@ class ResponseEvents:
             + self._event("response.output_item.done", {"output_index": item.output_index, "item": final})
         )
 
-    def open_call(self, key: int, call_id: str, name: str) -> bytes:
-        """Open a function_call item; `key` (the caller's choice) names it to `arguments`."""
+    def open_call(self, key: int, call_id: str, origin: Origin | str) -> bytes:
+        """Open a tool call item; `key` (the caller's choice) names it to `arguments`.
+
+        A function call streams its arguments as they come; a custom tool's input and a tool
+        search's arguments are only whole once the JSON around them is, so they go out at the end.
+        """
         if self.ended or key in self._calls:
             return b""
+        origin = Origin("function", origin) if isinstance(origin, str) else origin
         out = self.start() + self._close_text("completed")
-        index, added = self._add(function_call_item(new_id("fc_"), call_id, name, "", "in_progress"))
-        self._calls[key] = _CallItem(self.output[index]["id"], call_id, name, index)
+        item = call_item(origin, new_id(CALL_ID_PREFIX[origin.kind]), call_id, "", "in_progress")
+        if origin.kind == "tool_search":
+            item["arguments"] = {}
+        index, added = self._add(item)
+        self._calls[key] = _CallItem(item["id"], call_id, origin, index)
         return out + added
 
     def arguments(self, key: int, delta: str) -> bytes:
@@ -293,6 +361,8 @@ class ResponseEvents:
         if self.ended or call is None or not delta:
             return b""
         call.pieces.append(delta)
+        if call.origin.kind != "function":
+            return b""
         return self._event(
             "response.function_call_arguments.delta",
             {"item_id": call.item_id, "output_index": call.output_index, "delta": delta},
@@ -301,13 +371,16 @@ class ResponseEvents:
     def _close_calls(self, status: str) -> bytes:
         out = b""
         for call in self._calls.values():
-            arguments = "".join(call.pieces)
-            where = {"item_id": call.item_id, "output_index": call.output_index}
-            final = function_call_item(call.item_id, call.call_id, call.name, arguments, status)
+            final = call.item(status)
             self.output[call.output_index] = final
-            out += self._event(
-                "response.function_call_arguments.done", {**where, "name": call.name, "arguments": arguments}
-            )
+            where = {"item_id": call.item_id, "output_index": call.output_index}
+            if final["type"] == "function_call":
+                done = {**where, "name": final["name"], "arguments": final["arguments"]}
+                out += self._event("response.function_call_arguments.done", done)
+            elif final["type"] == "custom_tool_call":
+                if final["input"]:
+                    out += self._event("response.custom_tool_call_input.delta", {**where, "delta": final["input"]})
+                out += self._event("response.custom_tool_call_input.done", {**where, "input": final["input"]})
             index = call.output_index
             out += self._event("response.output_item.done", {"output_index": index, "item": final})
         self._calls = {}
@@ -341,8 +414,6 @@ class ResponseEvents:
             make = message_item if item.kind == "message" else reasoning_item
             self.output[item.output_index] = make(item.item_id, "".join(item.pieces), "incomplete")
         for call in self._calls.values():
-            self.output[call.output_index] = function_call_item(
-                call.item_id, call.call_id, call.name, "".join(call.pieces), "incomplete"
-            )
+            self.output[call.output_index] = call.item("incomplete")
         self.response["output"] = self.output
         return out + self._lifecycle("response.failed")

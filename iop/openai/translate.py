@@ -24,14 +24,17 @@ import msgspec
 from iop.errors import BadRequest, UpstreamError
 from iop.openai.chat_events import chat_completion
 from iop.openai.responses_events import (
+    CALL_ID_PREFIX,
+    call_item,
     final_status,
     finish_response,
-    function_call_item,
     message_item,
     new_id,
     reasoning_item,
     response_object,
 )
+from iop.openai.responses_request import refuse, responses_to_chat_request, text_only
+from iop.openai.tool_names import ToolMap
 from iop.openai.translate_stream import ChatToResponsesStream, ResponsesToChatStream, as_mapping, chat_finish_reason
 from iop.openai.usage import usage_from_chat, usage_from_responses
 
@@ -46,208 +49,25 @@ __all__ = [
 
 _encode = msgspec.json.Encoder().encode
 
-_NO_STATE = "iop keeps no responses or conversations; send the whole conversation in `input`"
 
-
-def _refuse(param: str, message: str) -> BadRequest:
-    return BadRequest(message, param=param, code="unsupported_parameter")
+_refuse = refuse
 
 
 def _present(value: object) -> bool:
     return value is not None and value is not False and value != [] and value != {}
 
 
-# --- Responses request -> chat request --------------------------------------------------------
-
-
-def responses_to_chat_request(request: Mapping[str, Any], model: str) -> dict[str, Any]:
-    """The chat request that asks `model` what the Responses `request` asks.
-
-    Fields are mapped, dropped or refused as docs/openai-compat.md lists; fields this module
-    does not know are dropped (a chat server may reject them, and none of them is chat's).
-    """
-    if request.get("store") is True:
-        raise _refuse("store", "store: true is not supported: iop keeps no responses; send store: false")
-    for field in ("previous_response_id", "conversation", "prompt"):
-        if _present(request.get(field)):
-            raise _refuse(field, f"{field} is not supported: {_NO_STATE}")
-    if request.get("background") is True:
-        raise _refuse("background", "background: true is not supported: iop answers while the client waits")
-    if _present(request.get("top_logprobs")) or "message.output_text.logprobs" in (request.get("include") or []):
-        raise _refuse("top_logprobs", "logprobs are not supported when translating Responses to chat")
-
-    chat: dict[str, Any] = {"model": model, "messages": _messages(request)}
-    tools = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.get("tools") or [])]
-    if tools:
-        chat["tools"] = tools
-        # OpenAI rejects these two without tools; without tools they mean nothing anyway.
-        if request.get("tool_choice") is not None:
-            chat["tool_choice"] = _chat_tool_choice(request["tool_choice"])
-        if request.get("parallel_tool_calls") is not None:
-            chat["parallel_tool_calls"] = request["parallel_tool_calls"]
-    for field in ("temperature", "top_p", "stop", "user"):
-        if request.get(field) is not None:
-            chat[field] = request[field]
-    if request.get("max_output_tokens") is not None:
-        chat["max_tokens"] = request["max_output_tokens"]
-    reasoning = request.get("reasoning")
-    if isinstance(reasoning, Mapping) and reasoning.get("effort") is not None:
-        chat["reasoning_effort"] = reasoning["effort"]
-    text = request.get("text")
-    if isinstance(text, Mapping) and (response_format := _chat_response_format(text.get("format"))):
-        chat["response_format"] = response_format
-    if request.get("stream"):
-        chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}
-    return chat
-
-
-def _messages(request: Mapping[str, Any]) -> list[dict[str, Any]]:
-    # Leading system text (instructions, then developer/system items) becomes one system
-    # message: many chat templates accept a single system message, and only first.
-    system: list[str] = []
-    if isinstance(request.get("instructions"), str) and request["instructions"]:
-        system.append(request["instructions"])
-    messages: list[dict[str, Any]] = []
-    items = request.get("input")
-    if isinstance(items, str):
-        items = [{"type": "message", "role": "user", "content": items}]
-    elif items is None:
-        items = []
-    elif not isinstance(items, Sequence):
-        raise BadRequest("input must be a string or a list of items", param="input")
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, Mapping):
-            raise BadRequest(f"{where} must be an object", param=where)
-        kind = item.get("type") or ("message" if "role" in item else None)
-        if kind == "message":
-            role = item.get("role")
-            if role in ("system", "developer"):
-                text = _text_of(item.get("content"), f"{where}.content")
-                if messages:
-                    messages.append({"role": "system", "content": text})
-                else:
-                    system.append(text)
-            elif role == "user":
-                messages.append({"role": "user", "content": _chat_content(item.get("content"), where)})
-            elif role == "assistant":
-                messages.append({"role": "assistant", "content": _text_of(item.get("content"), f"{where}.content")})
-            else:
-                message = f"{where}.role {role!r} is not one of user, assistant, system, developer"
-                raise BadRequest(message, param=f"{where}.role")
-        elif kind == "function_call":
-            call = {
-                "id": item.get("call_id") or new_id("call_"),
-                "type": "function",
-                "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "")},
-            }
-            last = messages[-1] if messages else None
-            # Consecutive calls (and calls right after the assistant's text) are one chat turn.
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            content = output if isinstance(output, str) else _text_of(output, f"{where}.output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
-        elif kind == "reasoning":
-            continue  # earlier reasoning (often encrypted, always upstream-specific) has no chat form
-        elif kind == "item_reference":
-            raise _refuse(where, f"input items of type item_reference are not supported: {_NO_STATE}")
-        else:
-            raise _refuse(where, f"input items of type {kind!r} are not supported by a chat-only model server")
-    if system:
-        messages.insert(0, {"role": "system", "content": "\n\n".join(system)})
-    return messages
-
-
-def _text_of(content: object, where: str) -> str:
-    """The text of a content that may only hold text parts."""
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    if not isinstance(content, Sequence):
-        raise BadRequest(f"{where} must be a string or a list of content parts", param=where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind not in ("input_text", "output_text", "text", "refusal"):
-            raise _refuse(f"{where}[{j}]", f"content parts of type {kind!r} are not supported here (text only)")
-        texts.append(str(part.get("refusal" if kind == "refusal" else "text", "")))
-    return "\n".join(texts)
-
-
-def _chat_content(content: object, where: str) -> str | list[dict[str, Any]]:
-    """A user message's content: a plain string unless it holds images (servers take strings best)."""
-    if not isinstance(content, Sequence) or isinstance(content, str):
-        return _text_of(content, f"{where}.content")
-    parts: list[dict[str, Any]] = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if isinstance(part, Mapping) and kind in ("input_text", "output_text", "text"):
-            parts.append({"type": "text", "text": str(part.get("text", ""))})
-        elif isinstance(part, Mapping) and kind == "input_image":
-            if not part.get("image_url"):
-                raise _refuse(f"{where}.content[{j}]", "input_image by file_id is not supported; send image_url")
-            image: dict[str, Any] = {"url": part["image_url"]}
-            if part.get("detail") is not None:
-                image["detail"] = part["detail"]
-            parts.append({"type": "image_url", "image_url": image})
-        else:
-            message = f"content parts of type {kind!r} are not supported here (text and images only)"
-            raise _refuse(f"{where}.content[{j}]", message)
-    if all(part["type"] == "text" for part in parts):
-        return "\n".join(part["text"] for part in parts)
-    return parts
-
-
-def _chat_tool(tool: object, where: str) -> dict[str, Any]:
-    kind = tool.get("type") if isinstance(tool, Mapping) else None
-    if not isinstance(tool, Mapping) or kind != "function":
-        raise _refuse(where, f"tools of type {kind!r} are not supported by a chat-only model server: function only")
-    function: dict[str, Any] = {"name": tool.get("name")}
-    for field in ("description", "parameters", "strict"):
-        if tool.get(field) is not None:
-            function[field] = tool[field]
-    return {"type": "function", "function": function}
-
-
-def _chat_tool_choice(choice: object) -> object:
-    if choice in ("auto", "none", "required"):
-        return choice
-    kind = choice.get("type") if isinstance(choice, Mapping) else None
-    if isinstance(choice, Mapping) and kind == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    if isinstance(choice, Mapping) and kind == "allowed_tools":
-        tools = []
-        for tool in choice.get("tools") or []:
-            if not isinstance(tool, Mapping) or tool.get("type") != "function":
-                raise _refuse("tool_choice", "tool_choice.allowed_tools may only name function tools here")
-            tools.append({"type": "function", "function": {"name": tool.get("name")}})
-        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode", "auto"), "tools": tools}}
-    raise _refuse("tool_choice", f"tool_choice of type {kind!r} is not supported by a chat-only model server")
-
-
-def _chat_response_format(fmt: object) -> dict[str, Any] | None:
-    kind = fmt.get("type") if isinstance(fmt, Mapping) else None
-    if fmt is None or kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    if isinstance(fmt, Mapping) and kind == "json_schema":
-        schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
-        return {"type": "json_schema", "json_schema": schema}
-    raise _refuse("text.format", f"text.format of type {kind!r} is not supported")
-
-
 # --- chat answer -> Responses answer ----------------------------------------------------------
 
 
-def chat_to_responses_answer(body: Mapping[str, Any], request: Mapping[str, Any], model: str) -> dict[str, Any]:
-    """The response object for a chat.completion `body`; `request` is the client's Responses request."""
+def chat_to_responses_answer(
+    body: Mapping[str, Any], request: Mapping[str, Any], model: str, tools: ToolMap | None = None
+) -> dict[str, Any]:
+    """The response object for a chat.completion `body`; `request` is the client's Responses request.
+
+    Tool calls are decoded through `tools`, the request's ToolMap (rebuilt from `request` if not given).
+    """
+    tools = tools if tools is not None else ToolMap.of(request)
     choices = body.get("choices")
     if not isinstance(choices, Sequence) or not choices or not isinstance(choices[0], Mapping):
         raise UpstreamError("upstream chat answer has no choices", code="upstream_error")
@@ -269,7 +89,8 @@ def chat_to_responses_answer(body: Mapping[str, Any], request: Mapping[str, Any]
         if not isinstance(arguments, str):  # some servers send an object
             arguments = _encode(arguments).decode()
         call_id = call.get("id") or new_id("call_")
-        output.append(function_call_item(new_id("fc_"), call_id, function.get("name", ""), arguments, status))
+        origin = tools.origin(str(function.get("name") or ""))
+        output.append(call_item(origin, new_id(CALL_ID_PREFIX[origin.kind]), call_id, arguments, status))
     usage = usage_from_chat(body["usage"]) if isinstance(body.get("usage"), Mapping) else None
     return finish_response(response_object(request, model), output, usage, finish_reason)
 
@@ -351,7 +172,7 @@ def _input_items(messages: object) -> tuple[str, list[dict[str, Any]]]:
             raise BadRequest(f"{where} must be an object", param=where)
         content = message.get("content")
         if role in ("system", "developer"):
-            text = _text_of(content, f"{where}.content")
+            text = text_only(content, f"{where}.content")
             if items:
                 items.append({"type": "message", "role": role, "content": text})
             else:
@@ -359,7 +180,7 @@ def _input_items(messages: object) -> tuple[str, list[dict[str, Any]]]:
         elif role == "user":
             items.append({"type": "message", "role": "user", "content": _input_content(content, where)})
         elif role == "assistant":
-            text = _text_of(content, f"{where}.content")
+            text = text_only(content, f"{where}.content")
             if text:
                 items.append({"type": "message", "role": "assistant", "content": text})
             for call in message.get("tool_calls") or []:
@@ -373,7 +194,7 @@ def _input_items(messages: object) -> tuple[str, list[dict[str, Any]]]:
                     }
                 )
         elif role == "tool":
-            output = _text_of(content, f"{where}.content")
+            output = text_only(content, f"{where}.content")
             items.append({"type": "function_call_output", "call_id": message.get("tool_call_id"), "output": output})
         else:
             raise _refuse(where, f"messages with role {role!r} are not supported through translation")
@@ -382,7 +203,7 @@ def _input_items(messages: object) -> tuple[str, list[dict[str, Any]]]:
 
 def _input_content(content: object, where: str) -> str | list[dict[str, Any]]:
     if isinstance(content, str) or not isinstance(content, Sequence):
-        return _text_of(content, f"{where}.content")
+        return text_only(content, f"{where}.content")
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None

@@ -10,6 +10,7 @@ import msgspec
 from iop.openai.chat_events import ChatChunks
 from iop.openai.responses_events import ResponseEvents, new_id
 from iop.openai.sse import SseDecoder, SseEvent
+from iop.openai.tool_names import ToolMap
 from iop.openai.usage import Usage, usage_from_chat, usage_from_responses
 
 _decode = msgspec.json.Decoder().decode
@@ -59,8 +60,9 @@ class ChatToResponsesStream:
     token counts once it sent them.
     """
 
-    def __init__(self, request: Mapping[str, Any], model: str) -> None:
+    def __init__(self, request: Mapping[str, Any], model: str, tools: ToolMap | None = None) -> None:
         self._events = ResponseEvents(request, model)
+        self._tools = tools if tools is not None else ToolMap.of(request)
         self._sse = SseDecoder()
         self._calls: dict[int, _ChatCall] = {}
         self._keys = 0
@@ -155,7 +157,8 @@ class ChatToResponsesStream:
     def _open(self, call: _ChatCall) -> bytes:
         # The item is announced once its name is known; arguments seen before go out as one delta.
         call.opened = True
-        out = self._events.open_call(call.key, call.call_id or new_id("call_"), call.name or "")
+        origin = self._tools.origin(call.name or "")
+        out = self._events.open_call(call.key, call.call_id or new_id("call_"), origin)
         out += self._events.arguments(call.key, "".join(call.held))
         call.held.clear()
         return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -12,6 +13,7 @@ from iop import config, wire
 from iop.errors import RequestError, UpstreamError, error_for_status
 from iop.node.adapters import Send
 from iop.node.http1 import ConnectFailed, HttpError, HttpPool, HttpResponse, Timeout
+from iop.openai.tool_names import ToolMap
 from iop.openai.translate import (
     ChatToResponsesStream,
     ResponsesToChatStream,
@@ -22,6 +24,7 @@ from iop.openai.translate import (
 )
 from iop.openai.usage import usage_from_chat, usage_from_responses
 
+log = logging.getLogger("iop.node")
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 _PATHS = {"chat": "/chat/completions", "responses": "/responses"}
@@ -76,8 +79,18 @@ class OpenAIAdapter:
         request: dict[str, Any] = _decode(item.body)
         name = model or str(request.get("model") or item.alias)
         upstream_api: wire.Api = "chat" if item.api == "responses" else "responses"
+        tools: ToolMap | None = None
+        headers: dict[str, str] = {}
         if item.api == "responses":
-            upstream = responses_to_chat_request(request, name)
+            # One map for both directions: the answer's calls are decoded by the request's names.
+            tools = ToolMap.of(request)
+            upstream = responses_to_chat_request(
+                request, name, tools=tools, vision=self.cfg.vision, replay_reasoning=self.cfg.replay_reasoning
+            )
+            if tools.dropped:
+                dropped = ",".join(tools.dropped)
+                log.debug("request %s: dropped tools a chat server cannot run: %s", item.id, dropped)
+                headers["x-iop-dropped-tools"] = dropped
         else:
             upstream = chat_to_responses_request(request, name)
         response = await self._post(upstream_api, _encode(upstream))
@@ -85,17 +98,17 @@ class OpenAIAdapter:
             if not item.stream:
                 answer = _decode(await response.read())
                 if item.api == "responses":
-                    out = chat_to_responses_answer(answer, request, name)
+                    out = chat_to_responses_answer(answer, request, name, tools)
                 else:
                     out = responses_to_chat_answer(answer, name)
-                await send(_encode(out))
+                await send(_encode(out), headers)
                 return _usage_of(out)
             stream: ChatToResponsesStream | ResponsesToChatStream
             if item.api == "responses":
-                stream = ChatToResponsesStream(request, name)
+                stream = ChatToResponsesStream(request, name, tools)
             else:
                 stream = ResponsesToChatStream(request, name)
-            await send(stream.start())
+            await send(stream.start(), headers)
             try:
                 async for data in response.iter_body():
                     if out_bytes := stream.feed(data):
