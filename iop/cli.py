@@ -96,6 +96,8 @@ def edge_cmd(config_file: str, listen: str | None, nats_url: str | None, verbose
     _logging(verbose)
     try:
         _run_async(run_edge(loaded, listen=listen, nats_url=nats_url))
+    except ConfigError as exc:
+        _fail("; ".join(exc.problems), 2)
     except IopError as exc:
         _fail(str(exc))
     except OSError as exc:
@@ -193,7 +195,13 @@ def status_cmd(edge_url: str, as_json: bool, api_key: str | None) -> None:
 @click.option("--config", "config_file", required=True, type=click.Path(dir_okay=False), help="Deployment file.")
 @click.option("--edge", "edge_url", default="http://127.0.0.1:8080", show_default=True, help="The edge's HTTP URL.")
 @click.option("--dry-run", is_flag=True, help="Print what would change; apply nothing.")
-@click.option("--api-key", envvar="IOP_API_KEY", default=None, help="Bearer key (env IOP_API_KEY).")
+@click.option(
+    "--admin-key",
+    "api_key",
+    envvar="IOP_ADMIN_KEY",
+    default=None,
+    help="An admin key of the edge (env IOP_ADMIN_KEY); without admin keys the edge answers only loopback.",
+)
 def refresh_cmd(config_file: str, edge_url: str, dry_run: bool, api_key: str | None) -> None:
     """Apply FILE to a running deployment without a restart (or show the diff with --dry-run)."""
     from pathlib import Path

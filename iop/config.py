@@ -114,10 +114,23 @@ class EdgeSettings(_Strict):
     api_keys_env: Annotated[
         EnvName | None,
         Meta(
-            description="Environment variable holding comma-separated client keys, required on /v1/* and "
-            "/status (and /metrics); unset = no client auth."
+            description="Environment variable holding comma-separated client keys (`key` or `name:key`), "
+            "required on /v1/* and /status; the variable must hold at least one key. Not set here: no "
+            "client auth, allowed only on a loopback listen address unless allow_anonymous is true."
         ),
     ] = None
+    admin_keys_env: Annotated[
+        EnvName | None,
+        Meta(
+            description="Environment variable holding comma-separated admin keys (`key` or `name:key`), "
+            "required on /admin/*; client keys never open those. Not set here: /admin/* answers only "
+            "requests from this machine (loopback)."
+        ),
+    ] = None
+    allow_anonymous: Annotated[
+        bool,
+        Meta(description="Serve a non-loopback listen address without client keys (anyone there can use every model)."),
+    ] = False
     max_body_mb: Annotated[
         float,
         Meta(
@@ -398,6 +411,7 @@ def summary(loaded: Loaded) -> str:
     if nats.tls_ca:
         bus += f", CA {nats.tls_ca}"
     auth = f"client keys from ${edge.api_keys_env}" if edge.api_keys_env else "no client auth"
+    auth += f", admin keys from ${edge.admin_keys_env}" if edge.admin_keys_env else ", admin from loopback only"
     lines.append(
         f"edge on {edge.listen}, {bus}, queue {edge.queue.timeout_s:g} s / "
         f"{edge.queue.max_waiting} waiting per pool, {auth}"

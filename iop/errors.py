@@ -6,6 +6,7 @@
     └── RequestError           a client request that fails; status + OpenAI error type/code
         ├── BadRequest         400 invalid_request_error
         ├── Unauthorized       401
+        ├── Forbidden          403 (a client key on an admin endpoint)
         ├── NotFound           404 (unknown model, unknown path)
         ├── PayloadTooLarge    413
         ├── UnsupportedMediaType 415
@@ -84,6 +85,12 @@ class Unauthorized(RequestError):
     code = "invalid_api_key"
 
 
+class Forbidden(RequestError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
 class NotFound(RequestError):
     status = 404
     type = "invalid_request_error"
@@ -137,6 +144,7 @@ def error_for_status(status: int, message: str, code: str) -> RequestError:
     cls: type[RequestError] = {
         400: BadRequest,
         401: Unauthorized,
+        403: Forbidden,
         404: NotFound,
         413: PayloadTooLarge,
         429: QueueFull,

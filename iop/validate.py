@@ -472,13 +472,20 @@ class CrossCheck:
     def edge(self, edge: dict[Any, Any]) -> None:
         listen = edge.get("listen", self.defaults.edge_listen)
         if edge.get("api_keys_env") is None and _is_open_address(listen):
-            self.warnings.append(
-                Problem(
-                    ("edge", "listen"),
-                    f"{listen} is not a loopback address and api_keys_env is not set: "
-                    "anyone who reaches it can use every model",
+            if edge.get("allow_anonymous") is True:
+                self.warnings.append(
+                    Problem(
+                        ("edge", "allow_anonymous"),
+                        f"{listen} is not a loopback address and api_keys_env is not set: "
+                        "anyone who reaches it can use every model",
+                    )
                 )
-            )
+            else:
+                self.bad(
+                    ("edge", "listen"),
+                    f"{listen} is not a loopback address and api_keys_env is not set: anyone who reaches it "
+                    "could use every model; set api_keys_env, or allow_anonymous: true if that is meant",
+                )
         nats = edge.get("nats")
         if isinstance(nats, dict):
             self.nats(("edge", "nats"), nats)

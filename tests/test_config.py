@@ -195,7 +195,8 @@ def test_config_unknown_field_without_a_near_name_lists_the_known_ones() -> None
     data = base()
     data["edge"]["frobnicate"] = 1
     assert only_problem(data) == (
-        "edge.frobnicate: unknown field; known fields: listen, nats, queue, http, api_keys_env, max_body_mb"
+        "edge.frobnicate: unknown field; known fields: listen, nats, queue, http, api_keys_env, admin_keys_env, "
+        "allow_anonymous, max_body_mb"
     )
 
 
@@ -484,6 +485,7 @@ def test_config_listen_is_host_port(listen: str) -> None:
 def test_config_listen_accepts_hosts_and_ipv6(listen: str) -> None:
     data = base()
     data["edge"]["listen"] = listen
+    data["edge"]["api_keys_env"] = "IOP_KEYS"  # a listen beyond loopback needs client keys
     assert config.parse(yaml.safe_dump(data)).deployment.edge.listen == listen
 
 

@@ -24,6 +24,8 @@ from nats.aio.client import Client as NATS
 
 from iop import bus, config
 from iop.bundle import nats_server_path
+from iop.edge.keys import EdgeKeys, parse_keys
+from iop.edge.server import build_app
 from iop.errors import BusError, ConfigError
 from tests.harness import deployment, deployment_running, iop_process, running_edge, running_node
 
@@ -103,6 +105,61 @@ async def test_client_keys_guard_every_v1_path_and_status_but_not_healthz(
     assert KEY not in logged and OTHER_KEY not in logged
 
 
+# --- administrators are not clients ------------------------------------------------------------------
+
+
+async def test_admin_refresh_needs_an_admin_key_and_a_client_key_gets_403(
+    nats_server: bus.EmbeddedNats, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    monkeypatch.setenv("IOP_TEST_KEYS", KEY)
+    monkeypatch.setenv("IOP_TEST_ADMIN_KEYS", f"ops-alice:{OTHER_KEY}")
+    text = "edge: {api_keys_env: IOP_TEST_KEYS, admin_keys_env: IOP_TEST_ADMIN_KEYS}\n" + MOCK_POOL
+    dep = deployment(text)
+    bigger = text.replace("capacity: 2", "capacity: 3")
+    async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+        client = {"Authorization": f"Bearer {KEY}"}
+        r = await http.post("/admin/refresh", content=bigger, headers=client)
+        assert r.status_code == 403, r.text
+        assert r.json()["error"]["code"] == "not_admin"
+        for headers in ({}, {"Authorization": "Bearer sk-iop-wrong"}):
+            r = await http.post("/admin/refresh", content=bigger, headers=headers)
+            assert r.status_code == 401, r.text
+        assert h.edge.scheduler.providers["sim-1"].capacity == 2  # nothing was applied
+        # An admin key is not a client key either.
+        r = await http.get("/status", headers={"Authorization": f"Bearer {OTHER_KEY}"})
+        assert r.status_code == 401
+
+        r = await http.post("/admin/refresh", content=bigger, headers={"Authorization": f"Bearer {OTHER_KEY}"})
+        assert r.status_code == 200, r.text
+        assert r.json()["error"] is None and r.json()["changes"]
+        assert h.edge.scheduler.providers["sim-1"].capacity == 3
+    logged = _our_log_text(caplog)
+    assert "admin refresh by ops-alice (127.0.0.1): 1 changes" in logged
+    assert KEY not in logged and OTHER_KEY not in logged
+
+
+async def test_without_admin_keys_admin_endpoints_answer_only_loopback_peers(
+    nats_server: bus.EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IOP_TEST_KEYS", KEY)
+    text = "edge: {api_keys_env: IOP_TEST_KEYS}\n" + MOCK_POOL
+    dep = deployment(text)
+    async with deployment_running(dep, nats_server.url) as h:
+        app = build_app(h.edge)
+        auth = {"Authorization": f"Bearer {KEY}"}
+        # The same app, reached from another machine's address (the ASGI scope's client).
+        remote = httpx.AsyncClient(transport=httpx.ASGITransport(app, client=("192.0.2.7", 50000)), base_url="http://e")
+        async with remote:
+            r = await remote.post("/admin/refresh?dry_run=1", content=text, headers=auth)
+            assert r.status_code == 403, r.text
+            assert r.json()["error"]["code"] == "admin_only_loopback"
+            assert (await remote.get("/status", headers=auth)).status_code == 200  # the client key still works
+        async with h.http() as local:
+            r = await local.post("/admin/refresh?dry_run=1", content=text)
+            assert r.status_code == 200, r.text
+
+
 # --- the deployment file's NATS security rules ---------------------------------------------------
 
 
@@ -161,15 +218,40 @@ def test_config_nats_security_accepts(nats_settings: dict[str, object]) -> None:
     assert _nats_problems(nats_settings) == []
 
 
-def test_config_warns_of_an_open_http_listen_without_keys() -> None:
+def test_config_refuses_an_open_http_listen_without_keys_unless_anonymous_is_explicit() -> None:
     data = yaml.safe_load(MOCK_POOL)
     data["edge"] = {"listen": "0.0.0.0:8080"}
+    with pytest.raises(ConfigError) as info:
+        config.parse(yaml.safe_dump(data))
+    assert info.value.problems == [
+        "edge.listen: 0.0.0.0:8080 is not a loopback address and api_keys_env is not set: anyone who reaches "
+        "it could use every model; set api_keys_env, or allow_anonymous: true if that is meant"
+    ]
+    data["edge"]["allow_anonymous"] = True
     assert config.parse(yaml.safe_dump(data)).warnings == [
-        "edge.listen: 0.0.0.0:8080 is not a loopback address and api_keys_env is not set: "
+        "edge.allow_anonymous: 0.0.0.0:8080 is not a loopback address and api_keys_env is not set: "
         "anyone who reaches it can use every model"
     ]
-    data["edge"]["api_keys_env"] = "IOP_KEYS"
+    data["edge"] = {"listen": "0.0.0.0:8080", "api_keys_env": "IOP_KEYS"}
     assert config.parse(yaml.safe_dump(data)).warnings == []
+
+
+def test_keys_are_named_entries_and_a_named_variable_without_keys_fails_closed() -> None:
+    keys = parse_keys(f" {KEY} , ops:{OTHER_KEY},, ", "admin")
+    assert [(k.name, k.secret) for k in keys] == [("admin-1", KEY.encode()), ("ops", OTHER_KEY.encode())]
+    assert KEY not in repr(keys)
+    settings = config.EdgeSettings(api_keys_env="IOP_K", admin_keys_env="IOP_A")
+    for env, line in [
+        ({"IOP_A": KEY}, "edge.api_keys_env: environment variable IOP_K is not set"),
+        ({"IOP_K": "", "IOP_A": KEY}, "edge.api_keys_env: environment variable IOP_K holds no key"),
+        ({"IOP_K": " , ", "IOP_A": KEY}, "edge.api_keys_env: environment variable IOP_K holds no key"),
+        ({"IOP_K": KEY, "IOP_A": ",,"}, "edge.admin_keys_env: environment variable IOP_A holds no key"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            EdgeKeys.from_settings(settings, env)
+        assert len(info.value.problems) == 1 and info.value.problems[0].startswith(line), info.value.problems
+    both = EdgeKeys.from_settings(settings, {"IOP_K": KEY, "IOP_A": f"root:{OTHER_KEY}"})
+    assert [k.name for k in both.clients] == ["client-1"] and [k.name for k in both.admins] == ["root"]
 
 
 def test_nats_access_reads_secrets_from_the_named_variables_only() -> None:
@@ -282,6 +364,52 @@ async def test_iop_edge_refuses_an_open_or_unkeyed_nats_before_starting_anything
     assert len(edge.stderr) == 1 and edge.stderr[0].startswith(line), edge.stderr
     assert edge.stdout == []
     assert not store.exists()  # no nats-server was started: it would have created its store
+
+
+@pytest.mark.parametrize(
+    ("edge", "env", "line"),
+    [
+        (
+            {"api_keys_env": "IOP_TEST_UNSET_KEYS"},
+            {},
+            "iop: edge.api_keys_env: environment variable IOP_TEST_UNSET_KEYS is not set",
+        ),
+        (
+            {"api_keys_env": "IOP_TEST_KEYS"},
+            {"IOP_TEST_KEYS": ""},
+            "iop: edge.api_keys_env: environment variable IOP_TEST_KEYS holds no key",
+        ),
+        (
+            {"api_keys_env": "IOP_TEST_KEYS"},
+            {"IOP_TEST_KEYS": " , "},
+            "iop: edge.api_keys_env: environment variable IOP_TEST_KEYS holds no key",
+        ),
+        (
+            {"admin_keys_env": "IOP_TEST_ADMIN"},
+            {"IOP_TEST_ADMIN": ","},
+            "iop: edge.admin_keys_env: environment variable IOP_TEST_ADMIN holds no key",
+        ),
+    ],
+    ids=["unset", "empty", "separators", "admin-separators"],
+)
+async def test_iop_edge_with_a_keys_variable_holding_no_key_exits_2_before_starting_anything(
+    tmp_path: Path, edge: dict[str, object], env: dict[str, str], line: str
+) -> None:
+    store = tmp_path / "store"
+    path = _write_deployment(tmp_path, {**edge, "nats": {"listen": "127.0.0.1:0", "store_dir": str(store)}})
+    async with iop_process("edge", "--config", str(path), cwd=tmp_path, env=env) as proc:
+        assert await proc.exit_code() == 2
+    assert len(proc.stderr) == 1 and proc.stderr[0].startswith(line), proc.stderr
+    assert not store.exists()
+
+
+async def test_iop_edge_on_an_open_listen_override_without_client_keys_exits_2(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    path = _write_deployment(tmp_path, {"nats": {"listen": "127.0.0.1:0", "store_dir": str(store)}})
+    async with iop_process("edge", "--config", str(path), "--listen", "0.0.0.0:0", cwd=tmp_path, env={}) as proc:
+        assert await proc.exit_code() == 2
+    assert len(proc.stderr) == 1 and "edge.listen: 0.0.0.0:0 is not a loopback address" in proc.stderr[0], proc.stderr
+    assert not store.exists()
 
 
 async def test_edge_and_nodes_as_processes_with_nats_password_and_client_keys(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import signal
 import time
@@ -23,10 +22,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Scope
 
-from iop import bus, config, wire
+from iop import bus, config, validate, wire
 from iop.edge import http as edge_http
-from iop.edge.api import ApiEndpoint, check_bearer
+from iop.edge.api import ApiEndpoint
 from iop.edge.dispatch import Finished
+from iop.edge.keys import EdgeKeys
 from iop.edge.registry import Registry
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
@@ -51,7 +51,13 @@ class Edge:
     """Everything the HTTP app needs, built from a validated deployment and a NATS connection."""
 
     def __init__(
-        self, deployment: config.Deployment, nc: NATS, *, edge_id: str | None = None, nats_url: str = ""
+        self,
+        deployment: config.Deployment,
+        nc: NATS,
+        *,
+        edge_id: str | None = None,
+        nats_url: str = "",
+        keys: EdgeKeys | None = None,
     ) -> None:
         self.deployment = deployment
         self.nats_url = nats_url
@@ -86,9 +92,7 @@ class Edge:
         self.registry = Registry(deployment, self.scheduler, self.edge_id, self.relay.node_lost)
         self._refresh_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
-        keys_env = deployment.edge.api_keys_env
-        raw_keys = os.environ.get(keys_env, "") if keys_env else ""
-        self.api_keys = [k.strip().encode() for k in raw_keys.split(",") if k.strip()]
+        self.keys = keys if keys is not None else EdgeKeys.from_settings(deployment.edge)
 
     async def start(self) -> None:
         await bus.ensure_work_stream(self.js)
@@ -194,8 +198,7 @@ class Edge:
         task.add_done_callback(self._tasks.discard)
 
     def authorize(self, scope: Scope) -> None:
-        if self.api_keys:
-            check_bearer(scope, self.api_keys)
+        self.keys.client(scope)
 
     async def stop(self) -> None:
         await self.registry.stop()
@@ -221,11 +224,12 @@ def build_app(edge: Edge) -> Starlette:
         return JSONResponse(status_of(edge))
 
     async def refresh(request: Request) -> Response:
-        edge.authorize(request.scope)
+        admin = edge.keys.admin(request.scope)
         text = (await request.body()).decode("utf-8", errors="replace")
         try:
             new = config.parse(text, "refresh").deployment
         except ConfigError as exc:
+            log.warning("admin refresh by %s: invalid deployment, nothing applied", admin)
             err = {
                 "message": "the deployment file is invalid",
                 "type": "invalid_request_error",
@@ -234,7 +238,15 @@ def build_app(edge: Edge) -> Starlette:
                 "problems": exc.problems,
             }
             return JSONResponse({"error": err}, 400)
-        result = await edge.refresh(new, dry_run=request.query_params.get("dry_run") in ("1", "true"))
+        dry_run = request.query_params.get("dry_run") in ("1", "true")
+        result = await edge.refresh(new, dry_run=dry_run)
+        log.info(
+            "admin refresh%s by %s: %d changes%s",
+            " (dry run)" if dry_run else "",
+            admin,
+            len(result.changes),
+            f", failed: {result.error}" if result.error else "",
+        )
         return JSONResponse(asdict(result), 500 if result.error else 200)
 
     async def healthz(request: Request) -> Response:
@@ -307,9 +319,20 @@ async def run_edge(
     embedded: bus.EmbeddedNats | None = None
     url = nats_url or settings.nats.url
     access = bus.NatsAccess.from_settings(settings.nats)  # before anything starts: a missing secret is fatal
+    keys = EdgeKeys.from_settings(settings)  # so is a keys variable that holds no key
+    bind = listen or settings.listen
+    if not keys.clients and not validate.is_loopback(bind.rpartition(":")[0]):
+        if not settings.allow_anonymous:
+            raise ConfigError(
+                [
+                    f"edge.listen: {bind} is not a loopback address and api_keys_env is not set: set it, "
+                    "or edge.allow_anonymous: true if anyone there may use every model"
+                ]
+            )
+        log.warning("edge.allow_anonymous: anyone who reaches %s can use every model (no client keys)", bind)
     edge_http.raise_fd_limit()
     # Bind the HTTP socket before anything starts: a busy port is one line, with nothing to undo.
-    sock = edge_http.bind(listen or settings.listen)
+    sock = edge_http.bind(bind)
     try:
         if url == "embedded":
             # A relative store_dir is relative to the working directory, like any path on a command line.
@@ -317,7 +340,7 @@ async def run_edge(
             await embedded.start()
             url = embedded.url
         nc = await bus.connect(url, "iop-edge", access=access, wait_s=15.0)
-        edge = Edge(dep, nc, nats_url=url)
+        edge = Edge(dep, nc, nats_url=url, keys=keys)
         await edge.start()
         server = http_server(edge, grace_s=grace_s)
         stop = asyncio.Event()

@@ -1,0 +1,131 @@
+"""Who may call the edge: client keys for /v1/* and /status, separate admin keys for /admin/*.
+
+Keys come from environment variables the deployment file names, as comma-separated entries,
+each `key` or `name:key`. The name is what logs show; a key itself is never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from starlette.types import Scope
+
+from iop import config
+from iop.errors import ConfigError, Forbidden, Unauthorized
+
+_NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Key:
+    """One bearer key and the name logs know it by."""
+
+    name: str
+    secret: bytes = field(repr=False)
+
+
+def parse_keys(raw: str, prefix: str) -> list[Key]:
+    """`a, ops:b` → [Key('client-1', a), Key('ops', b)]; empty entries (separators) are skipped."""
+    keys: list[Key] = []
+    for entry in (e.strip() for e in raw.split(",")):
+        if not entry:
+            continue
+        name, sep, secret = entry.partition(":")
+        if sep and secret.strip() and _NAME.match(name.strip()):
+            keys.append(Key(name.strip(), secret.strip().encode()))
+        else:
+            keys.append(Key(f"{prefix}-{len(keys) + 1}", entry.encode()))
+    return keys
+
+
+def read_keys(field_name: str, var: str | None, prefix: str, environ: Mapping[str, str] | None = None) -> list[Key]:
+    """The keys in `$var`; a named variable that is unset or holds no key is a ConfigError (fail closed)."""
+    if var is None:
+        return []
+    env = os.environ if environ is None else environ
+    raw = env.get(var)
+    if raw is None:
+        raise ConfigError([f"edge.{field_name}: environment variable {var} is not set"])
+    keys = parse_keys(raw, prefix)
+    if not keys:
+        raise ConfigError([f"edge.{field_name}: environment variable {var} holds no key (empty or only separators)"])
+    return keys
+
+
+@dataclass(frozen=True)
+class EdgeKeys:
+    """The edge's client and admin keys, read once at start (a refresh does not change them)."""
+
+    clients: list[Key]
+    admins: list[Key]
+
+    @classmethod
+    def from_settings(cls, edge: config.EdgeSettings, environ: Mapping[str, str] | None = None) -> EdgeKeys:
+        return cls(
+            clients=read_keys("api_keys_env", edge.api_keys_env, "client", environ),
+            admins=read_keys("admin_keys_env", edge.admin_keys_env, "admin", environ),
+        )
+
+    def client(self, scope: Scope) -> Key | None:
+        """The client key of this request (None when the edge has none); Unauthorized when it fits none."""
+        if not self.clients:
+            return None
+        key = _match(_bearer(scope), self.clients)
+        if key is None:
+            raise Unauthorized("missing or invalid API key (send Authorization: Bearer <key>)")
+        return key
+
+    def admin(self, scope: Scope) -> str:
+        """Who is asking for an admin action, as logs may say it; Forbidden/Unauthorized otherwise.
+
+        Without admin keys only a peer on this machine (loopback) is an administrator: it could as
+        well edit the deployment file and send SIGHUP. A client key is never one.
+        """
+        given = _bearer(scope)
+        peer = _peer(scope)
+        if not self.admins:
+            if not _is_loopback_peer(peer):
+                raise Forbidden(
+                    "admin endpoints answer only this machine (loopback) while edge.admin_keys_env is not set",
+                    code="admin_only_loopback",
+                )
+            return f"local ({peer})"
+        key = _match(given, self.admins)
+        if key is not None:
+            return f"{key.name} ({peer})"
+        if given and _match(given, self.clients) is not None:
+            raise Forbidden("a client key cannot use admin endpoints (send an admin key)", code="not_admin")
+        raise Unauthorized("missing or invalid admin key (send Authorization: Bearer <admin key>)")
+
+
+def _bearer(scope: Scope) -> bytes:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return bytes(value[7:].strip()) if value[:7].lower() == b"bearer " else b""
+    return b""
+
+
+def _match(given: bytes, keys: list[Key]) -> Key | None:
+    # Every key is compared (constant time each): timing tells nothing about which one is close.
+    found = None
+    for key in keys:
+        if hmac.compare_digest(given, key.secret) and found is None:
+            found = key
+    return found if given else None
+
+
+def _peer(scope: Scope) -> str:
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
+
+
+def _is_loopback_peer(peer: str) -> bool:
+    try:
+        return ipaddress.ip_address(peer).is_loopback
+    except ValueError:
+        return False
