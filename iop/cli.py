@@ -71,6 +71,19 @@ def _run_async(main: Any) -> None:
         runner.run(main)
 
 
+def _log_warnings(loaded: config_mod.Loaded, node_id: str | None = None) -> None:
+    """Log the file's warnings with the process's other lines: a node only its own section's."""
+    import logging
+
+    prefix = ""
+    if node_id is not None:
+        index = [n.id for n in loaded.deployment.nodes].index(node_id)
+        prefix = f"nodes[{index}]"
+    for w in loaded.warnings:
+        if w.startswith(prefix) and (not prefix or w[len(prefix)] in ".:"):
+            logging.getLogger("iop.config").warning("%s", w)
+
+
 def _logging(verbose: bool) -> None:
     import logging
 
@@ -92,8 +105,9 @@ def edge_cmd(config_file: str, listen: str | None, nats_url: str | None, verbose
     """Serve the OpenAI API for the deployment in FILE (starts the bundled nats-server by default)."""
     from iop.edge.server import run_edge
 
-    loaded = _load_or_exit(config_file)
+    loaded = _load_or_exit(config_file, show_warnings=False)
     _logging(verbose)
+    _log_warnings(loaded)
     try:
         _run_async(run_edge(loaded, listen=listen, nats_url=nats_url))
     except ConfigError as exc:
@@ -141,7 +155,8 @@ def node_cmd(
 
     dep: config_mod.Deployment | None = None
     if config_file is not None:
-        dep = _load_or_exit(config_file).deployment
+        loaded = _load_or_exit(config_file, show_warnings=False)
+        dep = loaded.deployment
         if node_id not in {n.id for n in dep.nodes}:
             known = ", ".join(n.id for n in dep.nodes) or "none"
             _fail(f"node '{node_id}' is not in {config_file} (its nodes: {known})", 2)
@@ -163,6 +178,8 @@ def node_cmd(
             return
         url = str(nats_url)
     _logging(verbose)
+    if config_file is not None:
+        _log_warnings(loaded, node_id)
 
     try:
         _run_async(run_node(dep, node_id, nats_url=url, nats_settings=nats_settings, follow_edge=not no_follow))

@@ -1,4 +1,4 @@
-"""The edge as an operator runs it (`iop edge` processes): start-up failures and its embedded NATS dying."""
+"""iop edge and iop node as an operator runs them (processes): start-up failures, warnings, NATS dying."""
 
 from __future__ import annotations
 
@@ -103,3 +103,30 @@ async def test_edge_with_an_unusable_store_dir_names_the_path(tmp_path: Path) ->
     async with iop_process("edge", "--config", str(path), cwd=tmp_path) as edge:
         assert await edge.exit_code() != 0
     assert edge.stderr == [f"iop: store_dir {store}: Not a directory"]
+
+
+LEGACY = """
+edge:
+  nats: {{listen: "127.0.0.1:0", store_dir: {store}}}
+models: [{{alias: a, pool: [p]}}, {{alias: b, pool: [q]}}]
+nodes:
+  - {{id: n, concurrency: 3, adapters: [{{id: m, type: mock}}], providers: [{{id: p, adapter: m, capacity: 1}}]}}
+  - id: o
+    runtime: {{concurrency: 3}}
+    adapters: [{{id: m, type: mock}}]
+    providers: [{{id: q, adapter: m, capacity: 1}}]
+"""
+
+
+async def test_each_process_logs_only_its_own_legacy_warnings_with_a_timestamp(tmp_path: Path) -> None:
+    path = tmp_path / "deployment.yaml"
+    path.write_text(LEGACY.format(store=tmp_path / "store"))
+    stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING iop.config: "
+    async with iop_process("edge", "--config", str(path), "--listen", "127.0.0.1:0", cwd=tmp_path) as edge:
+        nats_url = (await edge.wait_line(r"nats=(\S+)")).group(1)
+        warned = [line for line in edge.stderr if "legacy setting" in line]
+        assert len(warned) == 2 and all(re.match(stamp, line) for line in warned), warned
+        async with iop_process("node", "--config", str(path), "--node", "o", "--nats", nats_url, cwd=tmp_path) as node:
+            await node.wait_line("iop node o serving")
+    warned = [line for line in node.stderr if "legacy setting" in line]
+    assert len(warned) == 1 and re.match(stamp + r"nodes\[1\]\.runtime\.concurrency: legacy", warned[0]), warned
