@@ -130,9 +130,8 @@ class RunningRequests:
                 item.id, window.sent_chunks, exc.status, exc.code, exc.message, exc.ended_stream, exc.param
             )
             await _quietly(self.publish(item, failure))
-        except Exception as exc:
-            # The adapter boundary: any bug below it (adapter, upstream client, translation) must end
-            # as a Failure the client sees and a freed slot, never as a request left hanging.
+        except Exception as exc:  # the adapter boundary: any bug below it must end as a Failure, never hang
+            # (adapter, upstream client, translation): the client hears why and the slot is freed.
             r.failed += 1
             log.exception("provider %s: request %s failed", r.cfg.id, item.id)
             if msg is not None:
