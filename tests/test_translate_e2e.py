@@ -7,6 +7,7 @@ from typing import Any
 from openai.types.responses import ResponseFunctionToolCall
 
 from iop.bus import EmbeddedNats
+from tests.codex_upstream import Call, Turn, scripted_chat
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running
 
@@ -98,3 +99,91 @@ async def test_chat_on_a_responses_only_upstream(nats_server: EmbeddedNats) -> N
             assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "w0 w1 w2"
         assert set(up.by_path) == {"/v1/responses"}
         assert up.bodies[0]["instructions"] == "be brief"
+
+
+CODEX_TOOLS: list[Any] = [
+    {"type": "function", "name": "exec_command", "parameters": {"type": "object", "properties": {}}},
+    {
+        "type": "namespace",
+        "name": "multi_agent_v1",
+        "description": "",
+        "tools": [{"type": "function", "name": "close_agent"}],
+    },
+    {"type": "custom", "name": "apply_patch", "description": "Edit files."},
+    {"type": "web_search", "external_web_access": False},
+    {"type": "image_generation"},
+]
+
+
+async def test_codex_tools_through_edge_and_node_with_the_sdk_stream_helper(nats_server: EmbeddedNats) -> None:
+    turns = [
+        Turn(
+            reasoning="Two calls.",
+            text="On it.",
+            calls=[
+                Call("multi_agent_v1__close_agent", {"target": "a"}, "c1"),
+                Call("apply_patch", {"input": "PATCH"}, "c2"),
+            ],
+        ),
+        Turn(text="whole"),
+    ]
+    async with (
+        scripted_chat(turns) as up,
+        deployment_running(deployment(one_provider(up.url, "chat")), nats_server.url) as h,
+    ):
+        client = h.client()
+        async with client.responses.stream(model="m", input="go", tools=CODEX_TOOLS) as stream:
+            final = await stream.get_final_response()
+        kinds = [item.type for item in final.output]
+        assert kinds == ["reasoning", "message", "function_call", "custom_tool_call"]
+        call, patch = final.output[2], final.output[3]
+        assert (call.name, call.namespace, call.call_id) == ("close_agent", "multi_agent_v1", "c1")  # type: ignore[union-attr]
+        assert (patch.name, patch.input, patch.call_id) == ("apply_patch", "PATCH", "c2")  # type: ignore[union-attr]
+        assert final.usage is not None and final.usage.total_tokens == 18
+        # The hosted tools were dropped, and the answer says which (whole answers too).
+        raw = await client.responses.with_raw_response.create(model="m", input="go", tools=CODEX_TOOLS)
+        assert raw.headers["x-iop-dropped-tools"] == "web_search,image_generation"
+        assert raw.parse().output_text == "whole"
+    sent = [t["function"]["name"] for t in up.bodies[0]["tools"]]
+    assert sent == ["exec_command", "multi_agent_v1__close_agent", "apply_patch"]
+
+
+async def test_refusal_names_its_param_and_provider(nats_server: EmbeddedNats) -> None:
+    async with (
+        fake_upstream(api="chat") as up,
+        deployment_running(deployment(one_provider(up.url, "chat")), nats_server.url) as h,
+        h.http() as http,
+    ):
+        r = await http.post("/v1/responses", json={"model": "m", "input": "hi", "previous_response_id": "resp_1"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "previous_response_id"
+    assert r.json()["error"]["code"] == "unsupported_parameter"
+    assert r.headers["x-iop-provider"] == "p"
+    assert up.total == 0
+
+
+MIXED = """
+models: [{{alias: m, pool: [p-chat, p-resp]}}]
+nodes:
+  - id: n
+    adapters:
+      - {{id: chat, type: openai, base_url: "{chat}", api: chat}}
+      - {{id: resp, type: openai, base_url: "{resp}", api: responses}}
+    providers:
+      - {{id: p-chat, adapter: chat, model: served-model, capacity: 1}}
+      - {{id: p-resp, adapter: resp, model: served-model, capacity: 4}}
+"""
+
+
+async def test_mixed_pool_refuses_the_same_on_every_provider(nats_server: EmbeddedNats) -> None:
+    async with fake_upstream(api="chat") as chat, fake_upstream(api="responses") as resp:
+        dep = deployment(MIXED.format(chat=chat.url, resp=resp.url))
+        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+            # The scheduler would pick p-resp (most free slots), which serves Responses natively.
+            for _ in range(4):
+                r = await http.post("/v1/responses", json={"model": "m", "input": "hi", "background": True})
+                assert r.status_code == 400, r.text
+                assert (r.json()["error"]["param"], r.headers["x-iop-provider"]) == ("background", "p-chat")
+            ok = [await http.post("/v1/responses", json={"model": "m", "input": "hi"}) for _ in range(2)]
+            assert [r.status_code for r in ok] == [200, 200]
+    assert chat.total + resp.total == 2

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from starlette.types import Message, Receive, Scope, Send
 
-from iop import wire
+from iop import config, wire
 from iop.edge.dispatch import DirectDispatch, PoolDispatch
 from iop.edge.relay import Channel
 from iop.errors import (
@@ -24,6 +24,7 @@ from iop.errors import (
     UnsupportedMediaType,
     error_body,
 )
+from iop.openai.responses_request import responses_to_chat_request
 
 if TYPE_CHECKING:
     from iop.edge.server import Edge
@@ -59,6 +60,7 @@ class ResponsesHead(msgspec.Struct):
 _chat_head = msgspec.json.Decoder(ChatHead).decode
 _responses_head = msgspec.json.Decoder(ResponsesHead).decode
 _json = msgspec.json.Encoder().encode
+_decode_json = msgspec.json.Decoder().decode
 
 
 def parse_head(api: wire.Api, body: bytes) -> tuple[str, bool]:
@@ -125,6 +127,8 @@ class ApiEndpoint:
         edge = self.edge
         if model not in edge.catalog.pools and model not in edge.catalog.routes:
             raise NotFound(f"model '{model}' does not exist; GET /v1/models lists the models", param="model")
+        if self.api == "responses" and model in edge.catalog.pools:
+            check_mixed_pool(edge.catalog, model, body)
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.create_task(_watch_disconnect(receive, task))
@@ -188,6 +192,28 @@ class ApiEndpoint:
             exc.headers.setdefault("x-iop-provider", provider)  # who failed or refused (e.g. a translation)
             raise
         return None
+
+
+def check_mixed_pool(catalog: config.Catalog, alias: str, body: bytes) -> None:
+    """Refuse here what a chat-only provider of a mixed pool would refuse (e.g. previous_response_id).
+
+    A pool of chat-only and Responses providers must give a request the same answer whichever
+    provider it lands on; the edge decides before it picks one. Pools that are all one kind decide
+    on the node, the same way on every provider, and cost the edge nothing.
+    """
+    members = catalog.pools[alias]
+    translating = [p for p in members if _translates_responses(catalog.providers[p].adapter)]
+    if not translating or len(translating) == len(members):
+        return
+    try:
+        responses_to_chat_request(_decode_json(body), alias)
+    except RequestError as exc:
+        exc.headers.setdefault("x-iop-provider", translating[0])
+        raise
+
+
+def _translates_responses(adapter: config.Adapter) -> bool:
+    return isinstance(adapter, config.OpenAIAdapter) and adapter.api == "chat"
 
 
 class _TrackedSend:
