@@ -187,30 +187,60 @@ def node_cmd(
         _fail(str(exc))
 
 
+def _edge_address(edge: str | None, config_file: str | None) -> str:
+    """--edge as a URL; without it, the edge.listen of --config; else the default (exit 2 if bad)."""
+    from iop.client import DEFAULT_EDGE, EdgeAddressError, edge_url, edge_url_of
+
+    if edge is not None:
+        try:
+            return edge_url(edge)
+        except EdgeAddressError as exc:
+            _fail(str(exc), 2)
+    if config_file is not None:
+        return edge_url_of(_load_or_exit(config_file, show_warnings=False).deployment)
+    return DEFAULT_EDGE
+
+
+_EDGE_HELP = "The edge's address, e.g. 127.0.0.1:8080 (default: edge.listen of --config, else 127.0.0.1:8080)."
+
+
 @main.command("status")
-@click.option("--edge", "edge_url", default="http://127.0.0.1:8080", show_default=True, help="The edge's HTTP URL.")
+@click.option("--edge", "edge_url", default=None, help=_EDGE_HELP)
+@click.option(
+    "--config", "config_file", default=None, type=click.Path(dir_okay=False), help="Deployment file naming the edge."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
 @click.option("--api-key", envvar="IOP_API_KEY", default=None, help="Bearer key (env IOP_API_KEY).")
-def status_cmd(edge_url: str, as_json: bool, api_key: str | None) -> None:
+def status_cmd(edge_url: str | None, config_file: str | None, as_json: bool, api_key: str | None) -> None:
     """Show nodes, providers, pools and routes of a running edge."""
-    from iop.statusview import fetch_status, render_status
+    import asyncio
+
+    import msgspec
+
+    from iop.client import EdgeClient
+    from iop.statusview import render_status
+
+    url = _edge_address(edge_url, config_file)
+
+    async def fetch() -> str:
+        async with EdgeClient(url, api_key=api_key) as edge:
+            if not as_json:
+                return render_status(await edge.status())
+            raw = await edge.status_json()  # as the edge sent it: a newer edge's fields survive
+            try:
+                return msgspec.json.format(raw, indent=2).decode()
+            except msgspec.DecodeError as exc:
+                raise IopError(f"{url}/status is not JSON: {exc}") from None
 
     try:
-        data = fetch_status(edge_url, api_key)
+        click.echo(asyncio.run(fetch()))
     except IopError as exc:
         _fail(str(exc))
-        return
-    if as_json:
-        import json
-
-        click.echo(json.dumps(data, indent=2))
-    else:
-        click.echo(render_status(data))
 
 
 @main.command("refresh")
 @click.option("--config", "config_file", required=True, type=click.Path(dir_okay=False), help="Deployment file.")
-@click.option("--edge", "edge_url", default="http://127.0.0.1:8080", show_default=True, help="The edge's HTTP URL.")
+@click.option("--edge", "edge_url", default=None, help=_EDGE_HELP)
 @click.option("--dry-run", is_flag=True, help="Print what would change; apply nothing.")
 @click.option(
     "--admin-key",
@@ -219,30 +249,38 @@ def status_cmd(edge_url: str, as_json: bool, api_key: str | None) -> None:
     default=None,
     help="An admin key of the edge (env IOP_ADMIN_KEY); without admin keys the edge answers only loopback.",
 )
-def refresh_cmd(config_file: str, edge_url: str, dry_run: bool, api_key: str | None) -> None:
+def refresh_cmd(config_file: str, edge_url: str | None, dry_run: bool, api_key: str | None) -> None:
     """Apply FILE to a running deployment without a restart (or show the diff with --dry-run)."""
+    import asyncio
     from pathlib import Path
 
-    from iop.statusview import post_refresh
+    from iop.client import EdgeClient
+    from iop.edge.refresh import RefreshResult
 
+    url = _edge_address(edge_url, config_file)
     _load_or_exit(config_file)  # an invalid file never leaves this machine
+    text = Path(config_file).read_text(encoding="utf-8")
+
+    async def send() -> RefreshResult:
+        async with EdgeClient(url, api_key=api_key) as edge:
+            return await edge.refresh(text, dry_run=dry_run)
+
     try:
-        code, data = post_refresh(edge_url, Path(config_file).read_text(encoding="utf-8"), dry_run, api_key)
+        result = asyncio.run(send())
+    except ConfigError as exc:
+        for line in exc.problems:
+            click.echo(f"error: {line}", err=True)
+        sys.exit(2)
     except IopError as exc:
         _fail(str(exc))
         return
-    if code == 400:
-        for line in data.get("error", {}).get("problems", []) or [data.get("error", {}).get("message", "invalid")]:
-            click.echo(f"error: {line}", err=True)
-        sys.exit(2)
-    changes = data.get("changes") or []
-    click.echo("\n".join(changes) if changes else "no changes")
-    if data.get("error"):
-        click.echo(f"iop: refresh failed and was rolled back: {data['error']}", err=True)
-        for line in data.get("applied") or []:
+    click.echo("\n".join(result.changes) if result.changes else "no changes")
+    if result.error:
+        click.echo(f"iop: refresh failed and was rolled back: {result.error}", err=True)
+        for line in result.applied:
             click.echo(f"  had applied (undone): {line}", err=True)
         sys.exit(1)
-    if changes and not dry_run:
+    if result.changes and not dry_run:
         click.echo("applied.")
 
 
@@ -254,7 +292,12 @@ def refresh_cmd(config_file: str, edge_url: str, dry_run: bool, api_key: str | N
     type=click.Path(dir_okay=False),
     help="Deployment to start and check (default: the built-in iop/configs/smoke.yaml).",
 )
-@click.option("--edge", "edge_url", default=None, help="Check the deployment behind this running edge instead.")
+@click.option(
+    "--edge",
+    "edge_url",
+    default=None,
+    help="Check the deployment behind this running edge (e.g. 127.0.0.1:8080) instead.",
+)
 @click.option("--model", default=None, help="Pool alias to fill (default: the first pool).")
 @click.option("--direct", default=None, help="Direct-route alias to call while the pool is full (default: the first).")
 @click.option(
@@ -321,7 +364,7 @@ def smoke_cmd(
         _fail("--edge checks a running deployment; --config and --skip-node are for the one smoke starts", 2)
     options = Options(
         config=config_file,
-        edge=edge_url,
+        edge=None if edge_url is None else _edge_address(edge_url, None),
         model=model,
         direct=direct,
         expect_nodes=expect_nodes,

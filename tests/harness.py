@@ -37,7 +37,9 @@ except ImportError:  # older SDKs use httpx
     import httpx as httpx2  # type: ignore[no-redef]
 
 from iop import bus, config, wire
+from iop.client import EdgeClient
 from iop.edge.server import Edge, build_app
+from iop.edge.status_schema import Status
 from iop.node.runtime import NodeRuntime
 from tests.fakes import serve_asgi
 
@@ -81,6 +83,11 @@ class EdgeHandle:
 
     def http(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, timeout=30)
+
+    async def status(self) -> Status:
+        """GET /status, decoded the way `iop status` and smoke decode it."""
+        async with EdgeClient(self.url) as edge:
+            return await edge.status()
 
 
 @asynccontextmanager

@@ -14,6 +14,8 @@ import nats
 
 from iop import wire
 from iop.bus import EmbeddedNats
+from iop.client import EdgeClient
+from iop.edge.status_schema import NodeStatus, Status
 from tests.fakes import fake_upstream
 from tests.harness import (
     broker_counts,
@@ -141,17 +143,13 @@ async def test_node_killed_mid_stream_fails_fast_frees_the_slot_and_restarts(
     assert slots_free_s < wire.HEARTBEAT_INTERVAL_S * wire.HEARTBEATS_MISSED + 1.5
 
 
-async def edge_status(url: str) -> dict[str, object]:
-    async with httpx.AsyncClient(base_url=url, timeout=5) as http:
-        data: dict[str, object] = (await http.get("/status")).json()
-        return data
+async def edge_status(url: str) -> Status:
+    async with EdgeClient(url) as edge:
+        return await edge.status()
 
 
-def node_of(status: dict[str, object], node_id: str) -> dict[str, object]:
-    nodes = status["nodes"]
-    assert isinstance(nodes, list)
-    found: dict[str, object] = next(n for n in nodes if n["id"] == node_id)
-    return found
+def node_of(status: Status, node_id: str) -> NodeStatus:
+    return next(n for n in status.nodes if n.id == node_id)
 
 
 async def test_edge_restart_the_node_serves_the_new_edge_without_restarting(
@@ -167,10 +165,10 @@ async def test_edge_restart_the_node_serves_the_new_edge_without_restarting(
                 async with edge_process(cfg, nats_server.url) as (edge1, url1):
 
                     async def seen_by_edge1() -> bool:
-                        return bool(node_of(await edge_status(url1), "n1")["connected"])
+                        return node_of(await edge_status(url1), "n1").connected
 
                     await eventually(seen_by_edge1)
-                    instance = node_of(await edge_status(url1), "n1")["instance"]
+                    instance = node_of(await edge_status(url1), "n1").instance
                     client = httpx.AsyncClient(base_url=url1, timeout=10)
                     try:
                         body = {"model": "live", "stream": True, **CHAT}
@@ -198,14 +196,14 @@ async def test_edge_restart_the_node_serves_the_new_edge_without_restarting(
                 async with edge_process(cfg, nats_server.url) as (_, url2), httpx.AsyncClient(base_url=url2) as http:
 
                     async def seen_by_edge2() -> bool:
-                        return bool(node_of(await edge_status(url2), "n1")["connected"])
+                        return node_of(await edge_status(url2), "n1").connected
 
                     await eventually(seen_by_edge2)
                     r2 = await http.post("/v1/chat/completions", json={"model": "live", **CHAT}, timeout=10)
                     serve_s = time.monotonic() - restarted
                     assert r2.status_code == 200, r2.text
                     # The very same node process and instance, never restarted.
-                    assert node_of(await edge_status(url2), "n1")["instance"] == instance
+                    assert node_of(await edge_status(url2), "n1").instance == instance
                     assert node.proc.returncode is None
                     assert sum(line.startswith("iop node n1 serving") for line in node.lines) == 1, node.lines
                 assert live.total == 2
@@ -253,7 +251,7 @@ async def test_node_and_edge_killed_together_the_redelivery_never_runs(
             ):
 
                 async def seen() -> bool:
-                    return bool(node_of(await edge_status(url1), "n1")["connected"])
+                    return node_of(await edge_status(url1), "n1").connected
 
                 await eventually(seen)
                 client = httpx.AsyncClient(base_url=url1, timeout=10)

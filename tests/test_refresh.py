@@ -11,7 +11,7 @@ import pytest
 
 from iop import wire
 from iop.bus import EmbeddedNats
-from iop.refresh import diff
+from iop.edge.refresh import diff
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, running_edge, running_node, until
 
@@ -53,19 +53,57 @@ def test_diff_names_every_kind_of_change() -> None:
     assert diff(old, old) == []
 
 
+def test_diff_reports_legacy_concurrency_as_metadata() -> None:
+    plain = pool_yaml("http://a/v1", "", 2, None)
+    four = plain.replace("  - id: node-a\n", "  - id: node-a\n    concurrency: 4\n")
+    nested = plain.replace("  - id: node-a\n", "  - id: node-a\n    runtime: {concurrency: 8}\n")
+    assert [c.line() for c in diff(deployment(plain), deployment(four))] == ["legacy_concurrency node-a: unset → 4"]
+    assert [c.line() for c in diff(deployment(four), deployment(nested))] == ["legacy_concurrency node-a: 4 → 8"]
+    assert [c.line() for c in diff(deployment(nested), deployment(plain))] == ["legacy_concurrency node-a: 8 → unset"]
+
+
+async def test_refresh_carries_a_legacy_concurrency_change_to_status(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    async with fake_upstream() as a:
+        text = pool_yaml(a.url, "", 2, None).replace("  - id: node-a\n", "  - id: node-a\n    concurrency: 4\n")
+        async with deployment_running(deployment(text), nats_server.url) as h:
+            f = tmp_path / "new.yaml"
+            f.write_text(text.replace("concurrency: 4", "concurrency: 8"))
+            # Given as host:port, without http://.
+            address = h.url.removeprefix("http://")
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "iop",
+                "refresh",
+                "--config",
+                str(f),
+                "--edge",
+                address,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await proc.communicate()
+            assert proc.returncode == 0, err.decode()
+            assert out.decode().splitlines() == ["legacy_concurrency node-a: 4 → 8", "applied."]
+            assert (await h.status()).nodes[0].legacy_concurrency == 8
+            # Metadata only: the broker's cap is the provider's capacity, untouched.
+            info = await h.edge.js.consumer_info(wire.WORK_STREAM, wire.consumer_name("prov-a"))
+            assert info.config.max_ack_pending == 2
+
+
 async def test_dry_run_and_invalid_files_change_nothing(nats_server: EmbeddedNats) -> None:
     async with fake_upstream() as a, fake_upstream() as b:
         text = pool_yaml(a.url, b.url, 2, 4)
         async with deployment_running(deployment(text), nats_server.url) as h, h.http() as http:
-            before = (await http.get("/status")).json()
+            before = await h.status()
             r = await http.post("/admin/refresh?dry_run=1", content=pool_yaml(a.url, b.url, 1, 4))
             assert r.status_code == 200
             assert r.json()["changes"] == ["capacity node-a/prov-a: 2 → 1"] and r.json()["applied"] == []
             bad = await http.post("/admin/refresh", content=text.replace("capacity: 2", "capacity: zero"))
             assert bad.status_code == 400
             assert any("capacity" in p for p in bad.json()["error"]["problems"])
-            after = (await http.get("/status")).json()
-            assert before["pools"] == after["pools"]
+            after = await h.status()
+            assert before.pools == after.pools
             info = await h.edge.js.consumer_info(wire.WORK_STREAM, wire.consumer_name("prov-a"))
             assert info.config.max_ack_pending == 2
             same = await http.post("/admin/refresh", content=text)
@@ -129,9 +167,9 @@ async def test_adding_a_node_brings_its_provider_into_the_pool(nats_server: Embe
                 results = await asyncio.gather(*(http.post("/v1/chat/completions", json=BODY) for _ in range(9)))
                 assert all(x.status_code == 200 for x in results)
                 assert {x.headers["x-iop-provider"] for x in results} == {"prov-a", "prov-c"}
-                st = (await http.get("/status")).json()
-                assert st["pools"][0]["total_capacity"] == 3
-                assert [n["id"] for n in st["nodes"]] == ["node-a", "node-c"]
+                st = await h.status()
+                assert st.pools[0].total_capacity == 3
+                assert [n.id for n in st.nodes] == ["node-a", "node-c"]
 
 
 async def test_refresh_command_line(nats_server: EmbeddedNats, tmp_path: Path) -> None:
@@ -142,15 +180,16 @@ async def test_refresh_command_line(nats_server: EmbeddedNats, tmp_path: Path) -
             f.write_text(pool_yaml(a.url, "", 3, None))
 
             async def iop(*args: str) -> tuple[int, str, str]:
+                return await iop_at(f, "--edge", h.url, *args)
+
+            async def iop_at(file: Path, *args: str) -> tuple[int, str, str]:
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
                     "iop",
                     "refresh",
                     "--config",
-                    str(f),
-                    "--edge",
-                    h.url,
+                    str(file),
                     *args,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
@@ -161,6 +200,13 @@ async def test_refresh_command_line(nats_server: EmbeddedNats, tmp_path: Path) -
 
             code, out, _ = await iop("--dry-run")
             assert (code, out.strip()) == (0, "capacity node-a/prov-a: 2 → 3")
+            # Without --edge, the address is the file's edge.listen.
+            port = h.url.rsplit(":", 1)[1]
+            other = tmp_path / "listen.yaml"
+            other.write_text(f"edge: {{listen: '127.0.0.1:{port}'}}\n" + f.read_text())
+            code, out, err = await iop_at(other, "--dry-run")
+            assert code == 0, err
+            assert "capacity node-a/prov-a: 2 → 3" in out.splitlines()
             assert h.edge.scheduler.providers["prov-a"].capacity == 2
             code, out, _ = await iop()
             assert code == 0 and "applied." in out

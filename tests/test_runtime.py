@@ -9,6 +9,7 @@ from pathlib import Path
 import openai
 
 from iop.bus import EmbeddedNats
+from iop.edge.status_schema import PoolProviderStatus
 from iop.node.adapters.mock import mock_token
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, running_edge, running_node, until
@@ -285,14 +286,13 @@ async def test_status_shows_the_catalog_once_with_live_counts(nats_server: Embed
             # Heartbeats carry the nodes' counts: wait for one that shows them all running.
             await until(lambda: live() == {"prov-a": 1, "prov-b": 2}, reg.changed)
             await until(lambda: len(h.edge.scheduler.pools["m"].waiters) == 2, h.edge.scheduler.changed)
-            st = (await http.get("/status")).json()
-            ids = [p["id"] for n in st["nodes"] for p in n["providers"]]
-            assert sorted(ids) == ["prov-a", "prov-b"]
-            assert [n["id"] for n in st["nodes"]] == ["node-a", "node-b"]
-            assert all(n["connected"] for n in st["nodes"])
-            (pool,) = st["pools"]
-            assert pool["total_capacity"] == 3 and pool["connected_candidates"] == 2
-            assert pool["in_flight"] == 3 and pool["waiting"] == 2
+            st = await h.status()
+            assert sorted(st.providers()) == ["prov-a", "prov-b"]
+            assert [n.id for n in st.nodes] == ["node-a", "node-b"]
+            assert all(n.connected for n in st.nodes)
+            (pool,) = st.pools
+            assert pool.total_capacity == 3 and pool.connected_candidates == 2
+            assert pool.in_flight == 3 and pool.waiting == 2
             gate.set()
             await asyncio.gather(*running)
 
@@ -324,9 +324,10 @@ async def test_failover_before_the_first_byte_and_the_breaker(nats_server: Embed
                 assert r.status_code == 200, r.text
                 assert r.headers["x-iop-provider"] == "prov-b"
             assert bad.total == 3
-            st = (await http.get("/status")).json()
-            prov_a = next(p for n in st["nodes"] for p in n["providers"] if p["id"] == "prov-a")
-            assert prov_a["breaker"] == "open" and prov_a["consecutive_failures"] == 3
+            _, prov_a = (await h.status()).providers()["prov-a"]
+            assert isinstance(prov_a, PoolProviderStatus)
+            assert prov_a.breaker == "open" and prov_a.consecutive_failures == 3
+            assert prov_a.breaker_open_for_s is not None and prov_a.breaker_open_for_s > 0
             # Out of rotation: further requests don't touch the bad provider at all.
             for _ in range(3):
                 assert (await http.post("/v1/chat/completions", json=body)).status_code == 200

@@ -7,14 +7,15 @@ import contextlib
 import hmac
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 from starlette.types import Message, Receive, Scope, Send
 
 from iop import config, wire
-from iop.edge.dispatch import DirectDispatch, PoolDispatch
-from iop.edge.relay import Channel
+from iop.edge.dispatch import DirectDispatch, Finished, PoolDispatch
+from iop.edge.relay import Channel, Relay
+from iop.edge.scheduler import Scheduler
 from iop.errors import (
     BadRequest,
     NotFound,
@@ -25,9 +26,6 @@ from iop.errors import (
     error_body,
 )
 from iop.openai.responses_request import responses_to_chat_request
-
-if TYPE_CHECKING:
-    from iop.edge.server import Edge
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -101,10 +99,31 @@ def _param(exc: msgspec.ValidationError) -> str | None:
     return None
 
 
+class Serving(Protocol):
+    """What a request needs from the edge; read on every request, so a refresh's switch applies."""
+
+    @property
+    def edge_id(self) -> str: ...
+    @property
+    def catalog(self) -> config.Catalog: ...
+    @property
+    def queue_timeout_s(self) -> float: ...
+    @property
+    def max_body_bytes(self) -> int: ...
+    @property
+    def scheduler(self) -> Scheduler: ...
+    @property
+    def relay(self) -> Relay: ...
+    @property
+    def on_request_finished(self) -> Finished | None: ...
+
+    def authorize(self, scope: Scope) -> None: ...
+
+
 class ApiEndpoint:
     """One OpenAI API endpoint. Plain ASGI: the request path is measured, so nothing runs twice."""
 
-    def __init__(self, edge: Edge, api: wire.Api) -> None:
+    def __init__(self, edge: Serving, api: wire.Api) -> None:
         self.edge = edge
         self.api: wire.Api = api
 

@@ -8,11 +8,10 @@ import logging
 import secrets
 import signal
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nats.js.errors
+import msgspec
 import uvicorn
 from nats.aio.client import Client as NATS
 from starlette.applications import Starlette
@@ -22,29 +21,21 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Scope
 
-from iop import bus, config, validate, wire
+from iop import bus, config, validate
 from iop.edge import http as edge_http
 from iop.edge.api import ApiEndpoint
 from iop.edge.dispatch import Finished
 from iop.edge.keys import EdgeKeys
+from iop.edge.refresh import Refresher, publish_catalog
 from iop.edge.registry import Registry
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
 from iop.edge.status import status_of
+from iop.edge.status_schema import encode_status
 from iop.errors import BusError, ConfigError, NotFound, RequestError, error_body
-from iop.refresh import diff, node_section
 
 log = logging.getLogger("iop.edge")
-
-
-@dataclass
-class RefreshResult:
-    """What a refresh found and did; `error` set means it stopped and undid its broker changes."""
-
-    changes: list[str]
-    applied: list[str] = field(default_factory=list)
-    error: str | None = None
-    rolled_back: bool = False
+_json = msgspec.json.Encoder().encode
 
 
 class Edge:
@@ -90,8 +81,7 @@ class Edge:
         self.on_request_finished: Finished | None = None
         """Called once with every served request's `DispatchResult` (pool and direct routes alike)."""
         self.registry = Registry(deployment, self.scheduler, self.edge_id, self.relay.node_lost)
-        self._refresh_lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.refresher = Refresher(self, nc, self.js)
         self.keys = keys if keys is not None else EdgeKeys.from_settings(deployment.edge)
 
     async def start(self) -> None:
@@ -99,103 +89,32 @@ class Edge:
         for pid, ref in self.catalog.providers.items():
             if ref.provider.capacity is not None:
                 await bus.ensure_provider_consumer(self.js, pid, ref.provider.capacity)
-        await self.publish_catalog(self.deployment)
+        await publish_catalog(self.nc, self.js, self.deployment)
         await self.relay.start()
         await self.registry.start(self.nc)
 
-    async def publish_catalog(self, dep: config.Deployment, removed: list[str] | None = None) -> None:
-        """Each node's section of the deployment, one KV key per node, for nodes run without a file."""
-        kv = await bus.catalog_bucket(self.js)
-        for node in dep.nodes:
-            section = node_section(dep, node.id)
-            try:
-                current = await kv.get(node.id)
-            except nats.js.errors.KeyNotFoundError:
-                current = None
-            if current is None or current.value != section:
-                await kv.put(node.id, section)
-                await self.nc.publish(wire.catalog_subject(node.id), b"")  # the node re-reads its key
-        for node_id in removed or []:
-            with contextlib.suppress(Exception):
-                await kv.delete(node_id)
+    @property
+    def nats_connected(self) -> bool:
+        return bool(self.nc.is_connected)
 
-    async def refresh(self, new: config.Deployment, *, dry_run: bool = False) -> RefreshResult:
-        """Diff the running deployment against `new` and, unless `dry_run`, apply it without a restart.
-
-        Broker changes come first (they can fail; each is undone if a later one does), then the
-        catalog bucket, then the edge's own tables in one synchronous step.
-        """
-        changes = diff(self.deployment, new)
-        result = RefreshResult(changes=[c.line() for c in changes])
-        if dry_run or not changes:
-            return result
-        async with self._refresh_lock:
-            old_cat = self.catalog
-            new_cat = config.Catalog.of(new)
-            undo: list[tuple[str, int | None]] = []
-            try:
-                for pid, ref in new_cat.providers.items():
-                    cap = ref.provider.capacity
-                    before = old_cat.providers.get(pid)
-                    before_cap = before.provider.capacity if before is not None else None
-                    if cap is not None and cap != before_cap:
-                        await bus.ensure_provider_consumer(self.js, pid, cap)
-                        undo.append((pid, before_cap))
-                        result.applied.append(f"consumer {wire.consumer_name(pid)}: max_ack_pending {cap}")
-                removed_nodes = [n.id for n in self.deployment.nodes if n.id not in {m.id for m in new.nodes}]
-                await self.publish_catalog(new, removed_nodes)
-                result.applied.append("catalog bucket: node sections published")
-            except Exception as exc:
-                result.error = f"{type(exc).__name__}: {exc}"
-                for pid, before_cap in reversed(undo):
-                    with contextlib.suppress(Exception):
-                        if before_cap is None:
-                            await self.js.delete_consumer(wire.WORK_STREAM, wire.consumer_name(pid))
-                        else:
-                            await bus.ensure_provider_consumer(self.js, pid, before_cap)
-                result.rolled_back = True
-                log.error("refresh failed, rolled back: %s", result.error)
-                return result
-            # From here on nothing awaits: requests see the old catalog or the new one, never a mix.
-            self.deployment = new
-            self.catalog = new_cat
-            self.queue_timeout_s = new.edge.queue.timeout_s
-            self.max_body_bytes = int(new.edge.max_body_mb * 1024 * 1024)
-            self.scheduler.max_waiting = new.edge.queue.max_waiting
-            draining = self.scheduler.apply(
-                {
-                    pid: (ref.node.id, ref.provider.capacity)
-                    for pid, ref in new_cat.providers.items()
-                    if ref.provider.capacity is not None
-                },
-                new_cat.pools,
-            )
-            self.registry.apply(new)
-            result.applied.append("edge: pools, providers and routes switched")
-            gone = [pid for pid in old_cat.providers if pid not in new_cat.providers]
-            for pid in gone:
-                if old_cat.providers[pid].provider.capacity is not None:
-                    self._spawn(self._retire_consumer(pid))
-            if draining:
-                result.applied.append(f"draining: {', '.join(draining)}")
-            log.info("refresh applied: %d changes", len(changes))
-            return result
-
-    async def _retire_consumer(self, provider: str) -> None:
-        # A removed provider finishes what it runs; its consumer goes once nothing is in flight.
-        changed = self.scheduler.changed
-        while (slot := self.scheduler.providers.get(provider)) is not None and slot.removed:
-            changed.clear()
-            await changed.wait()
-        if provider in self.catalog.providers:
-            return  # re-added meanwhile
-        with contextlib.suppress(Exception):
-            await self.js.delete_consumer(wire.WORK_STREAM, wire.consumer_name(provider))
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def switch(self, new: config.Deployment) -> list[str]:
+        """Serve `new` from now on, in one synchronous step; returns the providers left draining."""
+        catalog = config.Catalog.of(new)
+        self.deployment = new
+        self.catalog = catalog
+        self.queue_timeout_s = new.edge.queue.timeout_s
+        self.max_body_bytes = int(new.edge.max_body_mb * 1024 * 1024)
+        self.scheduler.max_waiting = new.edge.queue.max_waiting
+        draining = self.scheduler.apply(
+            {
+                pid: (ref.node.id, ref.provider.capacity)
+                for pid, ref in catalog.providers.items()
+                if ref.provider.capacity is not None
+            },
+            catalog.pools,
+        )
+        self.registry.apply(new)
+        return draining
 
     def authorize(self, scope: Scope) -> None:
         self.keys.client(scope)
@@ -221,7 +140,7 @@ def build_app(edge: Edge) -> Starlette:
 
     async def status(request: Request) -> Response:
         edge.authorize(request.scope)
-        return JSONResponse(status_of(edge))
+        return Response(encode_status(status_of(edge)), media_type="application/json")
 
     async def refresh(request: Request) -> Response:
         admin = edge.keys.admin(request.scope)
@@ -239,7 +158,7 @@ def build_app(edge: Edge) -> Starlette:
             }
             return JSONResponse({"error": err}, 400)
         dry_run = request.query_params.get("dry_run") in ("1", "true")
-        result = await edge.refresh(new, dry_run=dry_run)
+        result = await edge.refresher.apply(new, dry_run=dry_run)
         log.info(
             "admin refresh%s by %s: %d changes%s",
             " (dry run)" if dry_run else "",
@@ -247,7 +166,7 @@ def build_app(edge: Edge) -> Starlette:
             len(result.changes),
             f", failed: {result.error}" if result.error else "",
         )
-        return JSONResponse(asdict(result), 500 if result.error else 200)
+        return Response(_json(result), 500 if result.error else 200, media_type="application/json")
 
     async def healthz(request: Request) -> Response:
         # Liveness: an edge cut off from NATS can serve nothing; say so, so a supervisor can act.
@@ -348,8 +267,7 @@ async def run_edge(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         if loaded.path is not None:
-            path = loaded.path
-            loop.add_signal_handler(signal.SIGHUP, lambda: edge._spawn(_reload(edge, path)))
+            loop.add_signal_handler(signal.SIGHUP, edge.refresher.reload, loaded.path)
         supervisor = None
         if embedded is not None:
             supervisor = asyncio.create_task(_supervise_nats(embedded, edge, stop))
@@ -417,17 +335,6 @@ async def _supervise_nats(embedded: bus.EmbeddedNats, edge: Edge, stop: asyncio.
             stop.set()
             return
         edge.nats_down = ""
-
-
-async def _reload(edge: Edge, path: Path) -> None:
-    """SIGHUP: read the deployment file again and apply what changed."""
-    try:
-        new = config.load(path).deployment
-    except ConfigError as exc:
-        log.error("SIGHUP: %s is invalid, nothing applied: %s", path, "; ".join(exc.problems))
-        return
-    result = await edge.refresh(new)
-    log.info("SIGHUP: %s", "; ".join(result.changes) or "no changes")
 
 
 def _bound_address(server: uvicorn.Server) -> str:

@@ -3,15 +3,45 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 from iop import __version__, config, wire
+from iop.edge.registry import Registry
+from iop.edge.scheduler import Scheduler
+from iop.edge.status_schema import (
+    CliResourceStatus,
+    EdgeInfo,
+    NodeStatus,
+    PoolProviderStatus,
+    PoolStatus,
+    ProviderStatus,
+    RouteStatus,
+    Status,
+)
 
-if TYPE_CHECKING:
-    from iop.edge.server import Edge
+
+class Observed(Protocol):
+    """What the status document is read from: the edge's running deployment and its live parts."""
+
+    @property
+    def edge_id(self) -> str: ...
+    @property
+    def nats_url(self) -> str: ...
+    @property
+    def nats_connected(self) -> bool: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def deployment(self) -> config.Deployment: ...
+    @property
+    def catalog(self) -> config.Catalog: ...
+    @property
+    def registry(self) -> Registry: ...
+    @property
+    def scheduler(self) -> Scheduler: ...
 
 
-def status_of(edge: Edge) -> dict[str, Any]:
+def status_of(edge: Observed) -> Status:
     """Every node once, every provider once under its node, then pools and direct routes."""
     now = time.time()
     mono = time.monotonic()
@@ -23,90 +53,102 @@ def status_of(edge: Edge) -> dict[str, Any]:
     nodes = []
     for node in edge.deployment.nodes:
         st = edge.registry.nodes[node.id]
-        providers = []
+        providers: list[ProviderStatus] = []
         for p in node.providers:
             adapter = node.adapter(p.adapter)
             live = st.live.get(p.id) if st.connected else None
+            in_flight = live.in_flight if live else 0
             slots = edge.scheduler.providers.get(p.id)
-            entry: dict[str, Any] = {
-                "id": p.id,
-                "kind": "cli" if isinstance(adapter, config.CliAdapter) else "pool",
-                "adapter": p.adapter,
-                "type": _type_of(adapter),
-                "model": p.model,
-                "capacity": p.capacity,
-                "unlimited": p.capacity is None,
-                "in_flight": live.in_flight if live else 0,
-                "peak_in_flight": live.peak_in_flight if live else 0,
-                "served": live.served if live else 0,
-                "failed": live.failed if live else 0,
-            }
             if slots is not None:
-                entry["pools"] = pools_of.get(p.id, [])
-                entry["dispatched_in_flight"] = slots.in_flight
-                # Late binding: waiting requests belong to the pool, not to a provider. What is
-                # queued *at* a provider is what this edge sent it that has not started running.
-                entry["queued"] = max(0, slots.in_flight - entry["in_flight"]) if live else slots.in_flight
-                entry["breaker"] = slots.breaker(mono)
-                if slots.open_until > mono:
-                    entry["breaker_open_for_s"] = round(slots.open_until - mono, 1)
-                entry["consecutive_failures"] = slots.failures
+                providers.append(
+                    PoolProviderStatus(
+                        id=p.id,
+                        adapter=p.adapter,
+                        type=_type_of(adapter),
+                        model=p.model,
+                        capacity=p.capacity,
+                        unlimited=p.capacity is None,
+                        in_flight=in_flight,
+                        peak_in_flight=live.peak_in_flight if live else 0,
+                        served=live.served if live else 0,
+                        failed=live.failed if live else 0,
+                        pools=pools_of.get(p.id, []),
+                        dispatched_in_flight=slots.in_flight,
+                        # Late binding: waiting requests belong to the pool, not to a provider. What
+                        # is queued *at* a provider is what this edge sent it that has not started.
+                        queued=max(0, slots.in_flight - in_flight) if live else slots.in_flight,
+                        breaker=slots.breaker(mono),
+                        breaker_open_for_s=round(slots.open_until - mono, 1) if slots.open_until > mono else None,
+                        consecutive_failures=slots.failures,
+                    )
+                )
             else:
-                entry["route"] = routes_of.get(f"{node.id}/{p.id}")
-            providers.append(entry)
+                providers.append(
+                    CliResourceStatus(
+                        id=p.id,
+                        adapter=p.adapter,
+                        type=_type_of(adapter),
+                        model=p.model,
+                        capacity=p.capacity,
+                        unlimited=p.capacity is None,
+                        in_flight=in_flight,
+                        peak_in_flight=live.peak_in_flight if live else 0,
+                        served=live.served if live else 0,
+                        failed=live.failed if live else 0,
+                        route=routes_of.get(f"{node.id}/{p.id}"),
+                    )
+                )
         nodes.append(
-            {
-                "id": node.id,
-                "connected": st.connected,
-                "last_seen": st.last_seen,
-                "last_seen_s_ago": round(now - st.last_seen, 3) if st.last_seen else None,
-                "instance": st.instance,
-                "version": st.version or None,
-                "legacy_concurrency": node.legacy_concurrency(),
-                "providers": providers,
-            }
+            NodeStatus(
+                id=node.id,
+                connected=st.connected,
+                last_seen=st.last_seen,
+                last_seen_s_ago=round(now - st.last_seen, 3) if st.last_seen else None,
+                instance=st.instance,
+                version=st.version or None,
+                legacy_concurrency=node.legacy_concurrency(),
+                providers=providers,
+            )
         )
     pools = []
     for alias, members in edge.catalog.pools.items():
         members_slots = [edge.scheduler.providers[m] for m in members]
         members_live = [lv for ms in members_slots if (lv := _live(edge, ms.node, ms.id)) is not None]
         pools.append(
-            {
-                "alias": alias,
-                "candidates": members,
-                "connected_candidates": sum(1 for ms in members_slots if ms.connected),
-                "total_capacity": sum(ms.capacity for ms in members_slots),
-                "connected_capacity": sum(ms.capacity for ms in members_slots if ms.connected),
+            PoolStatus(
+                alias=alias,
+                candidates=members,
+                connected_candidates=sum(1 for ms in members_slots if ms.connected),
+                total_capacity=sum(ms.capacity for ms in members_slots),
+                connected_capacity=sum(ms.capacity for ms in members_slots if ms.connected),
                 # What can take work now: connected and not out of rotation (breaker open).
-                "usable_capacity": sum(
-                    ms.capacity for ms in members_slots if ms.connected and ms.breaker(mono) != "open"
-                ),
-                "in_flight": sum(lv.in_flight for lv in members_live),
-                "dispatched_in_flight": sum(ms.in_flight for ms in members_slots),
-                "waiting": edge.scheduler.waiting(alias),
-                "running": edge.scheduler.pools[alias].running,
-                "peak_running": edge.scheduler.pools[alias].peak_running,
-            }
+                usable_capacity=sum(ms.capacity for ms in members_slots if ms.connected and ms.breaker(mono) != "open"),
+                in_flight=sum(lv.in_flight for lv in members_live),
+                dispatched_in_flight=sum(ms.in_flight for ms in members_slots),
+                waiting=edge.scheduler.waiting(alias),
+                running=edge.scheduler.pools[alias].running,
+                peak_running=edge.scheduler.pools[alias].peak_running,
+            )
         )
     routes = [
-        {"alias": alias, "node": n, "resource": p, "connected": edge.registry.connected(n)}
+        RouteStatus(alias=alias, node=n, resource=p, connected=edge.registry.connected(n))
         for alias, (n, p) in edge.catalog.routes.items()
     ]
-    return {
-        "edge": {
-            "id": edge.edge_id,
-            "version": __version__,
-            "uptime_s": round(now - edge.started_at, 3),
-            "nats": edge.nats_url,
-            "nats_connected": edge.nc.is_connected,
-        },
-        "nodes": nodes,
-        "pools": pools,
-        "routes": routes,
-    }
+    return Status(
+        edge=EdgeInfo(
+            id=edge.edge_id,
+            version=__version__,
+            uptime_s=round(now - edge.started_at, 3),
+            nats=edge.nats_url,
+            nats_connected=edge.nats_connected,
+        ),
+        nodes=nodes,
+        pools=pools,
+        routes=routes,
+    )
 
 
-def _live(edge: Edge, node: str, provider: str) -> wire.ProviderLive | None:
+def _live(edge: Observed, node: str, provider: str) -> wire.ProviderLive | None:
     st = edge.registry.nodes[node]
     return st.live.get(provider) if st.connected else None
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import httpx
 
+from iop.edge.status_schema import PoolStatus
+
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
 KINDS: list[tuple[str, bool]] = [("chat", False), ("chat", True), ("responses", False), ("responses", True)]
 """The burst cycles through these, so half goes to each API and half of each is streamed."""
@@ -185,7 +187,7 @@ SAMPLE_S = 0.05
 
 async def run_burst(
     client: httpx.AsyncClient,
-    read_pool: Callable[[], Awaitable[dict[str, Any]]],
+    read_pool: Callable[[], Awaitable[PoolStatus | None]],
     alias: str,
     direct: str | None,
     n: int,
@@ -193,7 +195,7 @@ async def run_burst(
 ) -> BurstResult:
     """Send `n` pool requests at once; once the edge shows requests waiting, one to `direct`.
 
-    `read_pool` returns the pool's current /status entry; it is sampled for as long as the burst
+    `read_pool` returns the pool's current /status entry (None: no answer); it is sampled for as long as the burst
     runs, to see the moment every slot is taken and how long the queue grew.
     """
     t0 = time.monotonic()
@@ -226,12 +228,11 @@ async def run_burst(
         while not all_done.done():
             pool = await read_pool()
             sat.samples += 1
-            waiting = int(pool.get("waiting", 0))
+            waiting = pool.waiting if pool is not None else 0
             sat.max_waiting = max(sat.max_waiting, waiting)
-            if waiting > 0 and not sat.seen:
+            if pool is not None and waiting > 0 and not sat.seen:
                 # Slots taken (dispatched), not started: a node may not have picked the newest up yet.
-                taken = pool.get("dispatched_in_flight", pool.get("running", 0))
-                sat.seen, sat.running, sat.waiting = True, int(taken), waiting
+                sat.seen, sat.running, sat.waiting = True, pool.dispatched_in_flight, waiting
                 sat.at_s = time.monotonic() - t0
                 saturated.set()
             # Sampling the edge while the burst runs: a status read is cheap next to 40 answers.

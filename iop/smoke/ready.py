@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-Status = dict[str, Any]
-"""The JSON of GET /status (iop/edge/status.py)."""
+from iop.edge.status_schema import PoolStatus, Status
 
 
 @dataclass(frozen=True)
@@ -28,19 +26,6 @@ class PlanError(Exception):
     """The options ask for something this edge does not have (an unknown alias, a burst too small)."""
 
 
-def pool_of(status: Status, alias: str) -> dict[str, Any] | None:
-    return next((p for p in status.get("pools", []) if p.get("alias") == alias), None)
-
-
-def route_of(status: Status, alias: str) -> dict[str, Any] | None:
-    return next((r for r in status.get("routes", []) if r.get("alias") == alias), None)
-
-
-def providers(status: Status) -> dict[str, tuple[str, dict[str, Any]]]:
-    """Every provider and CLI resource by id, with the id of its node."""
-    return {p["id"]: (n["id"], p) for n in status.get("nodes", []) for p in n.get("providers", [])}
-
-
 def make_plan(
     status: Status,
     *,
@@ -50,8 +35,8 @@ def make_plan(
     expect_capacity: int | None,
     requests: int | None,
 ) -> Plan:
-    pools = [p["alias"] for p in status.get("pools", [])]
-    routes = [r["alias"] for r in status.get("routes", [])]
+    pools = [p.alias for p in status.pools]
+    routes = [r.alias for r in status.routes]
     if model is None:
         if not pools:
             raise PlanError("the edge serves no pool alias, so there is no capacity to check")
@@ -64,9 +49,9 @@ def make_plan(
         raise PlanError(f"--direct {direct}: not a direct route of this edge (its routes: {known})")
     if direct is None and routes:
         direct = routes[0]
-    pool = pool_of(status, model)
+    pool = status.pool(model)
     assert pool is not None
-    capacity = expect_capacity if expect_capacity is not None else int(pool["total_capacity"])
+    capacity = expect_capacity if expect_capacity is not None else pool.total_capacity
     if requests is None:
         requests = max(40, 4 * capacity)
     elif requests <= capacity:
@@ -79,20 +64,19 @@ def make_plan(
 def missing(status: Status, plan: Plan, not_started: frozenset[str] = frozenset()) -> list[str]:
     """What stands between `status` and the plan's expectations, one line per gap; [] when ready."""
     gaps: list[str] = []
-    nodes = status.get("nodes", [])
-    connected = {n["id"] for n in nodes if n.get("connected")}
+    connected = status.connected_nodes()
 
     def why(node: str) -> str:
         return " (not started: --skip-node)" if node in not_started else ""
 
-    down = [n["id"] for n in nodes if n["id"] not in connected]
+    down = [n.id for n in status.nodes if n.id not in connected]
     if plan.expect_nodes is None:
         gaps += [f"node {n} is not connected{why(n)}" for n in down]
     elif len(connected) != plan.expect_nodes:
         listed = "; not connected: " + ", ".join(f"{n}{why(n)}" for n in down) if down else ""
         gaps.append(f"expected {plan.expect_nodes} connected nodes, the edge sees {len(connected)}{listed}")
 
-    pool = pool_of(status, plan.model)
+    pool = status.pool(plan.model)
     if pool is None:
         gaps.append(f"pool {plan.model} is not served by this edge")
     else:
@@ -100,26 +84,26 @@ def missing(status: Status, plan: Plan, not_started: frozenset[str] = frozenset(
 
     aliases = [plan.direct] if plan.direct else []
     for alias in aliases:
-        route = route_of(status, alias)
+        route = status.route(alias)
         if route is None:
             gaps.append(f"direct route {alias} is not served by this edge")
-        elif not route.get("connected"):
+        elif not route.connected:
             gaps.append(
-                f"direct route {alias}: CLI resource {route['resource']} is on node {route['node']},"
-                f" which is not connected{why(route['node'])}"
+                f"direct route {alias}: CLI resource {route.resource} is on node {route.node},"
+                f" which is not connected{why(route.node)}"
             )
     return gaps
 
 
-def _pool_gaps(status: Status, pool: dict[str, Any], plan: Plan, not_started: frozenset[str]) -> list[str]:
-    candidates: list[str] = list(pool.get("candidates", []))
-    by_id = providers(status)
-    connected_nodes = {n["id"] for n in status.get("nodes", []) if n.get("connected")}
-    absent = [c for c in candidates if c not in by_id or by_id[c][0] not in connected_nodes]
-    have, total = pool.get("connected_capacity", 0), pool.get("total_capacity", 0)
+def _pool_gaps(status: Status, pool: PoolStatus, plan: Plan, not_started: frozenset[str]) -> list[str]:
+    candidates = pool.candidates
+    by_id = {pid: node.id for pid, (node, _) in status.providers().items()}
+    connected_nodes = status.connected_nodes()
+    absent = [c for c in candidates if c not in by_id or by_id[c] not in connected_nodes]
+    have, total = pool.connected_capacity, pool.total_capacity
     want = plan.expect_capacity if plan.expect_capacity is not None else total
     gaps: list[str] = []
-    where = ", ".join(f"{c} on {by_id[c][0] if c in by_id else '?'}" for c in absent)
+    where = ", ".join(f"{c} on {by_id.get(c, '?')}" for c in absent)
     if plan.expect_capacity is None and absent:
         gaps.append(
             f"pool {plan.model}: {len(candidates) - len(absent)} of {len(candidates)} candidates connected"
@@ -133,12 +117,12 @@ def _pool_gaps(status: Status, pool: dict[str, Any], plan: Plan, not_started: fr
 
 def describe_ready(status: Status, plan: Plan) -> str:
     """One line saying what was found, for progress and the report."""
-    nodes = [n for n in status.get("nodes", []) if n.get("connected")]
-    pool = pool_of(status, plan.model) or {}
-    text = (
-        f"{len(nodes)} nodes connected; pool {plan.model}: {pool.get('connected_candidates', 0)} of"
-        f" {len(pool.get('candidates', []))} candidates, capacity {pool.get('connected_capacity', 0)}"
+    pool = status.pool(plan.model)
+    text = f"{len(status.connected_nodes())} nodes connected; pool {plan.model}: " + (
+        f"{pool.connected_candidates} of {len(pool.candidates)} candidates, capacity {pool.connected_capacity}"
+        if pool is not None
+        else "not served"
     )
-    if plan.direct and (route := route_of(status, plan.direct)):
-        text += f"; direct route {plan.direct} -> {route['node']}/{route['resource']}"
+    if plan.direct and (route := status.route(plan.direct)):
+        text += f"; direct route {plan.direct} -> {route.node}/{route.resource}"
     return text

@@ -7,8 +7,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from iop.edge.status_schema import PoolProviderStatus, Status
 from iop.smoke.burst import PATHS, BurstResult, Outcome
-from iop.smoke.ready import Plan, Status, describe_ready, pool_of, providers
+from iop.smoke.ready import Plan, describe_ready
 
 
 @dataclass
@@ -50,7 +51,7 @@ class Report:
 def _counts(status: Status | None) -> dict[str, tuple[int, int]]:
     if status is None:
         return {}
-    return {pid: (int(p.get("served", 0)), int(p.get("failed", 0))) for pid, (_, p) in providers(status).items()}
+    return {pid: (p.served, p.failed) for pid, (_, p) in status.providers().items()}
 
 
 def deltas(baseline: Status | None, final: Status | None) -> dict[str, tuple[int, int]]:
@@ -66,19 +67,20 @@ def deltas(baseline: Status | None, final: Status | None) -> dict[str, tuple[int
 def unsettled(status: Status, plan: Plan, baseline: Status | None, burst: BurstResult) -> list[str]:
     """What still shows activity after the burst; [] once every count is back to 0 and fresh."""
     gaps: list[str] = []
-    pool = pool_of(status, plan.model) or {}
-    for key, what in (
-        ("waiting", "requests still waiting"),
-        ("running", "requests still running (counted at the edge)"),
-        ("dispatched_in_flight", "slots still held by the edge"),
-    ):
-        if pool.get(key, 0):
-            gaps.append(f"pool {plan.model}: {pool[key]} {what}")
-    for pid, (node, p) in providers(status).items():
-        if p.get("in_flight", 0):
-            gaps.append(f"provider {pid} on {node}: {p['in_flight']} in flight")
+    pool = status.pool(plan.model)
+    if pool is not None:
+        for count, what in (
+            (pool.waiting, "requests still waiting"),
+            (pool.running, "requests still running (counted at the edge)"),
+            (pool.dispatched_in_flight, "slots still held by the edge"),
+        ):
+            if count:
+                gaps.append(f"pool {plan.model}: {count} {what}")
+    for pid, (node, p) in status.providers().items():
+        if p.in_flight:
+            gaps.append(f"provider {pid} on {node.id}: {p.in_flight} in flight")
     # Node counts travel in heartbeats: until they include every answer, the peaks are not final either.
-    candidates = set(pool.get("candidates", []))
+    candidates = set(pool.candidates if pool is not None else [])
     served = sum(s for pid, (s, _) in deltas(baseline, status).items() if pid in candidates)
     answered = sum(1 for o in burst.pool if o.ok)
     if served < answered:
@@ -94,8 +96,9 @@ def judge(report: Report, settle_gaps: list[str], edge_log: list[str] | None = N
     plan, burst, final = report.plan, report.burst, report.final
     assert plan is not None and burst is not None and final is not None
     exact = report.mode == "self-contained"
-    pool = pool_of(final, plan.model) or {}
-    capacity = plan.expect_capacity if plan.expect_capacity is not None else int(pool.get("total_capacity", 0))
+    pool = final.pool(plan.model)
+    total = pool.total_capacity if pool is not None else 0
+    capacity = plan.expect_capacity if plan.expect_capacity is not None else total
     checks = report.checks
 
     failed = [o for o in burst.pool if not o.ok]
@@ -136,7 +139,7 @@ def judge(report: Report, settle_gaps: list[str], edge_log: list[str] | None = N
     if plan.direct is not None:
         checks.append(_direct_check(plan.direct, burst))
 
-    peak = int(pool.get("peak_running", 0))
+    peak = pool.peak_running if pool is not None else 0
     since = "" if exact else " since the edge started"
     where = "counted at the edge from the nodes' Started messages"
     if peak > capacity:
@@ -170,12 +173,12 @@ def judge(report: Report, settle_gaps: list[str], edge_log: list[str] | None = N
             )
 
     rows, over = [], []
-    for pid, (_, p) in providers(final).items():
-        if p.get("capacity") is None:
+    for pid, (_, p) in final.providers().items():
+        if p.capacity is None:
             continue
-        rows.append(f"{pid} {p.get('peak_in_flight', 0)}/{p['capacity']}")
-        if p.get("peak_in_flight", 0) > p["capacity"]:
-            over.append(f"{pid} reached {p['peak_in_flight']} with capacity {p['capacity']}")
+        rows.append(f"{pid} {p.peak_in_flight}/{p.capacity}")
+        if p.peak_in_flight > p.capacity:
+            over.append(f"{pid} reached {p.peak_in_flight} with capacity {p.capacity}")
     measured = "measured on the nodes since they started"
     if over:
         checks.append(Check("provider peaks", False, "above capacity: " + "; ".join(over) + f" ({measured})"))
@@ -194,16 +197,16 @@ def judge(report: Report, settle_gaps: list[str], edge_log: list[str] | None = N
 
 
 def _provider_errors_check(report: Report, edge_log: list[str]) -> Check:
-    final = report.final or {}
+    final = report.final
     d = deltas(report.baseline, final)
     found = []
-    for pid, (node, p) in providers(final).items():
+    for pid, (node, p) in (final.providers() if final is not None else {}).items():
         failed = d.get(pid, (0, 0))[1]
         if not failed:
             continue
-        text = f"{pid} on {node} failed {failed} requests"
-        if p.get("breaker") not in (None, "closed"):
-            text += f" (breaker {p['breaker']})"
+        text = f"{pid} on {node.id} failed {failed} requests"
+        if isinstance(p, PoolProviderStatus) and p.breaker != "closed":
+            text += f" (breaker {p.breaker})"
         # The edge logs why it took a request away from a provider; the node's own reason stays there.
         said = [line.split(": ", 1)[-1] for line in edge_log if f"provider {pid} " in line]
         if said:
@@ -247,9 +250,9 @@ def _direct_check(alias: str, burst: BurstResult) -> Check:
 def _counted_check(report: Report) -> Check:
     plan, burst = report.plan, report.burst
     assert plan is not None and burst is not None
-    pool = pool_of(report.final or {}, plan.model) or {}
+    pool = report.final.pool(plan.model) if report.final is not None else None
     d = deltas(report.baseline, report.final)
-    served = sum(d.get(pid, (0, 0))[0] for pid in pool.get("candidates", []))
+    served = sum(d.get(pid, (0, 0))[0] for pid in (pool.candidates if pool is not None else []))
     answered = sum(1 for o in burst.pool if o.ok)
     if served != answered:
         return Check(
@@ -322,17 +325,17 @@ def provider_rows(report: Report) -> list[dict[str, Any]]:
         return []
     d = deltas(report.baseline, report.final) if report.final is not None else {}
     rows = []
-    for n in status.get("nodes", []):
-        for p in n.get("providers", []):
-            served, failed = d.get(p["id"], (0, 0))
+    for n in status.nodes:
+        for p in n.providers:
+            served, failed = d.get(p.id, (0, 0))
             rows.append(
                 {
-                    "node": n["id"],
-                    "node_connected": bool(n.get("connected")),
-                    "provider": p["id"],
-                    "kind": p.get("kind"),
-                    "capacity": p.get("capacity"),
-                    "peak_in_flight": p.get("peak_in_flight", 0),
+                    "node": n.id,
+                    "node_connected": n.connected,
+                    "provider": p.id,
+                    "kind": "pool" if isinstance(p, PoolProviderStatus) else "cli",
+                    "capacity": p.capacity,
+                    "peak_in_flight": p.peak_in_flight,
                     "served": served,
                     "failed": failed,
                 }
@@ -342,7 +345,8 @@ def provider_rows(report: Report) -> list[dict[str, Any]]:
 
 def to_json(report: Report) -> dict[str, Any]:
     plan = report.plan
-    pool = pool_of(report.final or report.baseline or {}, plan.model) if plan else None
+    status = report.final or report.baseline
+    pool = status.pool(plan.model) if plan and status else None
     sat = report.burst.saturation if report.burst else None
     return {
         "ok": report.ok,
@@ -359,15 +363,15 @@ def to_json(report: Report) -> dict[str, Any]:
         "pool": None
         if pool is None
         else {
-            "alias": pool["alias"],
-            "candidates": pool.get("candidates", []),
-            "connected_candidates": pool.get("connected_candidates"),
-            "total_capacity": pool.get("total_capacity"),
-            "connected_capacity": pool.get("connected_capacity"),
-            "peak_running": pool.get("peak_running"),
+            "alias": pool.alias,
+            "candidates": pool.candidates,
+            "connected_candidates": pool.connected_candidates,
+            "total_capacity": pool.total_capacity,
+            "connected_capacity": pool.connected_capacity,
+            "peak_running": pool.peak_running,
             "max_waiting_seen": sat.max_waiting if sat else None,
-            "waiting_at_end": pool.get("waiting"),
-            "running_at_end": pool.get("running"),
+            "waiting_at_end": pool.waiting,
+            "running_at_end": pool.running,
         },
         "requests": request_groups(report),
         "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in report.checks],
@@ -427,17 +431,17 @@ def render(report: Report) -> str:
         ]
 
     status = report.final or report.baseline
-    if report.plan is not None and status is not None and (pool := pool_of(status, report.plan.model)):
+    if report.plan is not None and status is not None and (pool := status.pool(report.plan.model)):
         sat = report.burst.saturation if report.burst else None
         table = [["POOL", "CANDIDATES", "CAPACITY", "PEAK RUNNING", "MOST WAITING SEEN", "WAITING NOW"]]
         table.append(
             [
-                pool["alias"],
-                f"{pool.get('connected_candidates')}/{len(pool.get('candidates', []))}",
-                f"{pool.get('connected_capacity')}/{pool.get('total_capacity')}",
-                str(pool.get("peak_running")),
+                pool.alias,
+                f"{pool.connected_candidates}/{len(pool.candidates)}",
+                f"{pool.connected_capacity}/{pool.total_capacity}",
+                str(pool.peak_running),
                 str(sat.max_waiting) if sat and sat.samples else "-",
-                str(pool.get("waiting")),
+                str(pool.waiting),
             ]
         )
         out += ["", *_table(table)]

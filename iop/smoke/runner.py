@@ -21,10 +21,12 @@ import httpx
 import yaml
 
 from iop import config, wire
+from iop.client import EdgeClient
+from iop.edge.status_schema import PoolStatus, Status
 from iop.errors import ConfigError, IopError
 from iop.smoke.burst import run_burst
 from iop.smoke.procs import Children, child_env, iop_command
-from iop.smoke.ready import Plan, PlanError, Status, describe_ready, make_plan, missing, pool_of
+from iop.smoke.ready import Plan, PlanError, describe_ready, make_plan, missing
 from iop.smoke.report import Report, judge, ready_check, render, to_json, unsettled
 
 READY_LINE = re.compile(r"iop edge listening on (http://\S+) nats=(\S+)")
@@ -45,7 +47,7 @@ class Options:
     config: str | None = None
     """Deployment file to start (None: the built-in smoke.yaml); ignored with `edge`."""
     edge: str | None = None
-    """URL of a running edge: check it instead of starting anything."""
+    """Base URL of a running edge (as `iop.client.edge_url` gives it): check it instead of starting anything."""
     model: str | None = None
     direct: str | None = None
     expect_nodes: int | None = None
@@ -258,39 +260,17 @@ async def _against_edge(opts: Options, ui: Progress) -> Report:
 # --- the run itself ---------------------------------------------------------------------------------
 
 
-class StatusReader:
-    """GET /status, with every failure turned into an IopError saying what went wrong."""
-
-    def __init__(self, client: httpx.AsyncClient, edge: str) -> None:
-        self.client = client
-        self.edge = edge
-
-    async def get(self) -> Status:
-        try:
-            r = await self.client.get("/status")
-        except httpx.HTTPError as exc:
-            raise IopError(f"cannot reach the edge at {self.edge}: {type(exc).__name__}: {exc}") from exc
-        if r.status_code != 200:
-            raise IopError(f"{self.edge}/status answered {r.status_code}: {r.text[:200]}")
-        try:
-            data: Status = r.json()
-        except ValueError as exc:
-            raise IopError(f"{self.edge}/status is not JSON: {r.text[:200]!r}") from exc
-        return data
-
-
 async def _exercise(report: Report, opts: Options, ui: Progress, children: Children | None) -> None:
     """Wait for readiness, send the burst, let status settle, judge; failures become checks."""
     mine = children is not None
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     # Smoke's own edge is on loopback: a proxy from the environment must not stand in between.
-    async with httpx.AsyncClient(base_url=report.edge, timeout=5.0, headers=headers, trust_env=not mine) as client:
-        reader = StatusReader(client, report.edge)
+    async with EdgeClient(report.edge, api_key=opts.api_key, trust_env=not mine) as reader:
         status = await _first_status(reader, opts.ready_timeout_s, children)
         if isinstance(status, str):
             report.fail("ready", status)
             return
-        report.nats = report.nats or status.get("edge", {}).get("nats")
+        report.nats = report.nats or status.edge.nats
         plan = make_plan(
             status,
             model=opts.model,
@@ -301,7 +281,7 @@ async def _exercise(report: Report, opts: Options, ui: Progress, children: Child
         )
         report.plan = plan
         ui.say(f"waiting for the deployment to be ready (up to {opts.ready_timeout_s:g}s)")
-        status, gaps = await _wait_ready(reader, plan, opts, children)
+        status, gaps = await _wait_ready(reader, status, plan, opts, children)
         report.baseline = status
         if gaps:
             report.fail("ready", f"not ready after {opts.ready_timeout_s:g}s: " + "; ".join(gaps))
@@ -315,11 +295,11 @@ async def _exercise(report: Report, opts: Options, ui: Progress, children: Child
             base_url=report.edge, timeout=timeout, limits=limits, headers=headers, trust_env=not mine
         ) as burst_client:
 
-            async def read_pool() -> dict[str, Any]:
+            async def read_pool() -> PoolStatus | None:
                 try:
-                    return pool_of(await reader.get(), plan.model) or {}
+                    return (await reader.status()).pool(plan.model)
                 except IopError:
-                    return {}
+                    return None
 
             ui.say(f"burst: {plan.requests} requests to {plan.model} (chat and Responses, streamed and whole)")
             burst = await run_burst(burst_client, read_pool, plan.model, plan.direct, plan.requests, ui.say)
@@ -333,13 +313,13 @@ async def _exercise(report: Report, opts: Options, ui: Progress, children: Child
         judge(report, gaps, edge.lines() if edge else None)
 
 
-async def _first_status(reader: StatusReader, timeout_s: float, children: Children | None) -> Status | str:
+async def _first_status(reader: EdgeClient, timeout_s: float, children: Children | None) -> Status | str:
     """The first /status, or why there is none."""
     loop = asyncio.get_running_loop()
     until = loop.time() + timeout_s
     while True:
         try:
-            return await reader.get()
+            return await reader.status()
         except IopError as exc:
             if children is not None and (dead := children.exited()):
                 return dead[0].describe_exit()
@@ -349,17 +329,16 @@ async def _first_status(reader: StatusReader, timeout_s: float, children: Childr
 
 
 async def _wait_ready(
-    reader: StatusReader, plan: Plan, opts: Options, children: Children | None
+    reader: EdgeClient, status: Status, plan: Plan, opts: Options, children: Children | None
 ) -> tuple[Status, list[str]]:
     """Poll /status until nothing is missing; the last status and what is still missing at the bound."""
     loop = asyncio.get_running_loop()
     until = loop.time() + opts.ready_timeout_s
     not_started = frozenset(opts.skip_nodes)
-    status: Status = {}
     gaps = ["no /status yet"]
     while True:
         with contextlib.suppress(IopError):
-            status = await reader.get()
+            status = await reader.status()
             gaps = missing(status, plan, not_started)
         if not gaps:
             return status, []
@@ -375,7 +354,7 @@ def _silent_nodes(status: Status, children: Children | None) -> list[str]:
     """The log tails of nodes smoke started that are running but not connected."""
     if children is None:
         return []
-    connected = {n["id"] for n in status.get("nodes", []) if n.get("connected")}
+    connected = status.connected_nodes()
     out = []
     for c in children.children:
         if c.role == "node" and c.name not in connected and c.exit_code is None:
@@ -384,15 +363,15 @@ def _silent_nodes(status: Status, children: Children | None) -> list[str]:
     return out
 
 
-async def _settle(reader: StatusReader, plan: Plan, report: Report) -> tuple[Status, list[str]]:
-    assert report.burst is not None
+async def _settle(reader: EdgeClient, plan: Plan, report: Report) -> tuple[Status, list[str]]:
+    assert report.burst is not None and report.baseline is not None
     loop = asyncio.get_running_loop()
     until = loop.time() + SETTLE_S
-    status: Status = report.baseline or {}
+    status = report.baseline
     gaps = ["no /status after the burst"]
     while True:
         with contextlib.suppress(IopError):
-            status = await reader.get()
+            status = await reader.status()
             gaps = unsettled(status, plan, report.baseline, report.burst)
         if not gaps or loop.time() >= until:
             return status, gaps

@@ -1,0 +1,156 @@
+"""The edge's HTTP API as iop's own commands reach it: `iop status`, `iop refresh`, `iop smoke --edge`.
+
+One place knows the edge's address rules, its paths and the Structs its answers decode into;
+every failure becomes an `IopError` whose message is the one line the command prints.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from urllib.parse import urlsplit
+
+import httpx
+import msgspec
+
+from iop import config
+from iop.edge.refresh import RefreshResult
+from iop.edge.status_schema import Status, decode_status
+from iop.errors import ConfigError, IopError
+
+DEFAULT_EDGE = "http://127.0.0.1:8080"
+"""Where the edge listens when neither --edge nor a deployment file says otherwise (edge.listen's default)."""
+
+
+class EdgeAddressError(IopError):
+    """An --edge value that is not an http(s) address (the command exits 2)."""
+
+
+def edge_url(address: str) -> str:
+    """`address` as a base URL: `host:port` gets `http://`; anything but http(s) with a host is refused."""
+    text = address.strip()
+    example = "e.g. 127.0.0.1:8080 or https://edge.example:8443"
+    if not text:
+        raise EdgeAddressError(f"--edge is empty ({example})")
+    url = text if "://" in text else "http://" + text
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # reading the port is what checks it
+    except ValueError as exc:
+        raise EdgeAddressError(f"--edge {address!r}: not a valid address: {exc} ({example})") from None
+    if parts.scheme not in ("http", "https"):
+        raise EdgeAddressError(f"--edge {address!r}: the edge speaks http:// or https://, not {parts.scheme}://")
+    if not parts.hostname:
+        raise EdgeAddressError(f"--edge {address!r}: no host ({example})")
+    if parts.query or parts.fragment:
+        raise EdgeAddressError(f"--edge {address!r}: a base address has no ?query or #fragment ({example})")
+    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+
+
+def edge_url_of(dep: config.Deployment) -> str:
+    """The edge of a deployment file as this machine reaches it: `edge.listen`, a wildcard host as loopback."""
+    host, _, port = dep.edge.listen.rpartition(":")
+    if host in ("0.0.0.0", "", "::", "[::]"):
+        host = "127.0.0.1"
+    return f"http://{host}:{port}"
+
+
+class _ErrorDetail(msgspec.Struct):
+    message: str = ""
+    problems: list[str] = msgspec.field(default_factory=list)
+
+
+class _ErrorAnswer(msgspec.Struct):
+    """The OpenAI-style error JSON the edge answers with (plus `problems` for an invalid file)."""
+
+    error: _ErrorDetail
+
+
+_error_answer = msgspec.json.Decoder(_ErrorAnswer).decode
+_refresh_result = msgspec.json.Decoder(RefreshResult).decode
+
+
+class EdgeClient:
+    """A running edge's own endpoints (`/status`, `/admin/refresh`), used as `async with EdgeClient(url):`."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 5.0, trust_env: bool = True) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # trust_env=False for an edge known to be on loopback: a proxy from the environment must not stand in between.
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s, trust_env=trust_env)
+
+    async def __aenter__(self) -> EdgeClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def status_json(self) -> bytes:
+        """The /status document as the edge sent it (fields this version does not know included)."""
+        r = await self._send("GET", "/status")
+        if r.status_code != 200:
+            raise IopError(f"{self.url}/status answered {r.status_code}: {_message(r)}")
+        return r.content
+
+    async def status(self) -> Status:
+        """The /status document, decoded."""
+        raw = await self.status_json()
+        try:
+            return decode_status(raw)
+        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError: it names the path
+            raise IopError(f"{self.url}/status is not a status document: {exc}") from None
+
+    async def refresh(self, text: str, *, dry_run: bool = False, timeout_s: float = 60.0) -> RefreshResult:
+        """Send a deployment file to apply (or only diff, with `dry_run`).
+
+        A file the edge finds invalid raises `ConfigError` with its problems; a refresh that failed
+        and was rolled back returns normally, with `error` set.
+        """
+        path = "/admin/refresh" + ("?dry_run=1" if dry_run else "")
+        r = await self._send(
+            "POST", path, content=text.encode(), headers={"content-type": "application/yaml"}, timeout=timeout_s
+        )
+        if r.status_code == 400:
+            try:
+                detail = _error_answer(r.content).error
+            except msgspec.DecodeError:
+                raise IopError(f"{self.url}{path} answered 400: {r.text[:200]}") from None
+            raise ConfigError(detail.problems or [detail.message or "the deployment file is invalid"])
+        if r.status_code not in (200, 500):
+            raise IopError(f"{self.url}{path} answered {r.status_code}: {_message(r)}")
+        try:
+            return _refresh_result(r.content)
+        except msgspec.DecodeError:
+            raise IopError(f"{self.url}{path} answered {r.status_code}: {r.text[:200]}") from None
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> httpx.Response:
+        try:
+            return await self._http.request(
+                method,
+                path,
+                content=content,
+                headers=headers,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            )
+        except httpx.HTTPError as exc:
+            raise IopError(f"cannot reach the edge at {self.url}: {type(exc).__name__}: {exc}") from exc
+
+
+def _message(r: httpx.Response) -> str:
+    """The edge's error message when it answered with error JSON, else the start of the body."""
+    try:
+        return _error_answer(r.content).error.message or r.text[:200]
+    except msgspec.DecodeError:
+        return r.text[:200]

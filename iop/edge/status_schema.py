@@ -1,0 +1,149 @@
+"""The `GET /status` document as msgspec Structs: the edge encodes them, every reader decodes them.
+
+The edge builds it (iop/edge/status.py); `iop status`, `iop smoke` and the tests read it through
+`decode_status`, never as untyped JSON. A field added later gets a default, so that a newer
+reader still decodes an older edge's document.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EdgeInfo(msgspec.Struct, kw_only=True):
+    """The edge answering: who it is and whether it reaches NATS."""
+
+    id: str
+    version: str
+    uptime_s: float
+    nats: str
+    """The NATS URL the edge uses (the embedded server's own URL when embedded)."""
+    nats_connected: bool
+
+
+class PoolProviderStatus(msgspec.Struct, kw_only=True, tag="pool", tag_field="kind", omit_defaults=True):
+    """A provider with a capacity, serving pools: the node's live counts and this edge's view of it."""
+
+    id: str
+    adapter: str
+    type: str
+    """Adapter type: openai or mock."""
+    model: str | None
+    """The model name sent upstream; None: the client's alias."""
+    capacity: int | None
+    unlimited: bool
+    in_flight: int
+    """Running on the node, from its last heartbeat (0 while the node is not connected)."""
+    peak_in_flight: int
+    """Most ever running at once on the node since the node started."""
+    served: int
+    failed: int
+    pools: list[str]
+    """Pool aliases this provider serves."""
+    dispatched_in_flight: int
+    """Slots this edge holds there: sent and not yet ended."""
+    queued: int
+    """Sent by this edge and not started yet (waiting requests belong to the pool, not here)."""
+    breaker: str
+    """closed, open (out of rotation) or half_open (one trial request allowed)."""
+    consecutive_failures: int
+    breaker_open_for_s: float | None = None
+    """Seconds until the breaker lets a trial through; only present while it is open."""
+
+
+class CliResourceStatus(msgspec.Struct, kw_only=True, tag="cli", tag_field="kind"):
+    """A CLI resource: unlimited, never queued, reached by at most one direct route."""
+
+    id: str
+    adapter: str
+    type: str
+    """Adapter type: always cli."""
+    model: str | None
+    capacity: int | None
+    """Always None: a CLI resource has no capacity."""
+    unlimited: bool
+    in_flight: int
+    peak_in_flight: int
+    served: int
+    failed: int
+    route: str | None
+    """The alias routed to it, if any."""
+
+
+ProviderStatus = PoolProviderStatus | CliResourceStatus
+"""One entry of a node's catalog, told apart by `kind` (pool or cli)."""
+
+
+class NodeStatus(msgspec.Struct, kw_only=True):
+    """A configured node, its presence as heartbeats show it, and every provider it hosts."""
+
+    id: str
+    connected: bool
+    last_seen: float | None
+    """Wall-clock time of its last heartbeat; None: never seen by this edge."""
+    last_seen_s_ago: float | None
+    instance: str | None
+    version: str | None
+    legacy_concurrency: int | None
+    """The legacy `concurrency` of the file: metadata only, never used for admission."""
+    providers: list[ProviderStatus]
+
+
+class PoolStatus(msgspec.Struct, kw_only=True):
+    """A pool alias: its candidates' capacity and this edge's queue."""
+
+    alias: str
+    candidates: list[str]
+    connected_candidates: int
+    total_capacity: int
+    connected_capacity: int
+    usable_capacity: int
+    """Connected and not out of rotation (breaker open)."""
+    in_flight: int
+    """Running on the nodes, from their heartbeats."""
+    dispatched_in_flight: int
+    waiting: int
+    running: int
+    """Started, counted at this edge from the nodes' Started messages."""
+    peak_running: int
+    """Most ever running at once since this edge started."""
+
+
+class RouteStatus(msgspec.Struct, kw_only=True):
+    """A direct route: an alias bound to one CLI resource."""
+
+    alias: str
+    node: str
+    resource: str
+    connected: bool
+
+
+class Status(msgspec.Struct, kw_only=True):
+    """The whole document: every node once, every provider once under its node, then pools and routes."""
+
+    edge: EdgeInfo
+    nodes: list[NodeStatus]
+    pools: list[PoolStatus]
+    routes: list[RouteStatus]
+
+    def pool(self, alias: str) -> PoolStatus | None:
+        return next((p for p in self.pools if p.alias == alias), None)
+
+    def route(self, alias: str) -> RouteStatus | None:
+        return next((r for r in self.routes if r.alias == alias), None)
+
+    def providers(self) -> dict[str, tuple[NodeStatus, ProviderStatus]]:
+        """Every provider and CLI resource by id, with its node."""
+        return {p.id: (n, p) for n in self.nodes for p in n.providers}
+
+    def connected_nodes(self) -> set[str]:
+        return {n.id for n in self.nodes if n.connected}
+
+
+encode_status = msgspec.json.Encoder().encode
+_decoder = msgspec.json.Decoder(Status)
+
+
+def decode_status(data: bytes | str) -> Status:
+    """Parse a /status body; raises msgspec.DecodeError (or ValidationError) naming the path."""
+    return _decoder.decode(data)
