@@ -93,9 +93,10 @@ def test_edge_url_refuses_what_is_not_an_http_address(address: str, why: str) ->
 
 
 def test_edge_url_of_a_file_reaches_a_wildcard_listen_on_loopback() -> None:
-    dep = deployment("edge: {listen: '0.0.0.0:9123'}\nnodes: []\n")
+    dep = deployment("edge: {listen: '0.0.0.0:9123', allow_anonymous: true}\nnodes: []\n")
     assert edge_url_of(dep) == "http://127.0.0.1:9123"
-    assert edge_url_of(deployment("edge: {listen: 'edge.lan:80'}\n")) == "http://edge.lan:80"
+    lan = deployment("edge: {listen: 'edge.lan:80', allow_anonymous: true}\n")
+    assert edge_url_of(lan) == "http://edge.lan:80"
 
 
 @pytest.mark.parametrize("command", [["status"], ["refresh", "--config", "{file}"]])
@@ -151,7 +152,7 @@ async def test_status_keeps_its_field_names_and_decodes_into_the_schema(
         # `iop status` finds the edge in the file's edge.listen (a wildcard host means this machine).
         port = h.url.rsplit(":", 1)[1]
         f = tmp_path / "iop.yaml"
-        f.write_text(MIXED.replace("models:", f"edge: {{listen: '0.0.0.0:{port}'}}\nmodels:", 1))
+        f.write_text(MIXED.replace("models:", f"edge: {{listen: '0.0.0.0:{port}', allow_anonymous: true}}\nmodels:", 1))
         code, out, err = await iop("status", "--config", str(f))
         assert code == 0, err
         assert "agent-cli" in out and "legacy-concurrency=4" in out and "2/2" in out
