@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import signal
 
 from iop import bus, config
 from iop.node.runtime import NodeRuntime
+
+log = logging.getLogger("iop.node")
+
+STOP_WHILE_STARTING_S = 1.0
+"""Grace for a node stopped before it served anything: nothing runs yet that deserves more."""
 
 
 def default_nats_url(dep: config.Deployment) -> str:
@@ -31,6 +38,8 @@ async def run_node(
     """Serve one node until SIGINT/SIGTERM, then stop it gracefully.
 
     `dep` None: the node takes its catalog from the edge. Raises IopError when it cannot start.
+    A signal during start-up (waiting for NATS, for the catalog, for the edge's welcome) stops it
+    at once: start-up is a task raced against the signal, never a wait the signal cannot reach.
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -38,7 +47,20 @@ async def run_node(
         loop.add_signal_handler(sig, stop.set)
     access = bus.NatsAccess.from_settings(nats_settings)
     runtime = NodeRuntime(dep, node_id, nats_url, access=access, follow_edge=follow_edge)
-    await runtime.start()
-    print(f"iop node {node_id} serving (nats={nats_url})", flush=True)
-    await stop.wait()
-    await runtime.stop()
+    starting = asyncio.create_task(runtime.start())
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            log.info("node %s: stopped while starting", node_id)
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            await runtime.stop(grace_s=STOP_WHILE_STARTING_S)
+            return
+        starting.result()  # a failed start raises here (IopError: one line)
+        print(f"iop node {node_id} serving (nats={nats_url})", flush=True)
+        await stopped
+        await runtime.stop()
+    finally:
+        stopped.cancel()

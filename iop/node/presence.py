@@ -44,6 +44,7 @@ class Presence:
         hello = wire.Hello(node=self.node_id, instance=self.instance, providers=[p.id for p in node.providers])
         loop = asyncio.get_running_loop()
         give_up = loop.time() + wire.HEARTBEAT_INTERVAL_S * (wire.HEARTBEATS_MISSED + 2)
+        told = False
         while True:
             try:
                 reply = await self.nc.request(wire.hello_subject(self.node_id), wire.encode(hello), timeout=2.0)
@@ -55,6 +56,11 @@ class Presence:
                 return
             if loop.time() >= give_up:
                 raise NodeRefused(f"edge {welcome.edge} refused node {self.node_id}: {welcome.reason}")
+            if not told:
+                log.info(
+                    "node %s: edge %s refused our hello (%s); trying again", self.node_id, welcome.edge, welcome.reason
+                )
+                told = True
             await asyncio.sleep(wire.HEARTBEAT_INTERVAL_S / 2)
 
     async def heartbeat(self, *, leaving: bool = False) -> None:
