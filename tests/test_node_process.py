@@ -5,6 +5,7 @@ Figures are printed (`pytest -s`) and recorded in docs/reliability.md.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from iop.bus import EmbeddedNats
-from tests.harness import IopProcess, deployment, iop_process, node_process, running_edge
+from iop.node.catalog import differences
+from tests.harness import IopProcess, deployment, iop_process, node_process, running_edge, running_node
 
 MOCK_NODE = """
 models:
@@ -91,3 +93,22 @@ async def test_node_serving_stops_on_a_signal(nats_server: EmbeddedNats, tmp_pat
         assert await p.exit_code(timeout_s=STOP_BOUND_S) == 0, p.lines
         took = time.monotonic() - t0
     print(f"\nserving, idle: exited {took:.2f}s after {signal.Signals(sig).name}")
+
+
+async def test_node_says_how_the_edges_catalog_differs_from_its_file(
+    nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="iop.node")
+    local = deployment(MOCK_NODE)
+    at_edge = deployment(MOCK_NODE.replace("capacity: 1", "capacity: 2").replace("tokens: 3", "tokens: 5"))
+    async with running_edge(at_edge, nats_server.url) as h, running_node(local, "n1", nats_server.url) as node:
+        await h.edge.registry.wait_connected(["n1"], timeout_s=10)
+        assert node.node == at_edge.node("n1")  # it follows the edge
+    said = [r.getMessage() for r in caplog.records if "differs from the local file" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "capacity n1/p1: 1 → 2" in said[0], said
+    assert "adapter_changed n1/m" in said[0] and '"tokens":3' in said[0] and '"tokens":5' in said[0], said
+    print("\n" + said[0])
+    # What a refresh does not act on is still named.
+    legacy = deployment(MOCK_NODE.replace("id: n1", "id: n1\n    concurrency: 4")).node("n1")
+    assert differences(local.node("n1"), legacy) == "concurrency: null → 4"

@@ -13,13 +13,27 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from iop import bus, config, wire
+from iop import bus, config, refresh, wire
 from iop.errors import IopError
 
 log = logging.getLogger("iop.node")
 
 POLL_S = 15.0
 """A node re-reads its key this often even without a notice (a notice can be missed while offline)."""
+
+
+def differences(local: config.Node, edge: config.Node) -> str:
+    """What the edge's section of a node changes against the local file's, in `iop refresh`'s words."""
+    changes = refresh.diff(config.Deployment(nodes=[local]), config.Deployment(nodes=[edge]))
+    lines = [c.line() for c in changes]
+    if not lines:  # what a refresh does not act on (legacy concurrency, runtime settings): name the field
+        enc = msgspec.json.encode
+        lines = [
+            f"{name}: {enc(getattr(local, name)).decode()} → {enc(getattr(edge, name)).decode()}"
+            for name in local.__struct_fields__
+            if getattr(local, name) != getattr(edge, name)
+        ]
+    return "; ".join(lines)
 
 
 class CatalogSource:

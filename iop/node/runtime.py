@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 
 from iop import bus, config, wire
 from iop.node import adapters, direct, fetch
-from iop.node.catalog import CatalogSource
+from iop.node.catalog import CatalogSource, differences
 from iop.node.flow import STALL_TIMEOUT_S
 from iop.node.presence import Presence
 from iop.node.resource import Resource, kind_of
@@ -111,7 +111,9 @@ class NodeRuntime:
                 self.catalog.revision, edge_node = got
                 if edge_node != self.node:
                     log.warning(
-                        "node %s: the edge's catalog differs from the local file; following the edge", self.node_id
+                        "node %s: the edge's catalog differs from the local file (%s); following the edge",
+                        self.node_id,
+                        differences(self.node, edge_node),
                     )
                     self.node = edge_node
         await presence.hello()
