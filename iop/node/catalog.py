@@ -13,7 +13,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from iop import bus, config, refresh, wire
+from iop import bus, config, wire
 from iop.errors import IopError
 
 log = logging.getLogger("iop.node")
@@ -24,7 +24,10 @@ POLL_S = 15.0
 
 def differences(local: config.Node, edge: config.Node) -> str:
     """What the edge's section of a node changes against the local file's, in `iop refresh`'s words."""
-    changes = refresh.diff(config.Deployment(nodes=[local]), config.Deployment(nodes=[edge]))
+    # The diff lives with the edge's refresh; imported here only, so a node never loads the edge otherwise.
+    from iop.edge.refresh import diff
+
+    changes = diff(config.Deployment(nodes=[local]), config.Deployment(nodes=[edge]))
     lines = [c.line() for c in changes]
     if not lines:  # what a refresh does not act on (legacy concurrency, runtime settings): name the field
         enc = msgspec.json.encode
