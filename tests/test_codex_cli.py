@@ -145,7 +145,7 @@ async def test_codex_runs_a_shell_command_through_a_chat_only_server(nats_server
     turns = [
         Turn(
             reasoning="The user wants a command run.",
-            calls=[Call("exec_command", {"cmd": "echo iop-shell-ok"}, "call_sh1")],
+            calls=[Call("exec_command", {"cmd": "printf 'iop-%s' shell-ok"}, "call_sh1")],
         ),
         Turn(text="The command printed iop-shell-ok."),
     ]
@@ -165,7 +165,7 @@ async def test_codex_runs_a_shell_command_through_a_chat_only_server(nats_server
     # The command ran, and its output came back as a tool message answering the call.
     call = [m for m in second["messages"] if m.get("tool_calls")][-1]["tool_calls"][0]
     assert call["id"] == "call_sh1" and call["function"]["name"] == "exec_command"
-    assert json.loads(call["function"]["arguments"]) == {"cmd": "echo iop-shell-ok"}
+    assert json.loads(call["function"]["arguments"]) == {"cmd": "printf 'iop-%s' shell-ok"}
     assert "iop-shell-ok" in tool_message(second, "call_sh1")["content"]
 
 
@@ -216,7 +216,7 @@ async def test_codex_apply_patch_through_the_custom_tool(nats_server: EmbeddedNa
 
 async def test_codex_as_a_cli_resource_calls_back_into_the_pool(nats_server: EmbeddedNats, tmp_path: Path) -> None:
     turns = [
-        Turn(calls=[Call("exec_command", {"cmd": "echo from-the-agent"}, "call_cli1")]),
+        Turn(calls=[Call("exec_command", {"cmd": "printf 'from-the-%s' agent"}, "call_cli1")]),
         Turn(text="The agent saw from-the-agent."),
     ]
     home = tmp_path / "codex-home"
@@ -245,3 +245,42 @@ async def test_codex_as_a_cli_resource_calls_back_into_the_pool(nats_server: Emb
     assert "The agent saw from-the-agent." in (answer.choices[0].message.content or "")
     assert len(up.bodies) == 2
     assert "from-the-agent" in tool_message(up.bodies[1], "call_cli1")["content"]
+
+
+async def test_codex_tool_search_finds_deferred_tools_that_join_the_chat_tools(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    # Mode B defers namespaced tools: only a tool search puts them in front of the model.
+    turns = [
+        Turn(calls=[Call("tool_search", {"query": "close agent", "limit": 5}, "call_ts1")]),
+        Turn(calls=[Call("multi_agent_v1__close_agent", {"target": "no-such-agent"}, "call_ns2")]),
+        Turn(text="Searched and closed."),
+    ]
+    async with codex_setup(nats_server, tmp_path, turns, alias="gpt-5.5") as (up, _, home, work):
+        rc, out, err = await run_codex(home, codex_command("gpt-5.5", work), "find and close the agent\n")
+    assert rc == 0, explain(rc, out, err)
+    assert "Searched and closed." in out
+    first, second, third = up.bodies
+    assert "tool_search" in tool_names(first) and "multi_agent_v1__close_agent" not in tool_names(first)
+    assert "multi_agent_v1__close_agent" in tool_names(second)
+    assert "multi_agent_v1__close_agent" in tool_message(second, "call_ts1")["content"]
+    assert "unsupported call" not in tool_message(third, "call_ns2")["content"]
+
+
+async def test_codex_lite_mode_custom_tool_inside_a_namespace(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    # Codex's default slugs use "responses-lite": no top-level tools, but an additional_tools item whose
+    # namespace `functions` holds the code-mode custom tool `exec` (JavaScript that calls the tools).
+    script = 'const r = await tools.exec_command({cmd: "printf lite-%s ok"});\ntext(JSON.stringify(r));\n'
+    turns = [
+        Turn(calls=[Call("functions__exec", {"input": script}, "call_lite1")]),
+        Turn(text="Lite mode ran lite-ok."),
+    ]
+    async with codex_setup(nats_server, tmp_path, turns, alias="gpt-6.1-sol") as (up, _, home, work):
+        rc, out, err = await run_codex(home, codex_command("gpt-6.1-sol", work), "run echo lite-ok\n")
+    assert rc == 0, explain(rc, out, err)
+    assert "Lite mode ran lite-ok." in out
+    first, second = up.bodies
+    assert "functions__exec" in tool_names(first)
+    call = [m for m in second["messages"] if m.get("tool_calls")][-1]["tool_calls"][0]
+    assert json.loads(call["function"]["arguments"]) == {"input": script}
+    assert "lite-ok" in tool_message(second, "call_lite1")["content"]
