@@ -126,6 +126,7 @@ async def test_codex_tools_through_edge_and_node_with_the_sdk_stream_helper(nats
             ],
         ),
         Turn(text="whole"),
+        Turn(text="streamed"),
     ]
     async with (
         scripted_chat(turns) as up,
@@ -144,6 +145,10 @@ async def test_codex_tools_through_edge_and_node_with_the_sdk_stream_helper(nats
         raw = await client.responses.with_raw_response.create(model="m", input="go", tools=CODEX_TOOLS)
         assert raw.headers["x-iop-dropped-tools"] == "web_search,image_generation"
         assert raw.parse().output_text == "whole"
+        body = {"model": "m", "input": "go", "tools": CODEX_TOOLS, "stream": True}
+        async with h.http() as http, http.stream("POST", "/v1/responses", json=body) as streamed:
+            assert streamed.headers["x-iop-dropped-tools"] == "web_search,image_generation"
+            assert b"response.completed" in b"".join([piece async for piece in streamed.aiter_bytes()])
     sent = [t["function"]["name"] for t in up.bodies[0]["tools"]]
     assert sent == ["exec_command", "multi_agent_v1__close_agent", "apply_patch"]
 
