@@ -282,6 +282,12 @@ def refresh_cmd(config_file: str, edge_url: str | None, dry_run: bool, api_key: 
         sys.exit(1)
     if result.changes and not dry_run:
         click.echo("applied.")
+    if result.drift and not dry_run:
+        click.echo(
+            f"note: the edge now differs from the file it was started from ({len(result.drift)} changes); "
+            "a restart or SIGHUP of the edge reads that file again and undoes them: write them there to keep them",
+            err=True,
+        )
 
 
 @main.command("smoke")

@@ -13,6 +13,12 @@ def _table(rows: list[list[str]]) -> str:
 def render_status(status: Status) -> str:
     edge = status.edge
     out = [f"edge {edge.id} v{edge.version} up {edge.uptime_s:.0f}s nats={edge.nats}"]
+    if edge.drift:
+        out.append(
+            f"warning: the running deployment differs from the edge's file ({len(edge.drift)} changes, "
+            "undone by a restart or SIGHUP):"
+        )
+        out += [f"  {line}" for line in edge.drift]
     header = "NODE CONNECTED PROVIDER KIND TYPE CAPACITY IN-FLIGHT QUEUED PEAK SERVED FAILED"
     rows = [header.split()]
     for n in status.nodes:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -11,9 +13,10 @@ import pytest
 
 from iop import wire
 from iop.bus import EmbeddedNats
+from iop.client import EdgeClient
 from iop.edge.refresh import diff
 from tests.fakes import fake_upstream
-from tests.harness import deployment, deployment_running, running_edge, running_node, until
+from tests.harness import deployment, deployment_running, iop_process, running_edge, running_node, until
 
 
 def pool_yaml(url_a: str, url_b: str, cap_a: int, cap_b: int | None, extra_node: str = "") -> str:
@@ -303,3 +306,29 @@ async def test_a_node_whose_file_differs_follows_the_edge(
             assert node.node.providers[0].capacity == 3
             assert "differs from the local file; following the edge" in caplog.text
             await h.edge.registry.wait_connected(["node-a"], timeout_s=10)
+
+
+async def test_a_refresh_from_another_file_is_shown_as_drift_until_sighup_reads_the_edges_own(tmp_path: Path) -> None:
+    own = tmp_path / "edge.yaml"
+    own.write_text(
+        f"edge: {{nats: {{listen: '127.0.0.1:0', store_dir: '{tmp_path / 'store'}'}}}}\n"
+        + pool_yaml("http://127.0.0.1:9/v1", "", 2, None)
+    )
+    other = tmp_path / "other.yaml"
+    other.write_text(own.read_text().replace("capacity: 2", "capacity: 3"))
+    async with iop_process("edge", "--config", str(own), "--listen", "127.0.0.1:0", cwd=tmp_path) as edge:
+        url = (await edge.wait_line(r"iop edge listening on (http://\S+)")).group(1)
+        refresh = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "iop", "refresh", "--config", str(other), "--edge", url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await refresh.communicate()
+        assert refresh.returncode == 0, err
+        assert "applied." in out.decode()
+        assert "note: the edge now differs from the file it was started from (1 changes)" in err.decode()
+        await edge.wait_line(r"the running deployment differs from .*edge\.yaml \(1 changes: capacity node-a/prov-a")
+        async with EdgeClient(url) as client:
+            assert (await client.status()).edge.drift == ["capacity node-a/prov-a: 2 → 3"]
+            os.kill(edge.pid, signal.SIGHUP)
+            await edge.wait_line(r"SIGHUP: capacity node-a/prov-a: 3 → 2")
+            assert (await client.status()).edge.drift == []

@@ -174,6 +174,8 @@ class RefreshResult(msgspec.Struct, kw_only=True):
     applied: list[str] = msgspec.field(default_factory=list)
     error: str | None = None
     rolled_back: bool = False
+    drift: list[str] = msgspec.field(default_factory=list)
+    """After it: how the running deployment differs from the edge's own file (undone by a restart)."""
 
 
 class Running(Protocol):
@@ -228,6 +230,30 @@ class Refresher:
         self.js = js
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.file: Path | None = None
+        """The deployment file the edge was started from (SIGHUP and a restart read it again)."""
+        self.file_deployment: config.Deployment | None = None
+        """What that file said when last read."""
+        self.drift: list[str] = []
+        """How the running deployment differs from the file (refreshes applied from elsewhere): a
+        restart or SIGHUP would undo exactly these changes, so status and the log say so."""
+
+    def started_from(self, path: Path, dep: config.Deployment) -> None:
+        self.file, self.file_deployment = path, dep
+        self.drift = []
+
+    def _check_drift(self) -> None:
+        if self.file_deployment is None:
+            return
+        self.drift = [c.line() for c in diff(self.file_deployment, self.edge.deployment)]
+        if self.drift:
+            log.warning(
+                "the running deployment differs from %s (%d changes: %s); a restart or SIGHUP reads the file "
+                "again and undoes them: write them there to keep them",
+                self.file,
+                len(self.drift),
+                "; ".join(self.drift),
+            )
 
     async def apply(self, new: config.Deployment, *, dry_run: bool = False) -> RefreshResult:
         """Diff the running deployment against `new` and, unless `dry_run`, apply it."""
@@ -267,6 +293,8 @@ class Refresher:
             if draining:
                 result.applied.append(f"draining: {', '.join(draining)}")
             log.info("refresh applied: %d changes", len(changes))
+            self._check_drift()
+            result.drift = list(self.drift)
             return result
 
     async def _undo(self, undo: list[tuple[str, int | None]]) -> None:
@@ -303,7 +331,11 @@ class Refresher:
         except ConfigError as exc:
             log.error("SIGHUP: %s is invalid, nothing applied: %s", path, "; ".join(exc.problems))
             return
+        if self.drift:
+            log.warning("SIGHUP: going back to %s undoes the refreshes applied from elsewhere", path)
+        self.started_from(path, new)
         result = await self.apply(new)
+        self._check_drift()  # also when the apply failed: then the file and the edge differ
         log.info("SIGHUP: %s", "; ".join(result.changes) or "no changes")
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -94,6 +94,10 @@ class Edge:
         await self.registry.start(self.nc)
 
     @property
+    def drift(self) -> list[str]:
+        return self.refresher.drift
+
+    @property
     def nats_connected(self) -> bool:
         return bool(self.nc.is_connected)
 
@@ -267,6 +271,7 @@ async def run_edge(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         if loaded.path is not None:
+            edge.refresher.started_from(loaded.path, dep)
             loop.add_signal_handler(signal.SIGHUP, edge.refresher.reload, loaded.path)
         supervisor = None
         if embedded is not None:

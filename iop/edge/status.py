@@ -32,6 +32,8 @@ class Observed(Protocol):
     @property
     def started_at(self) -> float: ...
     @property
+    def drift(self) -> list[str]: ...
+    @property
     def deployment(self) -> config.Deployment: ...
     @property
     def catalog(self) -> config.Catalog: ...
@@ -141,6 +143,7 @@ def status_of(edge: Observed) -> Status:
             uptime_s=round(now - edge.started_at, 3),
             nats=edge.nats_url,
             nats_connected=edge.nats_connected,
+            drift=edge.drift,
         ),
         nodes=nodes,
         pools=pools,

@@ -19,6 +19,9 @@ class EdgeInfo(msgspec.Struct, kw_only=True):
     nats: str
     """The NATS URL the edge uses (the embedded server's own URL when embedded)."""
     nats_connected: bool
+    drift: list[str] = msgspec.field(default_factory=list)
+    """How the running deployment differs from the file the edge was started from (refreshes applied
+    from another file); a restart or SIGHUP would undo these."""
 
 
 class PoolProviderStatus(msgspec.Struct, kw_only=True, tag="pool", tag_field="kind", omit_defaults=True):
