@@ -304,7 +304,7 @@ async def test_a_node_whose_file_differs_follows_the_edge(
         caplog.set_level(logging.WARNING, logger="iop.node")
         async with running_node(deployment(pool_yaml(a.url, "", 1, None)), "node-a", nats_server.url) as node:
             assert node.node.providers[0].capacity == 3
-            assert "differs from the local file; following the edge" in caplog.text
+            assert "differs from the local file (capacity node-a/prov-a: 1 → 3); following the edge" in caplog.text
             await h.edge.registry.wait_connected(["node-a"], timeout_s=10)
 
 
