@@ -6,16 +6,20 @@ import asyncio
 import contextlib
 import contextvars
 import ctypes
+import dataclasses
 import fcntl
+import hashlib
+import hmac
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import ssl
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -26,7 +30,7 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 
-from iop import config, validate, wire
+from iop import config, natsauth, wire
 from iop.bundle import nats_server_path
 from iop.errors import BusError
 
@@ -120,38 +124,126 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+SECRET_FILE = "iop-nats-secret"
+"""In the embedded server's store_dir: the per-deployment secret every NATS password derives from."""
+
+
+class Credentials:
+    """The embedded server's users: the edge and one per node, passwords derived from one secret.
+
+    The secret is made at first start (by the edge, or a node started with the same file on the
+    same machine) and kept in `store_dir` with mode 0600. Deriving (HMAC) rather than storing each
+    password means a node added by a refresh has its credential at once, and `iop nats-creds`
+    can print any node's without a registry of them.
+    """
+
+    def __init__(self, secret: bytes, path: Path) -> None:
+        self._secret = secret
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"Credentials({self.path})"
+
+    @classmethod
+    def load(cls, store_dir: str | Path, *, create: bool = True) -> Credentials:
+        path = Path(store_dir) / SECRET_FILE
+        try:
+            return cls(_read_secret(path), path)
+        except FileNotFoundError:
+            if not create:
+                raise BusError(f"no NATS credentials at {path}: start the edge once (it makes them)") from None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Written whole under a temporary name, then linked into place: two processes starting at
+        # once (edge and node) both end up with the one secret that got there first.
+        tmp = path.with_name(f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_hex(32) + "\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+        return cls(_read_secret(path), path)
+
+    def password(self, user: str) -> str:
+        return hmac.new(self._secret, user.encode(), hashlib.sha256).hexdigest()
+
+    def edge(self) -> NatsAccess:
+        user = natsauth.EDGE_USER
+        return NatsAccess(user=user, password=self.password(user), where=f"the edge's credential from {self.path}")
+
+    def node(self, node_id: str) -> NatsAccess:
+        user = natsauth.node_user(node_id)
+        return NatsAccess(
+            user=user, password=self.password(user), where=f"node {node_id}'s credential from {self.path}"
+        )
+
+    def authorization(self, nodes: Iterable[config.Node]) -> str:
+        """The server's `authorization` block: the edge, and each node with its permissions."""
+        return natsauth.authorization(
+            self.password(natsauth.EDGE_USER), [(n, self.password(natsauth.node_user(n.id))) for n in nodes]
+        )
+
+
+def _read_secret(path: Path) -> bytes:
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise BusError(f"{path} is readable by others (mode {mode:o}): chmod 600 it")
+    secret = path.read_text().strip()
+    if len(secret) < 32:
+        raise BusError(f"{path} does not hold a secret (delete it to make a new one)")
+    return secret.encode()
+
+
 class EmbeddedNats:
     """The bundled nats-server as a child process with JetStream on a file (or memory) store.
 
-    With `access` holding credentials the server requires them from every client. Without, it
-    refuses to listen anywhere but loopback.
+    It always requires credentials, on loopback too: the edge's, and each node's own with only
+    that node's permissions (`iop/natsauth.py`). `url` carries the edge's credential, for
+    clients in this process; `address` is the plain one, to print and to give nodes.
     """
 
     def __init__(
-        self, listen: str, store_dir: str | Path, *, lock: bool = True, access: NatsAccess | None = None
+        self, listen: str, store_dir: str | Path, *, lock: bool = True, nodes: Iterable[config.Node] = ()
     ) -> None:
         self.host, _, port = listen.rpartition(":")
         self.port = int(port)
         self.store_dir = Path(store_dir)
         self.lock = lock
-        self.access = access
+        self.nodes = list(nodes)
+        self.credentials: Credentials | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self._lock_file: IO[str] | None = None
         self._drain: asyncio.Task[None] | None = None
         self._conf_dir: Path | None = None
+        self._reloaded = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        return f"nats://{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        access = self.access
+        return f"nats://{access.user}:{access.password}@{self.host}:{self.port}"
+
+    @property
+    def access(self) -> NatsAccess:
+        """The edge's credential for this server."""
+        if self.credentials is None:
+            self.credentials = Credentials.load(self.store_dir)
+        return self.credentials.edge()
+
+    def node_access(self, node_id: str) -> NatsAccess:
+        """Node `node_id`'s own credential for this server (it works once the node is authorized)."""
+        if self.credentials is None:
+            self.credentials = Credentials.load(self.store_dir)
+        return self.credentials.node(node_id)
 
     async def start(self, timeout_s: float = 15.0) -> None:
         """Start the server and return once it accepts clients (its log says `Server is ready`)."""
-        secured = self.access is not None and self.access.has_credentials
-        if not secured and not validate.is_loopback(self.host):
-            raise BusError(
-                f"edge.nats.listen: refusing to start NATS on {self.host}:{self.port} without credentials "
-                "(not a loopback address): set user_env and password_env, or token_env"
-            )
         try:
             self.store_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -168,20 +260,13 @@ class EmbeddedNats:
                 f.close()
                 raise BusError(f"store_dir {self.store_dir} is in use by another iop edge") from exc
             self._lock_file = f
-        port = self.port if self.port else -1
-        conf = (
-            f"host: {_quote(self.host)}\nport: {port}\n"
-            f"max_payload: {MAX_PAYLOAD}\n"
-            f"jetstream {{ store_dir: {_quote(str(self.store_dir.resolve()))} }}\n"
-        )
-        if secured:
-            assert self.access is not None
-            conf += _authorization(self.access)
-        # A private directory (0700) and file (0600): the file may hold the secret. Removed at stop.
+        if self.credentials is None:
+            self.credentials = Credentials.load(self.store_dir)
+        # A private directory (0700) and file (0600): the file holds the passwords. Removed at stop.
         self._conf_dir = Path(tempfile.mkdtemp(prefix="iop-nats-"))
         name = str(self._conf_dir / "nats.conf")
         with os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as fh:
-            fh.write(conf)
+            fh.write(self._conf())
         binary = nats_server_path()
         self.proc = await asyncio.create_subprocess_exec(
             binary,
@@ -216,10 +301,13 @@ class EmbeddedNats:
         except BusError:
             await self.stop()
             raise
-        self._drain = asyncio.create_task(_drain_log(self.proc.stderr))
-        auth = "clients need credentials" if secured else "loopback only, no credentials"
+        self._drain = asyncio.create_task(_drain_log(self.proc.stderr, self._reloaded))
         log.info(
-            "embedded nats-server (pid %d) ready on %s (store %s, %s)", self.proc.pid, self.url, self.store_dir, auth
+            "embedded nats-server (pid %d) ready on %s (store %s, credentials in %s)",
+            self.proc.pid,
+            self.address,
+            self.store_dir,
+            self.credentials.path,
         )
 
     async def wait(self) -> int:
@@ -233,6 +321,37 @@ class EmbeddedNats:
         """Start the server again after it died: same port (clients reconnect by themselves), same store."""
         await self._release_process()
         await self.start(timeout_s)
+
+    def _conf(self) -> str:
+        assert self.credentials is not None
+        port = self.port if self.port else -1
+        return (
+            f"host: {_quote(self.host)}\nport: {port}\n"
+            f"max_payload: {MAX_PAYLOAD}\n"
+            f"jetstream {{ store_dir: {_quote(str(self.store_dir.resolve()))} }}\n"
+        ) + self.credentials.authorization(self.nodes)
+
+    async def authorize(self, nodes: Iterable[config.Node], timeout_s: float = 10.0) -> None:
+        """Give the running server the users and permissions of `nodes` (a refreshed deployment).
+
+        The config is rewritten and the server reloads it (SIGHUP); this returns once its log says
+        so. A node no longer listed loses its user, and the server closes its connection.
+        """
+        self.nodes = list(nodes)
+        if self.proc is None or self._conf_dir is None:
+            return
+        path = self._conf_dir / "nats.conf"
+        tmp = self._conf_dir / "nats.conf.new"
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+            fh.write(self._conf())
+        tmp.replace(path)
+        self._reloaded.clear()
+        self.proc.send_signal(signal.SIGHUP)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._reloaded.wait()
+        except TimeoutError:
+            raise BusError(f"nats-server did not reload its users within {timeout_s:g}s") from None
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, wait up to `timeout_s`, then SIGKILL; release the store lock."""
@@ -275,18 +394,13 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-async def _drain_log(stderr: asyncio.StreamReader) -> None:
+async def _drain_log(stderr: asyncio.StreamReader, reloaded: asyncio.Event) -> None:
     # Keep reading so the pipe never fills and blocks the server; surface warnings and errors.
     while line := await stderr.readline():
-        if b"[ERR]" in line or b"[WRN]" in line:
+        if b"Reloaded server configuration" in line:
+            reloaded.set()
+        elif b"[ERR]" in line or b"[WRN]" in line:
             log.warning("nats-server: %s", line.decode(errors="replace").strip())
-
-
-def _authorization(access: NatsAccess) -> str:
-    if access.token:
-        return f"authorization {{ token: {_quote(access.token)} }}\n"
-    assert access.user is not None and access.password is not None
-    return f"authorization {{ user: {_quote(access.user)}, password: {_quote(access.password)} }}\n"
 
 
 def _quote(s: str) -> str:
@@ -306,6 +420,7 @@ async def connect(
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     wait_s: float | None = None,
+    inbox_prefix: str = "_INBOX",
 ) -> NATS:
     """Connect for the life of the process: reconnect forever, notice a dead server in seconds.
 
@@ -370,6 +485,7 @@ async def connect(
             disconnected_cb=_disconnected,
             reconnected_cb=_reconnected,
             pending_size=64 * 1024 * 1024,
+            inbox_prefix=inbox_prefix,
         )
     )
     # nats-py retries the first connection forever by itself (max_reconnect_attempts=-1), so the
@@ -480,8 +596,17 @@ CATALOG_BUCKET = "iop_catalog"
 
 
 async def catalog_bucket(js: JetStreamContext) -> Any:
-    """The catalog bucket, created if missing (idempotent, safe from several edges)."""
+    """The catalog bucket, created if missing (idempotent, safe from several edges).
+
+    Direct gets are allowed on it: a node reads its key with `$JS.API.DIRECT.GET.<stream>.<subject>`,
+    a subject NATS permissions can pin to that one key (the classic MSG.GET names it in the payload).
+    """
     try:
-        return await js.key_value(CATALOG_BUCKET)
+        kv = await js.key_value(CATALOG_BUCKET)
     except (NotFoundError, nats.js.errors.BucketNotFoundError):
-        return await js.create_key_value(js_api.KeyValueConfig(bucket=CATALOG_BUCKET, history=1))
+        return await js.create_key_value(js_api.KeyValueConfig(bucket=CATALOG_BUCKET, history=1, direct=True))
+    if not kv._direct:  # a bucket made before nodes had their own permissions
+        info = await js.stream_info(natsauth.CATALOG_STREAM)
+        await js.update_stream(dataclasses.replace(info.config, allow_direct=True))
+        kv = await js.key_value(CATALOG_BUCKET)
+    return kv

@@ -187,6 +187,34 @@ def node_cmd(
         _fail(str(exc))
 
 
+@main.command("nats-creds")
+@click.option("--config", "config_file", required=True, type=click.Path(dir_okay=False), help="Deployment file.")
+@click.option("--node", "node_id", required=True, help="The node whose credential to print.")
+def nats_creds_cmd(config_file: str, node_id: str) -> None:
+    """Print node ID's own NATS credential for the edge's embedded server, as VAR=value lines.
+
+    Run it on the edge's machine (the secret is in store_dir; made here if the edge never ran), then
+    set those variables on the node's machine: `iop node --config FILE --node ID` reads them from
+    edge.nats user_env/password_env (default names IOP_NATS_USER, IOP_NATS_PASSWORD).
+    """
+    from iop import bus
+
+    dep = _load_or_exit(config_file, show_warnings=False).deployment
+    if node_id not in {n.id for n in dep.nodes}:
+        known = ", ".join(n.id for n in dep.nodes) or "none"
+        _fail(f"node '{node_id}' is not in {config_file} (its nodes: {known})", 2)
+    nats = dep.edge.nats
+    if nats.url != "embedded":
+        _fail("edge.nats.url is an external NATS: its own configuration holds the nodes' credentials", 2)
+    try:
+        access = bus.Credentials.load(nats.store_dir).node(node_id)
+    except (IopError, OSError) as exc:
+        _fail(str(exc))
+        return
+    click.echo(f"{nats.user_env or 'IOP_NATS_USER'}={access.user}")
+    click.echo(f"{nats.password_env or 'IOP_NATS_PASSWORD'}={access.password}")
+
+
 def _edge_address(edge: str | None, config_file: str | None) -> str:
     """--edge as a URL; without it, the edge.listen of --config; else the default (exit 2 if bad)."""
     from iop.client import DEFAULT_EDGE, EdgeAddressError, edge_url, edge_url_of

@@ -491,7 +491,7 @@ class CrossCheck:
             self.nats(("edge", "nats"), nats)
 
     def nats(self, at: Path, nats: dict[Any, Any]) -> None:
-        """Credentials come as a pair or a token; an embedded server beyond loopback needs them."""
+        """Credentials come as a pair or a token; the embedded server takes only per-node users."""
         user, password, token = (nats.get(k) is not None for k in ("user_env", "password_env", "token_env"))
         if token and (user or password):
             self.bad((*at, "token_env"), "use user_env/password_env or token_env, not both")
@@ -512,13 +512,12 @@ class CrossCheck:
                     (*at, name),
                     "applies to an external NATS (url: tls://...); the embedded server does not serve TLS",
                 )
-        listen = nats.get("listen", self.defaults.nats_listen)
-        if not (user or password or token) and _is_open_address(listen):
+        if token:
+            # The embedded server always requires credentials, one user per node (iop/natsauth.py).
             self.bad(
-                (*at, "listen"),
-                f"{listen} is not a loopback address, and the embedded NATS server would let anyone "
-                "there in: set user_env and password_env, or token_env (environment variables holding "
-                "the secret)",
+                (*at, "token_env"),
+                "the embedded server gives each node its own user, and one token cannot say which node: "
+                "use user_env/password_env (each node's machine sets its own, see `iop nats-creds`)",
             )
 
     def node(self, at: Path, node: dict[Any, Any]) -> None:

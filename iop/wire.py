@@ -73,9 +73,18 @@ def credit_subject(node: str) -> str:
     return f"iop.node.{node}.credit"
 
 
+REPLY_ROOT = "iop.reply"
+
+
 def reply_prefix(edge: str) -> str:
     """Every reply to an edge goes under this prefix; the edge holds one wildcard subscription."""
-    return f"iop.reply.{edge}"
+    return f"{REPLY_ROOT}.{edge}"
+
+
+def reply_subject(edge: str, node: str, request: str) -> str:
+    """Where node `node` answers `request`: NATS lets a node publish only under its own id here,
+    and the edge takes a reply only from the node it sent the request to."""
+    return f"{REPLY_ROOT}.{edge}.{node}.{request}"
 
 
 # --- messages -------------------------------------------------------------------------------------

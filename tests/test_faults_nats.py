@@ -70,7 +70,7 @@ async def test_nats_restart_waiting_requests_are_served_once(tmp_path: Path) -> 
                 # The fault's length, not a synchronisation: down for longer than the edge's
                 # heartbeat timeout, so missing heartbeats must not be taken for lost nodes.
                 await asyncio.sleep(LOST_AFTER_S + 0.5)
-                server = EmbeddedNats(url.removeprefix("nats://"), store, lock=False)
+                server = EmbeddedNats(server.address.removeprefix("nats://"), store, lock=False)
                 await server.start()
                 up_again = time.time()
                 restarted = time.monotonic()

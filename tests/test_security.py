@@ -12,6 +12,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -22,12 +23,14 @@ import pytest
 import yaml
 from nats.aio.client import Client as NATS
 
-from iop import bus, config
+from iop import bus, config, wire
 from iop.bundle import nats_server_path
 from iop.edge.keys import EdgeKeys, parse_keys
 from iop.edge.server import build_app
 from iop.errors import BusError, ConfigError
-from tests.harness import deployment, deployment_running, iop_process, running_edge, running_node
+from iop.node.runtime import NodeRuntime
+from tests.fakes import fake_upstream
+from tests.harness import deployment, deployment_running, eventually, iop_process, running_edge, running_node, until
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-iop-test-key-5d1e9a"
@@ -177,23 +180,23 @@ def _nats_problems(nats_settings: dict[str, object], edge_listen: str = "127.0.0
     ("nats_settings", "expected"),
     [
         (
-            {"listen": "0.0.0.0:4222"},
-            "edge.nats.listen: 0.0.0.0:4222 is not a loopback address, and the embedded NATS server would "
-            "let anyone there in: set user_env and password_env, or token_env (environment variables "
-            "holding the secret)",
+            {"token_env": "T"},
+            "edge.nats.token_env: the embedded server gives each node its own user, and one token cannot say "
+            "which node: use user_env/password_env (each node's machine sets its own, see `iop nats-creds`)",
         ),
-        ({"listen": "[::]:4222"}, "edge.nats.listen: [::]:4222 is not a loopback address"),
-        ({"listen": "gpu-a.lan:4222"}, "edge.nats.listen: gpu-a.lan:4222 is not a loopback address"),
         ({"user_env": "U"}, "edge.nats.password_env: missing: user_env is set"),
         ({"password_env": "P"}, "edge.nats.user_env: missing: password_env is set"),
         (
-            {"user_env": "U", "password_env": "P", "token_env": "T"},
+            {"url": "nats://h:4222", "user_env": "U", "password_env": "P", "token_env": "T"},
             "edge.nats.token_env: use user_env/password_env or token_env, not both",
         ),
         ({"tls_ca": "ca.pem"}, "edge.nats.tls_ca: applies to an external NATS (url: tls://...)"),
         ({"url": "tls://h:4222", "tls_cert": "c.pem"}, "edge.nats.tls_key: missing: tls_cert is set"),
         ({"url": "tls://h:4222", "tls_key": "k.pem"}, "edge.nats.tls_cert: missing: tls_key is set"),
-        ({"token_env": "has-dash"}, "edge.nats.token_env: 'has-dash' is not an environment variable name"),
+        (
+            {"url": "nats://h:4222", "token_env": "has-dash"},
+            "edge.nats.token_env: 'has-dash' is not an environment variable name",
+        ),
     ],
 )
 def test_config_nats_security_rules(nats_settings: dict[str, object], expected: str) -> None:
@@ -205,11 +208,11 @@ def test_config_nats_security_rules(nats_settings: dict[str, object], expected: 
     "nats_settings",
     [
         {"listen": "127.0.0.1:4222"},
-        {"listen": "127.0.0.5:4222"},
         {"listen": "localhost:4222"},
         {"listen": "[::1]:4222"},
-        {"listen": "0.0.0.0:4222", "token_env": "T"},
+        {"listen": "0.0.0.0:4222"},  # the embedded server always requires each node's own credential
         {"listen": "10.0.0.5:4222", "user_env": "U", "password_env": "P"},
+        {"url": "nats://nats.lan:4222", "token_env": "T"},
         {"url": "tls://nats.lan:4222", "listen": "0.0.0.0:4222", "tls_ca": "ca.pem"},  # listen unused
         {"url": "tls://nats.lan:4222", "tls_ca": "ca.pem", "tls_cert": "c.pem", "tls_key": "k.pem"},
     ],
@@ -269,60 +272,44 @@ def test_nats_access_reads_secrets_from_the_named_variables_only() -> None:
 # --- the embedded server's credentials -----------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("access", "wrong"),
-    [
-        (bus.NatsAccess(token=NATS_SECRET), bus.NatsAccess(token=NATS_SECRET + "x")),
-        (
-            bus.NatsAccess(user="iop", password=f'{NATS_SECRET} "q" \\ $x'),  # quoting survives
-            bus.NatsAccess(user="iop", password=NATS_SECRET),
-        ),
-    ],
-    ids=["token", "user-password"],
-)
-async def test_embedded_nats_with_credentials_refuses_clients_without_them(
-    tmp_path: Path, access: bus.NatsAccess, wrong: bus.NatsAccess, caplog: pytest.LogCaptureFixture
+async def test_embedded_nats_requires_credentials_on_loopback_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    server = bus.EmbeddedNats("127.0.0.1:0", tmp_path / "nats", access=access)
+    server = bus.EmbeddedNats("127.0.0.1:0", tmp_path / "nats", nodes=deployment(MOCK_POOL).nodes)
     await server.start()
     conf_dir = server._conf_dir
+    secret_file = tmp_path / "nats" / bus.SECRET_FILE
+    edge_password = server.access.password
+    assert edge_password is not None
     try:
         assert conf_dir is not None
         assert (conf_dir.stat().st_mode & 0o777, (conf_dir / "nats.conf").stat().st_mode & 0o777) == (0o700, 0o600)
+        assert secret_file.stat().st_mode & 0o777 == 0o600
 
-        # The real nats-server itself says no, to a plain nats-py client.
-        for kwargs in ({}, {"token": "guess"}, {"user": "iop", "password": "guess"}):
+        # The real nats-server itself says no, to a plain nats-py client on loopback.
+        for kwargs in ({}, {"token": "guess"}, {"user": "iop-edge", "password": "guess"}):
             with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-                await nats.connect(server.url, allow_reconnect=False, connect_timeout=2, **kwargs)
+                await nats.connect(server.address, allow_reconnect=False, connect_timeout=2, **kwargs)
 
         # iop's own connect fails at once with one line, rather than retrying forever.
-        for who in (None, wrong):
+        for who in (None, bus.NatsAccess(user="iop-node-n1", password="guess")):
             with pytest.raises(BusError) as info:
-                await bus.connect(server.url, "intruder", access=who, wait_s=10)
+                await bus.connect(server.address, "intruder", access=who, wait_s=10)
             assert "\n" not in str(info.value)
             assert ("refused our credentials" if who else "requires credentials") in str(info.value)
 
-        nc = await bus.connect(server.url, "friend", access=access, wait_s=5)
-        try:
-            sub = await nc.subscribe("iop.test.echo")
-            await nc.publish("iop.test.echo", b"ok")
-            assert (await sub.next_msg(timeout=5)).data == b"ok"
-        finally:
+        for access in (server.access, server.node_access("n1")):
+            nc = await bus.connect(server.address, "friend", access=access, wait_s=5)
             await nc.close()
     finally:
         await server.stop()
-    assert not conf_dir.exists()  # the secret does not outlive the server
+    assert not conf_dir.exists()  # the passwords do not outlive the server
+    # A second start on the same store keeps the deployment's credentials.
+    assert bus.Credentials.load(tmp_path / "nats").edge().password == edge_password
     logged = _our_log_text(caplog)
     assert "authentication error" in logged  # the server's refusals were seen ...
-    assert NATS_SECRET not in logged  # ... and the secret never
-
-
-async def test_embedded_nats_refuses_to_listen_beyond_loopback_without_credentials(tmp_path: Path) -> None:
-    server = bus.EmbeddedNats("0.0.0.0:0", tmp_path / "nats")
-    with pytest.raises(BusError, match=r"^edge\.nats\.listen: refusing to start NATS on 0\.0\.0\.0:0"):
-        await server.start()
-    assert server.proc is None and not (tmp_path / "nats").exists()
+    assert edge_password not in logged and secret_file.read_text().strip() not in logged  # ... and no secret
 
 
 # --- `iop edge` / `iop node` as processes ---------------------------------------------------------
@@ -336,34 +323,16 @@ def _write_deployment(tmp_path: Path, edge: dict[str, object]) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
-    ("nats_settings", "env", "rc", "line"),
-    [
-        (
-            {"listen": "0.0.0.0:0"},
-            {},
-            2,
-            "error: edge.nats.listen: 0.0.0.0:0 is not a loopback address, and the embedded NATS server",
-        ),
-        (
-            {"listen": "127.0.0.1:0", "token_env": "IOP_TEST_UNSET_TOKEN"},
-            {},
-            1,
-            "iop: edge.nats.token_env: environment variable IOP_TEST_UNSET_TOKEN is not set (or empty)",
-        ),
-    ],
-    ids=["open-listen", "secret-unset"],
-)
-async def test_iop_edge_refuses_an_open_or_unkeyed_nats_before_starting_anything(
-    tmp_path: Path, nats_settings: dict[str, object], env: dict[str, str], rc: int, line: str
-) -> None:
+async def test_iop_edge_refuses_an_unset_nats_secret_before_starting_anything(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    path = _write_deployment(tmp_path, {"nats": {**nats_settings, "store_dir": str(store)}})
-    async with iop_process("edge", "--config", str(path), cwd=tmp_path, env=env) as edge:
-        assert await edge.exit_code() == rc
+    nats_settings = {"url": "nats://127.0.0.1:1", "token_env": "IOP_TEST_UNSET_TOKEN", "store_dir": str(store)}
+    path = _write_deployment(tmp_path, {"nats": nats_settings})
+    async with iop_process("edge", "--config", str(path), cwd=tmp_path) as edge:
+        assert await edge.exit_code() == 1
+    line = "iop: edge.nats.token_env: environment variable IOP_TEST_UNSET_TOKEN is not set (or empty)"
     assert len(edge.stderr) == 1 and edge.stderr[0].startswith(line), edge.stderr
     assert edge.stdout == []
-    assert not store.exists()  # no nats-server was started: it would have created its store
+    assert not store.exists()
 
 
 @pytest.mark.parametrize(
@@ -412,7 +381,7 @@ async def test_iop_edge_on_an_open_listen_override_without_client_keys_exits_2(t
     assert not store.exists()
 
 
-async def test_edge_and_nodes_as_processes_with_nats_password_and_client_keys(tmp_path: Path) -> None:
+async def test_edge_and_nodes_as_processes_each_node_with_its_own_nats_credential(tmp_path: Path) -> None:
     path = _write_deployment(
         tmp_path,
         {
@@ -425,20 +394,28 @@ async def test_edge_and_nodes_as_processes_with_nats_password_and_client_keys(tm
             },
         },
     )
-    secrets = {"IOP_TEST_KEYS": KEY, "IOP_TEST_NATS_USER": "iop", "IOP_TEST_NATS_PASSWORD": NATS_SECRET}
-    async with iop_process("edge", "--config", str(path), cwd=tmp_path, env=secrets) as edge:
+    async with iop_process("edge", "--config", str(path), cwd=tmp_path, env={"IOP_TEST_KEYS": KEY}) as edge:
         m = await edge.wait_line(r"listening on (http://\S+) nats=(\S+)")
         http_url, nats_url = m.group(1), m.group(2)
+        assert "@" not in nats_url  # printed without any credential
+        # What the operator copies to the node's machine.
+        async with iop_process("nats-creds", "--config", str(path), "--node", "n1", cwd=tmp_path) as printed:
+            assert await printed.exit_code() == 0
+        creds = dict(line.split("=", 1) for line in printed.stdout)
+        assert (
+            set(creds) == {"IOP_TEST_NATS_USER", "IOP_TEST_NATS_PASSWORD"}
+            and creds["IOP_TEST_NATS_USER"] == "iop-node-n1"
+        )
         node_args = ("node", "--config", str(path), "--node", "n1", "--nats", nats_url)
 
-        wrong = {**secrets, "IOP_TEST_NATS_PASSWORD": "not-the-password"}
+        wrong = {**creds, "IOP_TEST_NATS_PASSWORD": "not-the-password"}
         async with iop_process(*node_args, cwd=tmp_path, env=wrong) as intruder:
             assert await intruder.exit_code() != 0
         assert len(intruder.stderr) == 1, intruder.stderr  # one clear line, no traceback
         assert intruder.stderr[0].startswith(f"iop: NATS at {nats_url} refused our credentials")
         assert "$IOP_TEST_NATS_PASSWORD" in intruder.stderr[0] and "not-the-password" not in intruder.stderr[0]
 
-        async with iop_process(*node_args, cwd=tmp_path, env=secrets) as node:
+        async with iop_process(*node_args, cwd=tmp_path, env=creds) as node:
             await node.wait_line("iop node n1 serving")
             client = openai.AsyncOpenAI(base_url=http_url + "/v1", api_key=KEY, max_retries=0)
             answer = await client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
@@ -446,9 +423,10 @@ async def test_edge_and_nodes_as_processes_with_nats_password_and_client_keys(tm
             async with httpx.AsyncClient(base_url=http_url) as http:
                 assert (await http.get("/v1/models")).status_code == 401
                 assert (await http.get("/healthz")).status_code == 200
+    password = creds["IOP_TEST_NATS_PASSWORD"]
     for p in (edge, node, intruder):
         text = "\n".join(p.stdout + p.stderr)
-        assert NATS_SECRET not in text and KEY not in text
+        assert password not in text and KEY not in text
 
 
 # --- TLS to an external NATS ----------------------------------------------------------------------
@@ -616,3 +594,127 @@ async def test_a_second_node_process_with_a_connected_id_is_refused(
         assert answer.choices[0].message.content
     refusals = [r.getMessage() for r in caplog.records if r.name == "iop.edge" and "refused node n1" in r.getMessage()]
     assert refusals and "already connected" in refusals[0]
+
+
+# --- NATS least privilege: what one node's credential can do ------------------------------------------
+
+TWO_NODES = """
+models:
+  - {alias: a-pool, pool: [a-prov]}
+  - {alias: b-pool, pool: [b-prov]}
+  - {alias: a-echo, route: a/a-cli}
+nodes:
+  - id: a
+    adapters:
+      - {id: sim, type: mock, latency_ms: 0, tokens: 3, token_interval_ms: 0}
+      - {id: echo, type: cli, command: [cat]}
+    providers: [{id: a-prov, adapter: sim, capacity: 2}, {id: a-cli, adapter: echo}]
+  - id: b
+    adapters: [{id: up, type: openai, base_url: "UPSTREAM"}]
+    providers: [{id: b-prov, adapter: up, capacity: 1}]
+"""
+
+
+@dataclass
+class Rogue:
+    """A plain nats-py client holding one node's credential; collects the server's refusals."""
+
+    nc: NATS
+    errors: list[str] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def refused(self, what: str) -> None:
+        """Until the server has said `permissions violation for <what>`."""
+        await until(lambda: any(what in e for e in self.errors), self.changed, timeout_s=10)
+
+
+@asynccontextmanager
+async def rogue(server: bus.EmbeddedNats, node_id: str) -> AsyncIterator[Rogue]:
+    access = server.node_access(node_id)
+    r: Rogue
+
+    async def on_error(exc: Exception) -> None:
+        r.errors.append(str(exc).lower())
+        r.changed.set()
+
+    nc = await nats.connect(
+        server.address,
+        user=access.user,
+        password=access.password,
+        inbox_prefix=f"_INBOX_{node_id}",
+        error_cb=on_error,
+        allow_reconnect=False,
+    )
+    r = Rogue(nc)
+    try:
+        yield r
+    finally:
+        await nc.close()
+
+
+async def test_one_node_credential_opens_only_that_nodes_subjects(
+    nats_server: bus.EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    gate = asyncio.Event()
+    async with fake_upstream(gate=gate) as up:
+        dep = deployment(TWO_NODES.replace("UPSTREAM", up.url))
+        await nats_server.authorize(dep.nodes)
+        # Both nodes run with their own credential only, on the plain address.
+        nodes = [NodeRuntime(dep, n, nats_server.address, access=nats_server.node_access(n)) for n in ("a", "b")]
+        async with running_edge(dep, nats_server.url) as h, h.http() as http:
+            for n in nodes:
+                await n.start(connect_wait_s=5)
+            try:
+                await h.edge.registry.wait_connected(["a", "b"], timeout_s=10)
+                chat = {"messages": [{"role": "user", "content": "hi"}]}
+                # Least privilege is enough to serve: a pool, a CLI resource.
+                assert (await http.post("/v1/chat/completions", json={**chat, "model": "a-pool"})).status_code == 200
+                r = await http.post("/v1/chat/completions", json={**chat, "model": "a-echo"})
+                assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hi"
+                # A request held on node b, which node a will try to answer.
+                held = asyncio.create_task(http.post("/v1/chat/completions", json={**chat, "model": "b-pool"}))
+                await up.wait_for(lambda u: u.in_flight == 1)
+                rid = nodes[1].requests()[0].item.id
+                edge_id = h.edge.edge_id
+
+                async with rogue(nats_server, "a") as a:
+                    for subject in ("iop.work.>", "iop.cli.b.*", wire.cancel_subject("b"), "_INBOX_b.>", "iop.reply.>"):
+                        await a.nc.subscribe(subject)
+                        await a.refused(f'permissions violation for subscription to "{subject.lower()}"')
+                    forbidden = [
+                        wire.work_subject("a-prov"),  # publish work, even to its own provider
+                        wire.reply_subject(edge_id, "b", rid),  # answer b's request
+                        wire.cancel_subject("b"),  # cancel b's work
+                        wire.heartbeat_subject("b"),  # speak as b
+                        "$KV.iop_catalog.a",  # rewrite its own catalog
+                        "$JS.API.DIRECT.GET.KV_iop_catalog.$KV.iop_catalog.b",  # read b's
+                        "$JS.API.STREAM.CREATE.EVIL",
+                        f"$JS.API.CONSUMER.MSG.NEXT.{wire.WORK_STREAM}.{wire.consumer_name('b-prov')}",
+                    ]
+                    for subject in forbidden:
+                        await a.nc.publish(subject, b"x")
+                        await a.refused(f'permissions violation for publish to "{subject.lower()}"')
+                    # Under its own id the server lets it publish, and the edge drops it: the request
+                    # was sent to b.
+                    forged = wire.encode(wire.Done(rid, 0))
+                    await a.nc.publish(wire.reply_subject(edge_id, "a", rid), forged)
+                    await a.nc.flush()
+
+                    async def dropped() -> bool:
+                        return h.edge.relay.forged == 1
+
+                    await eventually(dropped)
+                    kv = await a.nc.jetstream().key_value("iop_catalog")
+                    assert b"a-prov" in ((await kv.get("a")).value or b"")  # its own key it may read
+                # The deployment kept serving: b's request ends with b's own answer.
+                gate.set()
+                answer = await held
+                assert answer.status_code == 200, answer.text
+                assert (await http.post("/v1/chat/completions", json={**chat, "model": "a-pool"})).status_code == 200
+                assert h.edge.registry.connected("a") and h.edge.registry.connected("b")
+            finally:
+                gate.set()
+                for n in nodes:
+                    await n.stop(grace_s=2)
+    assert "Publish Violation" in _our_log_text(caplog)  # the server's own refusals reach the edge's log

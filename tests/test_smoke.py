@@ -228,14 +228,14 @@ def test_smoke_names_a_node_that_never_connects(tmp_path: Path) -> None:
 
 def test_smoke_shows_why_a_process_it_started_died(tmp_path: Path) -> None:
     data = yaml.safe_load(SMOKE_YAML.read_text())
-    data["edge"]["nats"]["token_env"] = "IOP_TEST_SMOKE_UNSET_TOKEN"
-    deployment = tmp_path / "no-token.yaml"
+    data["edge"]["admin_keys_env"] = "IOP_TEST_SMOKE_UNSET_KEYS"
+    deployment = tmp_path / "no-keys.yaml"
     deployment.write_text(yaml.safe_dump(data))
     tmp = _tmpdir(tmp_path)
     done = _smoke(["--config", str(deployment)], tmp, tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "the edge never listened; started and stopped: edge (pid " in done.stdout
-    assert "  FAIL  ready: edge exited with status 1; last lines of its log:\n      | iop: edge.nats.token_env:" in (
+    assert "  FAIL  ready: edge exited with status 2; last lines of its log:\n      | iop: edge.admin_keys_env:" in (
         done.stdout
     )
     _assert_nothing_left(tmp, [])

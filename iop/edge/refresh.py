@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,7 +20,7 @@ from nats.js.client import JetStreamContext
 
 from iop import bus, config, wire
 from iop.edge.scheduler import Scheduler
-from iop.errors import ConfigError
+from iop.errors import BusError, ConfigError
 
 log = logging.getLogger("iop.edge")
 
@@ -237,6 +237,8 @@ class Refresher:
         self.drift: list[str] = []
         """How the running deployment differs from the file (refreshes applied from elsewhere): a
         restart or SIGHUP would undo exactly these changes, so status and the log say so."""
+        self.authorize_nodes: Callable[[list[config.Node]], Awaitable[None]] | None = None
+        """Gives NATS users and permissions to a node list (the edge's embedded server), if set."""
 
     def started_from(self, path: Path, dep: config.Deployment) -> None:
         self.file, self.file_deployment = path, dep
@@ -276,9 +278,15 @@ class Refresher:
                         result.applied.append(f"consumer {wire.consumer_name(pid)}: max_ack_pending {cap}")
                 kept = {m.id for m in new.nodes}
                 removed_nodes = [n.id for n in old_dep.nodes if n.id not in kept]
+                if self.authorize_nodes is not None:
+                    # New nodes get their NATS users before their catalog exists; a removed node
+                    # loses its user. A node's old section stays in the union so that a provider
+                    # being retired can still ack what it runs (until the edge restarts).
+                    await self.authorize_nodes([*new.nodes, *(n for n in old_dep.nodes if n.id in kept)])
+                    result.applied.append("nats: node users and permissions reloaded")
                 await publish_catalog(self.nc, self.js, new, removed_nodes)
                 result.applied.append("catalog bucket: node sections published")
-            except _BROKER_ERRORS as exc:
+            except (*_BROKER_ERRORS, BusError) as exc:
                 result.error = f"{type(exc).__name__}: {exc}"
                 await self._undo(undo)
                 result.rolled_back = True

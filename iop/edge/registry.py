@@ -101,6 +101,8 @@ class Registry:
             hello = wire.decode_hello(msg.data)
         except Exception:
             return
+        if msg.subject != wire.hello_subject(hello.node):
+            return  # a node speaking for another: NATS lets each publish only under its own id
         st, reason = self._admit(hello.node, hello.instance)
         if st is None:
             self._refuse(hello.node, hello.instance, reason)
@@ -113,6 +115,8 @@ class Registry:
             hb = wire.decode_heartbeat(msg.data)
         except Exception:
             return
+        if msg.subject != wire.heartbeat_subject(hb.node):
+            return  # see _on_hello
         st, reason = self._admit(hb.node, hb.instance)
         if st is None:
             self._refuse(hb.node, hb.instance, reason)

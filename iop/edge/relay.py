@@ -22,6 +22,7 @@ from iop.errors import Unavailable, UpstreamError, error_for_status
 log = logging.getLogger("iop.edge")
 
 HEADER_ROOM = 1024
+ACK_PREFIX = f"$JS.ACK.{wire.WORK_STREAM}."
 """Bytes kept free in a NATS message for headers (`Nats-Msg-Id`) around an encoded work item."""
 
 
@@ -88,6 +89,8 @@ class Relay:
         self.peak_buffered_bytes = 0
         """The most answer bytes one request ever had waiting here for its HTTP client."""
         self.credits_sent = 0
+        self.forged = 0
+        """Replies dropped because they came from another node than the one a request was sent to."""
         self.bodies_by_reference = 0
         """Requests whose body was too large for one message and was fetched by the node in parts."""
 
@@ -113,7 +116,23 @@ class Relay:
         return ch
 
     def reply_to(self, ch: Channel) -> str:
-        return f"{self.prefix}.{ch.id}"
+        """`iop.reply.<edge>.<node>.<request>`: only `ch.node` may publish there (NATS permissions)."""
+        return wire.reply_subject(self.edge_id, ch.node, ch.id)
+
+    def _channel(self, rid: str, subject: str) -> Channel | None:
+        """The request a reply is about, if it came from the node the request was sent to.
+
+        The node's id is the subject's second-to-last token, and nats-server lets a node publish
+        only under its own id: so another node can neither answer, probe nor read this request.
+        """
+        ch = self.channels.get(rid)
+        if ch is None:
+            return None
+        if not subject.endswith(f".{ch.node}.{rid}"):
+            self.forged += 1
+            log.warning("reply for request %s from the wrong node dropped (subject %s)", rid, subject)
+            return None
+        return ch
 
     async def _on_reply(self, msg: Msg) -> None:
         try:
@@ -122,22 +141,22 @@ class Relay:
             log.warning("undecodable reply on %s dropped", msg.subject)
             return
         if isinstance(reply, wire.Claim):
-            ch = self.channels.get(reply.id)
+            ch = self._channel(reply.id, msg.subject)
             go = ch is not None and not ch.started and not ch.ended
             if msg.reply:
                 await self.nc.publish(msg.reply, wire.encode(wire.Verdict(go)))
             return
         if isinstance(reply, wire.Probe):
             if msg.reply:
-                await self.nc.publish(msg.reply, wire.encode(self._credit_of(reply.id)))
+                await self.nc.publish(msg.reply, wire.encode(self._credit_of(reply.id, msg.subject)))
             return
         if isinstance(reply, wire.BodyPart):
             if msg.reply:
-                await self.nc.publish(msg.reply, self._body_part(reply))
+                await self.nc.publish(msg.reply, self._body_part(reply, msg.subject))
             return
         if isinstance(reply, wire.Accepted):
             return
-        ch = self.channels.get(reply.id)
+        ch = self._channel(reply.id, msg.subject)
         if ch is None:
             return
         if isinstance(reply, wire.Chunk):
@@ -149,21 +168,22 @@ class Relay:
                 self.peak_buffered_bytes = max(self.peak_buffered_bytes, ch.buffered_bytes)
         elif isinstance(reply, wire.Started):
             if not ch.started and not ch.ended:
-                ch.ack_subject = reply.ack
+                # Only ever an ack subject of the work stream: the edge publishes +TERM there.
+                ch.ack_subject = reply.ack if reply.ack.startswith(ACK_PREFIX) else ""
                 ch.start()
         elif isinstance(reply, wire.Done | wire.Failure):
             ch.end()
         ch.queue.put_nowait(reply)
 
-    def _credit_of(self, rid: str) -> wire.Credit:
-        ch = self.channels.get(rid)
+    def _credit_of(self, rid: str, subject: str) -> wire.Credit:
+        ch = self._channel(rid, subject)
         if ch is None or ch.ended:
             # Unknown here (client gone, failed at the edge): the node stops the work.
             return wire.Credit(rid, 0, 0, known=False)
         return wire.Credit(rid, ch.taken_chunks, ch.taken_bytes)
 
-    def _body_part(self, part: wire.BodyPart) -> bytes:
-        ch = self.channels.get(part.id)
+    def _body_part(self, part: wire.BodyPart, subject: str) -> bytes:
+        ch = self._channel(part.id, subject)
         if ch is None or ch.ended or not 0 <= part.offset < len(ch.body):
             return b""  # never a valid piece: the node gives up on the request
         size = min(wire.BODY_PART_BYTES, self.nc.max_payload - HEADER_ROOM)

@@ -241,7 +241,8 @@ async def run_edge(
     settings = dep.edge
     embedded: bus.EmbeddedNats | None = None
     url = nats_url or settings.nats.url
-    access = bus.NatsAccess.from_settings(settings.nats)  # before anything starts: a missing secret is fatal
+    # Before anything starts: a missing secret is fatal. The embedded server has its own users.
+    access = bus.NatsAccess.from_settings(settings.nats) if url != "embedded" else bus.NatsAccess()
     keys = EdgeKeys.from_settings(settings)  # so is a keys variable that holds no key
     bind = listen or settings.listen
     if not keys.clients and not validate.is_loopback(bind.rpartition(":")[0]):
@@ -259,11 +260,14 @@ async def run_edge(
     try:
         if url == "embedded":
             # A relative store_dir is relative to the working directory, like any path on a command line.
-            embedded = bus.EmbeddedNats(settings.nats.listen, Path(settings.nats.store_dir), access=access)
+            embedded = bus.EmbeddedNats(settings.nats.listen, Path(settings.nats.store_dir), nodes=dep.nodes)
             await embedded.start()
-            url = embedded.url
+            url = embedded.address
+            access = embedded.access
         nc = await bus.connect(url, "iop-edge", access=access, wait_s=15.0)
         edge = Edge(dep, nc, nats_url=url, keys=keys)
+        if embedded is not None:
+            edge.refresher.authorize_nodes = embedded.authorize  # users follow the deployment's nodes
         await edge.start()
         server = http_server(edge, grace_s=grace_s)
         stop = asyncio.Event()
@@ -330,7 +334,7 @@ async def _supervise_nats(embedded: bus.EmbeddedNats, edge: Edge, stop: asyncio.
             stop.set()
             return
         restarts.append(now)
-        log.error("the embedded nats-server exited (status %s); restarting it on %s", status, embedded.url)
+        log.error("the embedded nats-server exited (status %s); restarting it on %s", status, embedded.address)
         edge.nats_down = f"embedded nats-server exited (status {status})"
         try:
             await embedded.restart()

@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+from collections.abc import Mapping
+from urllib.parse import urlsplit
 
 from iop import bus, config
 from iop.node.runtime import NodeRuntime
@@ -27,6 +30,33 @@ def default_nats_url(dep: config.Deployment) -> str:
     return f"nats://{host}:{port}"
 
 
+def node_access(
+    settings: config.NatsSettings,
+    node_id: str,
+    *,
+    from_file: bool,
+    nats_url: str = "",
+    environ: Mapping[str, str] | None = None,
+) -> bus.NatsAccess:
+    """This node's NATS credential.
+
+    For the edge's embedded server (a node started with the deployment file) it is the node's own
+    user: from the variables `user_env`/`password_env` name (default IOP_NATS_USER, IOP_NATS_PASSWORD)
+    when this machine sets them (a remote
+    node, given the output of `iop nats-creds`), else derived from the secret in `store_dir` (a
+    node on the edge's machine). Otherwise the settings' variables, as for any NATS.
+    """
+    env = os.environ if environ is None else environ
+    if any("@" in urlsplit(u).netloc for u in bus.servers_of(nats_url)):
+        return bus.NatsAccess(where="the credentials in the NATS URL")  # given explicitly: they win
+    if not from_file or settings.url != "embedded":
+        return bus.NatsAccess.from_settings(settings, env)
+    user_var, password_var = settings.user_env or "IOP_NATS_USER", settings.password_env or "IOP_NATS_PASSWORD"
+    if env.get(user_var) and env.get(password_var):
+        return bus.NatsAccess.from_settings(config.NatsSettings(user_env=user_var, password_env=password_var), env)
+    return bus.Credentials.load(settings.store_dir).node(node_id)
+
+
 async def run_node(
     dep: config.Deployment | None,
     node_id: str,
@@ -45,7 +75,7 @@ async def run_node(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    access = bus.NatsAccess.from_settings(nats_settings)
+    access = node_access(nats_settings, node_id, from_file=dep is not None, nats_url=nats_url)
     runtime = NodeRuntime(dep, node_id, nats_url, access=access, follow_edge=follow_edge)
     starting = asyncio.create_task(runtime.start())
     stopped = asyncio.create_task(stop.wait())

@@ -13,7 +13,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from iop import bus, config, wire
+from iop import bus, config, natsauth, wire
 from iop.node import adapters, direct, fetch
 from iop.node.catalog import CatalogSource, differences
 from iop.node.flow import STALL_TIMEOUT_S
@@ -96,7 +96,14 @@ class NodeRuntime:
 
     async def start(self, *, connect_wait_s: float | None = None, catalog_wait_s: float = 60.0) -> None:
         access = self.access if self.access is not None else bus.default_access.get()
-        self.nc = await bus.connect(self.nats_url, f"iop-node-{self.node_id}", access=access, wait_s=connect_wait_s)
+        self.nc = await bus.connect(
+            self.nats_url,
+            f"iop-node-{self.node_id}",
+            access=access,
+            wait_s=connect_wait_s,
+            # Inboxes only this node may subscribe to (its NATS permissions say so).
+            inbox_prefix=natsauth.node_inbox_prefix(self.node_id),
+        )
         running = self._running = RunningRequests(self.nc, self.node_id, self.instance, self.changed)
         running.stall_timeout_s, running.probe_interval_s = self._stall_timeout_s, self._probe_interval_s
         presence = self._presence = Presence(
@@ -184,8 +191,13 @@ class NodeRuntime:
             r.sub = await direct.subscribe(self._running, r)
             return
         assert r.cfg.capacity is not None
-        await bus.ensure_work_stream(js)
-        await bus.ensure_provider_consumer(js, r.cfg.id, r.cfg.capacity, update=False)
+        try:
+            await bus.ensure_work_stream(js)
+            await bus.ensure_provider_consumer(js, r.cfg.id, r.cfg.capacity, update=False)
+        except (nats.errors.Error, TimeoutError) as exc:
+            # A node's own NATS user may read its consumer but not create it: the edge does, at
+            # its start. Until then the fetch loops find nothing and keep asking.
+            log.info("provider %s: its consumer is not there yet (%s); the edge makes it", r.cfg.id, exc)
         # One fetch loop per slot, each with its own pull subscription (see fetch.fetch_loop).
         r.workers = fetch.start_workers(self._running, r, js, range(r.cfg.capacity))
 
