@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as js_api
@@ -500,10 +501,15 @@ async def connect(
     finally:
         if not connected:  # refused, timed out, failed, or we were cancelled: abandon the attempt
             attempt.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await attempt
-            with contextlib.suppress(Exception):
+            # asyncio.wait collects the attempt without raising its error (read above as `failure`).
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({attempt})
+            if attempt.done() and not attempt.cancelled():
+                attempt.exception()  # retrieved: no "exception was never retrieved" at exit
+            try:
                 await nc.close()
+            except (nats.errors.Error, OSError, TimeoutError) as exc:
+                log.debug("closing an abandoned NATS connection: %s", exc)
     if refused.done():
         raise BusError(refused.result())
     if failure is not None:

@@ -1,28 +1,56 @@
 """The one exception tree of iop; each error knows how it reaches an HTTP client.
 
     IopError
-    ├── ConfigError            the deployment file is invalid (carries every problem)
-    ├── BusError               NATS unreachable, embedded server failed to start
-    └── RequestError           a client request that fails; status + OpenAI error type/code
-        ├── BadRequest         400 invalid_request_error
-        ├── Unauthorized       401
-        ├── Forbidden          403 (a client key on an admin endpoint)
-        ├── NotFound           404 (unknown model, unknown path)
-        ├── PayloadTooLarge    413
+    ├── ConfigError              the deployment file is invalid (carries every problem)
+    ├── BusError                 NATS unreachable, embedded server failed to start
+    ├── ListenError              (iop/edge/http.py) the edge's HTTP address cannot be bound
+    ├── NodeRefused              (iop/node/presence.py) the edge refused this node
+    ├── PlanError                `iop smoke`: the options ask for what the edge does not have
+    ├── UsageError               `iop smoke`: options that cannot work together or name what does not exist
+    └── RequestError             a request that fails: status, OpenAI error type and code, retryable
+        ├── BadRequest           400 invalid_request_error
+        │   └── InvalidConfig    400 a deployment sent to /admin/refresh is invalid (lists its problems)
+        ├── Unauthorized         401
+        ├── Forbidden            403 (a client key on an admin endpoint)
+        ├── NotFound             404 (unknown model, unknown path)
+        ├── MethodNotAllowed     405
+        ├── RequestTimeout       408 the request's head or body did not arrive in time
+        ├── ClientStalled        408 (iop/node/flow.py) the client stopped reading a stream
+        ├── PayloadTooLarge      413
         ├── UnsupportedMediaType 415
-        ├── QueueFull          429 with Retry-After
-        ├── Unavailable        503 (queue wait timed out, no provider connected)
-        └── UpstreamError      502 (provider or node failed)
+        ├── QueueFull            429 rate_limit_error, with Retry-After
+        ├── HeadersTooLarge      431
+        ├── Unavailable          503 (queue wait timed out, no provider connected, NATS failed)
+        │   ├── Cancelled        503 retryable: the node stopped the work (cancelled, node stopping)
+        │   └── BodyUnavailable  503 retryable: the node could not fetch a large request body
+        └── UpstreamError        502 retryable: the provider or its node failed
+            ├── NodeLost         502 retryable: the node stopped answering while it ran the request
+            ├── RelayGap         502 part of the answer was lost between node and edge
+            └── StreamFailed     502 (iop/node/adapters/openai.py) the stream already carries the error
 
-Foreign errors (httpx, nats, msgspec) are translated into these once, at the boundary
-where they are caught (`raise Ours(...) from exc`).
+Classes defined beside their cause (marked with their module) cross NATS as their nearest class
+here. Outside the tree on purpose: `iop/node/http1.py`'s `HttpError` family and `iop/validate.py`'s
+`YamlSyntaxError` stay inside their modules and are translated where they are caught.
+
+`retryable` marks a failure of the provider, not of the request: another provider of the pool may
+succeed, so the edge fails over while the client has seen nothing. A `RequestError` crosses NATS
+as a `wire.Failure` naming its class (`failure_of` / `error_of`), so the edge raises the class
+the node raised, not one guessed from the status.
+
+Errors reach clients in exactly two shapes, built here and nowhere else: `error_response(exc)`
+(the status, headers and OpenAI error JSON of an HTTP response) and `error_event(api, exc)` (the
+terminal event of an SSE stream that already started). Foreign errors (nats, msgspec, OSError) are
+translated into these classes once, at the boundary where they are caught (`raise Ours(...) from exc`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar, Literal, NamedTuple
 
 import msgspec
+
+from iop import wire
 
 
 class IopError(Exception):
@@ -41,14 +69,33 @@ class BusError(IopError):
     """NATS could not be reached or set up."""
 
 
+class PlanError(IopError):
+    """`iop smoke`: the options ask for something this edge does not have (an unknown alias, a burst too small)."""
+
+
+class UsageError(IopError):
+    """`iop smoke`: options that cannot work together or name what does not exist (exit 2)."""
+
+
+_CLASSES: dict[str, type[RequestError]] = {}
+"""The RequestError classes of this module by name: what a `wire.Failure` names."""
+
+
 class RequestError(IopError):
     """A request failed in a way the HTTP client is told about."""
 
-    status = 500
-    type = "server_error"
-    code = "internal_error"
+    status: int = 500
+    type: ClassVar[str] = "server_error"
+    code: str = "internal_error"
+    retryable: ClassVar[bool] = False
+    """A failure of the provider, not of the request: another provider of the pool may succeed."""
     ended_stream = False
     """True when the client's stream already carries this error as its terminal event."""
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        if cls.__module__ == __name__:
+            _CLASSES[cls.__name__] = cls
 
     def __init__(
         self,
@@ -64,19 +111,38 @@ class RequestError(IopError):
         if code is not None:
             self.code = code
         if status is not None:
-            self.status = status
+            self.status = status  # an upstream's own status, passed through
         self.param = param
         self.headers = headers or {}
 
-    def body(self) -> bytes:
-        """The OpenAI error JSON for this error."""
-        return _encode_error(self.message, self.type, self.param, self.code)
+    def details(self) -> dict[str, object]:
+        """Fields the OpenAI error object carries beyond message, type, param and code."""
+        return {}
+
+    def error_object(self) -> dict[str, object]:
+        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.details()}
+
+
+_CLASSES["RequestError"] = RequestError
 
 
 class BadRequest(RequestError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+
+
+class InvalidConfig(BadRequest):
+    """A deployment sent to the edge (`iop refresh`) is invalid; the body lists every problem."""
+
+    code = "invalid_config"
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        super().__init__("the deployment file is invalid")
+        self.problems = list(problems)
+
+    def details(self) -> dict[str, object]:
+        return {"problems": self.problems}
 
 
 class Unauthorized(RequestError):
@@ -97,6 +163,18 @@ class NotFound(RequestError):
     code = "model_not_found"
 
 
+class MethodNotAllowed(RequestError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class RequestTimeout(RequestError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class PayloadTooLarge(RequestError):
     status = 413
     type = "invalid_request_error"
@@ -107,6 +185,12 @@ class UnsupportedMediaType(RequestError):
     status = 415
     type = "invalid_request_error"
     code = "unsupported_media_type"
+
+
+class HeadersTooLarge(RequestError):
+    status = 431
+    type = "invalid_request_error"
+    code = "header_too_large"
 
 
 class QueueFull(RequestError):
@@ -121,33 +205,108 @@ class Unavailable(RequestError):
     code = "unavailable"
 
 
+class Cancelled(Unavailable):
+    """The node stopped the work before it finished: the edge cancelled it, or the node is stopping."""
+
+    code = "cancelled"
+    retryable = True
+
+
+class BodyUnavailable(Unavailable):
+    """The node could not fetch a request body too large to travel inline from the edge."""
+
+    code = "body_unavailable"
+    retryable = True
+
+
 class UpstreamError(RequestError):
     status = 502
     type = "server_error"
     code = "upstream_error"
+    retryable = True
 
 
-_encoder = msgspec.json.Encoder()
+class NodeLost(UpstreamError):
+    """The node running the request stopped answering (heartbeats missed, or it left)."""
+
+    code = "node_lost"
 
 
-def _encode_error(message: str, type_: str, param: str | None, code: str | None) -> bytes:
-    return _encoder.encode({"error": {"message": message, "type": type_, "param": param, "code": code}})
+class RelayGap(UpstreamError):
+    """A chunk of the answer was lost between node and edge; the answer cannot be trusted whole."""
+
+    code = "relay_gap"
+    retryable = False
 
 
-def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
-    """OpenAI error JSON for an error that did not come from a `RequestError`."""
-    return _encode_error(message, type_, param, code)
+# --- the two shapes an error reaches a client in ------------------------------------------------
 
 
-def error_for_status(status: int, message: str, code: str) -> RequestError:
-    """The `RequestError` matching an HTTP status (used for failures that cross NATS)."""
-    cls: type[RequestError] = {
+class ErrorResponse(NamedTuple):
+    """An error as an HTTP response: status, extra headers, and the OpenAI error JSON."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def error_response(exc: RequestError) -> ErrorResponse:
+    """The HTTP response for `exc`: the one place an error's status, headers and body are decided."""
+    return ErrorResponse(exc.status, exc.headers, _encode({"error": exc.error_object()}))
+
+
+def error_event(api: Literal["chat", "responses"], exc: RequestError) -> bytes:
+    """The terminal SSE event telling a client whose stream already started that it failed.
+
+    Chat: a `data:` event holding an OpenAI error object (the SDK raises it as an APIError).
+    Responses: an `error` event (the stream's own `response.failed` is the node's to write).
+    """
+    err = exc.error_object()
+    if api == "chat":
+        return b"data: " + _encode({"error": err}) + b"\n\n"
+    event = {
+        "type": "error",
+        "code": exc.code,
+        "message": exc.message,
+        "param": exc.param,
+        "error": err,
+        "sequence_number": 0,
+    }
+    return b"event: error\ndata: " + _encode(event) + b"\n\n"
+
+
+# --- across NATS ----------------------------------------------------------------------------------
+
+
+def failure_of(exc: RequestError, id: str, chunks: int) -> wire.Failure:
+    """The `wire.Failure` telling an edge that its request failed with `exc`."""
+    kind = next(c.__name__ for c in type(exc).__mro__ if _CLASSES.get(c.__name__) is c)
+    return wire.Failure(id, chunks, exc.status, exc.code, exc.message, exc.ended_stream, exc.param, kind)
+
+
+def error_of(failure: wire.Failure) -> RequestError:
+    """The error a node reported, as the class it raised (the nearest one of this module)."""
+    cls = _CLASSES.get(failure.kind) or _by_status(failure.status)
+    err = cls(failure.message, code=failure.code, param=failure.param, status=failure.status)
+    err.ended_stream = failure.ended
+    return err
+
+
+def _by_status(status: int) -> type[RequestError]:
+    # A Failure without `kind` comes from a node older than the field: only its status says more.
+    return {
         400: BadRequest,
         401: Unauthorized,
         403: Forbidden,
         404: NotFound,
         413: PayloadTooLarge,
         429: QueueFull,
-        503: Unavailable,
-    }.get(status, UpstreamError)
-    return cls(message, code=code, status=status)
+    }.get(status, Unavailable if status == 503 else UpstreamError)
+
+
+def error_for_status(status: int, message: str, code: str) -> RequestError:
+    """The `RequestError` for an upstream's HTTP error status (client mistakes keep their status)."""
+    return _by_status(status)(message, code=code, status=status)

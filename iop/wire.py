@@ -165,6 +165,9 @@ class Failure(msgspec.Struct, tag="f", array_like=True):
     """The node already ended the stream with an error event in the client's API (translated streams)."""
     param: str | None = None
     """The request field the failure is about (a refused parameter), as OpenAI errors name it."""
+    kind: str = ""
+    """The `iop.errors` class the node raised (e.g. `Cancelled`), so the edge raises the same one and
+    knows whether to fail over; empty from a node older than this field (the edge goes by `status`)."""
 
 
 class Accepted(msgspec.Struct, tag="a", array_like=True):

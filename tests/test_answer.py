@@ -11,6 +11,7 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response
 
+from iop.errors import BadRequest, QueueFull, UpstreamError
 from iop.openai.answer import AnswerWriter, Usage, answer_writer
 from tests.harness import responses_events, sdk_client, sse
 
@@ -166,7 +167,7 @@ def test_answer_empty_answer_is_still_a_message() -> None:
 def test_answer_responses_stream_fail_is_response_failed(midway: bool) -> None:
     writer = answer_writer("responses", True, "m")
     raw = writer.start() + (writer.delta("partial") if midway else b"")
-    raw += writer.fail("the command timed out", "cli_timeout")
+    raw += writer.fail(UpstreamError("the command timed out", code="cli_timeout"))
     events = responses_events(raw)
     assert events[-1].type == "response.failed"
     failed = events[-1].response
@@ -178,14 +179,14 @@ def test_answer_responses_stream_fail_is_response_failed(midway: bool) -> None:
 
 def test_answer_responses_stream_fail_maps_queue_full_to_rate_limit() -> None:
     writer = answer_writer("responses", True, "m")
-    events = responses_events(writer.fail("busy", "queue_full"))
+    events = responses_events(writer.fail(QueueFull("busy")))
     assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
     assert events[-1].response.error.code == "rate_limit_exceeded"
 
 
 def test_answer_chat_stream_fail_raises_in_the_sdk() -> None:
     writer = answer_writer("chat", True, "m")
-    raw = writer.start() + writer.delta("par") + writer.fail("upstream went away", "upstream_error")
+    raw = writer.start() + writer.delta("par") + writer.fail(UpstreamError("upstream went away"))
     error = json.loads(sse(raw)[-1].data)["error"]
     assert error == {
         "message": "upstream went away",
@@ -202,7 +203,7 @@ def test_answer_chat_stream_fail_raises_in_the_sdk() -> None:
 def test_answer_body_fail_is_an_openai_error(api: Literal["chat", "responses"]) -> None:
     writer = answer_writer(api, False, "m")
     writer.delta("ignored")
-    body = json.loads(writer.fail("bad thing", "invalid_request"))
+    body = json.loads(writer.fail(BadRequest("bad thing")))
     error = {"message": "bad thing", "type": "invalid_request_error", "param": None, "code": "invalid_request"}
     assert body == {"error": error}
 
@@ -231,5 +232,5 @@ def test_answer_responses_fail_reports_a_too_long_prompt_as_context_length_excee
     # Codex reacts to this code (it is missing from the SDK's Literal, so this reads the raw JSON).
     writer = answer_writer("responses", True, "m")
     message = "upstream: This model's maximum context length is 4096 tokens. However, you requested 5000 tokens."
-    error = json.loads(sse(writer.fail(message, "upstream_bad_request"))[-1].data)["response"]["error"]
+    error = json.loads(sse(writer.fail(BadRequest(message, code="upstream_bad_request")))[-1].data)["response"]["error"]
     assert error == {"code": "context_length_exceeded", "message": message, "type": "upstream_bad_request"}

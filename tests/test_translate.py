@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response
 
-from iop.errors import BadRequest, UpstreamError
+from iop.errors import BadRequest, UpstreamError, error_response
 from iop.openai.sse import SseDecoder, SseEvent
 from iop.openai.translate import (
     ChatToResponsesStream,
@@ -212,7 +212,7 @@ def test_translate_responses_request_refuses_what_chat_cannot_serve(
     error = caught.value
     assert (error.status, error.code, error.param) == (400, "unsupported_parameter", param)
     assert named in error.message
-    assert json.loads(error.body())["error"]["param"] == param
+    assert json.loads(error_response(error).body)["error"]["param"] == param
 
 
 REFUSED_CHAT = [

@@ -18,12 +18,15 @@ from iop.edge.relay import Channel, Relay
 from iop.edge.scheduler import Scheduler
 from iop.errors import (
     BadRequest,
+    ErrorResponse,
+    MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
     RequestError,
     Unauthorized,
     UnsupportedMediaType,
-    error_body,
+    error_event,
+    error_response,
 )
 from iop.openai.responses_request import responses_to_chat_request
 
@@ -57,7 +60,6 @@ class ResponsesHead(msgspec.Struct):
 
 _chat_head = msgspec.json.Decoder(ChatHead).decode
 _responses_head = msgspec.json.Decoder(ResponsesHead).decode
-_json = msgspec.json.Encoder().encode
 _decode_json = msgspec.json.Decoder().decode
 
 
@@ -128,11 +130,10 @@ class ApiEndpoint:
         self.api: wire.Api = api
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["method"] != "POST":
-            await _send_error(send, 405, error_body("use POST", "invalid_request_error", "method_not_allowed"))
-            return
         out = _TrackedSend(send)
         try:
+            if scope["method"] != "POST":
+                raise MethodNotAllowed("use POST")
             self.edge.authorize(scope)
             _check_content_type(scope)
             body = await _read_body(scope, receive, self.edge.max_body_bytes)
@@ -140,7 +141,7 @@ class ApiEndpoint:
             await self._serve(body, model, stream, receive, out)
         except RequestError as exc:
             if not out.started:
-                await _send_error(send, exc.status, exc.body(), exc.headers)
+                await _send_error(send, error_response(exc))
 
     async def _serve(self, body: bytes, model: str, stream: bool, receive: Receive, out: _TrackedSend) -> None:
         edge = self.edge
@@ -288,24 +289,9 @@ async def _relay_stream(
         # Started streams end with an error event the client sees, never a silent cut.
         failed = exc
         if not exc.ended_stream:
-            await send({"type": "http.response.body", "body": stream_error_event(api, exc), "more_body": True})
+            await send({"type": "http.response.body", "body": error_event(api, exc), "more_body": True})
     await send({"type": "http.response.body", "body": b""})
     return failed
-
-
-def stream_error_event(api: wire.Api, exc: RequestError) -> bytes:
-    err = {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
-    if api == "chat":
-        return b"data: " + _json({"error": err}) + b"\n\n"
-    event = {
-        "type": "error",
-        "code": exc.code,
-        "message": exc.message,
-        "param": exc.param,
-        "error": err,
-        "sequence_number": 0,
-    }
-    return b"event: error\ndata: " + _json(event) + b"\n\n"
 
 
 def _mono_to_loop(mono: float) -> float:
@@ -354,10 +340,10 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _send_error(send: Send, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-    extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": _JSON + extra})
-    await send({"type": "http.response.body", "body": body})
+async def _send_error(send: Send, response: ErrorResponse) -> None:
+    extra = [(k.lower().encode(), v.encode()) for k, v in response.headers.items()]
+    await send({"type": "http.response.start", "status": response.status, "headers": _JSON + extra})
+    await send({"type": "http.response.body", "body": response.body})
 
 
 def check_bearer(scope: Scope, keys: list[bytes]) -> None:

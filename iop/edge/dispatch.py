@@ -29,10 +29,6 @@ log = logging.getLogger("iop.edge")
 
 MAX_RETRIES = 2
 """Other providers a pool request may fail over to after its first one failed before answering."""
-RETRYABLE = frozenset(
-    {"upstream_unavailable", "upstream_error", "upstream_timeout", "node_lost", "node_error", "cancelled"}
-)
-"""Failures of the provider, not of the request: another provider of the pool may succeed."""
 
 Answer = Callable[[Channel, str], Awaitable[RequestError | None]]
 """Relays the channel's answer to the client (`provider` names who answers); returns the error the
@@ -162,7 +158,7 @@ class PoolDispatch(_Dispatch):
                     await self._attempt(slot, make_item, answer)
                     return
                 except RequestError as err:
-                    if err.code not in RETRYABLE:
+                    if not err.retryable:
                         raise
                     self.scheduler.failed(slot)
                     tried |= {slot.id}

@@ -23,7 +23,15 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from iop.errors import IopError, error_body
+from iop.errors import (
+    BadRequest,
+    HeadersTooLarge,
+    IopError,
+    RequestError,
+    RequestTimeout,
+    Unavailable,
+    error_response,
+)
 
 log = logging.getLogger("iop.edge")
 
@@ -98,7 +106,13 @@ class LimitedHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
         super().connection_made(transport)
         self.limits.open += 1
         if len(self.connections) > self.limits.max_connections:
-            self._refuse(503, "the edge has too many open connections; retry shortly", "too_many_connections")
+            self._refuse(
+                Unavailable(
+                    "the edge has too many open connections; retry shortly",
+                    code="too_many_connections",
+                    headers={"Retry-After": "1"},
+                )
+            )
             return
         self._arm(self.limits.head_timeout_s)
 
@@ -125,7 +139,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
             return
         if self._head_open and self._head_bytes > self.limits.max_head_bytes:
             # Everything fed while the head is still open was head: refuse before it grows further.
-            self._refuse(431, f"request head larger than {self.limits.max_head_bytes} bytes", "header_too_large")
+            self._refuse(HeadersTooLarge(f"request head larger than {self.limits.max_head_bytes} bytes"))
 
     # Parser callbacks (called inside feed_data)
 
@@ -148,7 +162,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
     def on_headers_complete(self) -> None:
         self._head_open = False
         if self._refusing:
-            self._refuse(431, f"more than {self.limits.max_headers} request headers", "header_too_large")
+            self._refuse(HeadersTooLarge(f"more than {self.limits.max_headers} request headers"))
             return
         self._body_open = True
         self._arm(self.limits.body_idle_timeout_s)
@@ -167,9 +181,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
     # Refusals
 
     def send_400_response(self, msg: str) -> None:
-        self._refuse(400, f"malformed HTTP request: {msg}", "bad_http")
+        self._refuse(BadRequest(f"malformed HTTP request: {msg}", code="bad_http"))
 
-    def _refuse(self, status: int, message: str, code: str) -> None:
+    def _refuse(self, exc: RequestError) -> None:
+        status = exc.status
         self._refusing = status
         self._head_open = self._body_open = False
         self._disarm()
@@ -184,15 +199,15 @@ class LimitedHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
             # An answer was already sent or is on its way (e.g. a 401 before the body was read): end it.
             self.transport.close()
             return
-        type_ = "server_error" if status >= 500 else "invalid_request_error"
-        body = error_body(message, type_, code)
+        response = error_response(exc)
+        body = response.body
         head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % (
             status,
             _REASONS[status],
             len(body),
         )
-        if status == 503:
-            head += b"retry-after: 1\r\n"
+        for name, value in response.headers.items():
+            head += b"%s: %s\r\n" % (name.lower().encode(), value.encode())
         self.transport.write(head + b"\r\n" + body)
         if self.transport.can_write_eof():
             # Half-close and linger briefly (nginx's lingering close): the client reads the answer
@@ -205,9 +220,15 @@ class LimitedHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
     def _timed_out(self) -> None:
         self._timer = None
         if self._head_open:
-            self._refuse(408, f"request head not received within {self.limits.head_timeout_s:g}s", "header_timeout")
+            self._refuse(
+                RequestTimeout(
+                    f"request head not received within {self.limits.head_timeout_s:g}s", code="header_timeout"
+                )
+            )
         elif self._body_open:
-            self._refuse(408, f"request body stalled for {self.limits.body_idle_timeout_s:g}s", "body_timeout")
+            self._refuse(
+                RequestTimeout(f"request body stalled for {self.limits.body_idle_timeout_s:g}s", code="body_timeout")
+            )
 
     def _arm(self, delay_s: float) -> None:
         if self._timer is not None:

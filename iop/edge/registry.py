@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -99,7 +100,8 @@ class Registry:
     async def _on_hello(self, msg: Msg) -> None:
         try:
             hello = wire.decode_hello(msg.data)
-        except Exception:
+        except msgspec.DecodeError:
+            log.warning("undecodable hello on %s dropped", msg.subject)
             return
         if msg.subject != wire.hello_subject(hello.node):
             return  # a node speaking for another: NATS lets each publish only under its own id
@@ -113,7 +115,8 @@ class Registry:
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
             hb = wire.decode_heartbeat(msg.data)
-        except Exception:
+        except msgspec.DecodeError:
+            log.warning("undecodable heartbeat on %s dropped", msg.subject)
             return
         if msg.subject != wire.heartbeat_subject(hb.node):
             return  # see _on_hello

@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from iop import bus, wire
-from iop.errors import Unavailable, UpstreamError, error_for_status
+from iop.errors import NodeLost, RelayGap, Unavailable, error_of, failure_of
 
 log = logging.getLogger("iop.edge")
 
@@ -137,7 +137,7 @@ class Relay:
     async def _on_reply(self, msg: Msg) -> None:
         try:
             reply = wire.decode_reply(msg.data)
-        except Exception:
+        except msgspec.DecodeError:
             log.warning("undecodable reply on %s dropped", msg.subject)
             return
         if isinstance(reply, wire.Claim):
@@ -214,7 +214,7 @@ class Relay:
         for ch in list(self.channels.values()):
             if ch.node == node and not ch.ended:
                 ch.end()
-                ch.queue.put_nowait(wire.Failure(ch.id, -1, 502, "node_lost", f"node {node} was lost: {reason}"))
+                ch.queue.put_nowait(failure_of(NodeLost(f"node {node} was lost: {reason}"), ch.id, -1))
                 self._spawn(self._abandon(ch, tell_node=False))
 
     async def dispatch_pool(self, ch: Channel, provider: str, item: wire.WorkItem) -> None:
@@ -269,7 +269,7 @@ class Relay:
                 reply = q.get_nowait() if not q.empty() else await q.get()
             if isinstance(reply, wire.Chunk):
                 if reply.seq != expected:
-                    raise UpstreamError("part of the answer was lost between node and edge", code="relay_gap")
+                    raise RelayGap("part of the answer was lost between node and edge")
                 expected += 1
                 if reply.headers:
                     ch.headers.update(reply.headers)
@@ -287,11 +287,10 @@ class Relay:
                     await self._grant(ch)
             elif isinstance(reply, wire.Done):
                 if reply.chunks != expected:
-                    raise UpstreamError("part of the answer was lost between node and edge", code="relay_gap")
+                    raise RelayGap("part of the answer was lost between node and edge")
                 return
             elif isinstance(reply, wire.Failure):
-                err = error_for_status(reply.status, reply.message, reply.code)
-                err.param = reply.param
+                err = error_of(reply)
                 err.ended_stream = reply.ended and reply.chunks == expected
                 raise err
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import signal
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.errors
 import uvicorn
 from nats.aio.client import Client as NATS
 from starlette.applications import Starlette
@@ -32,7 +32,16 @@ from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
 from iop.edge.status import status_of
 from iop.edge.status_schema import encode_status
-from iop.errors import BusError, ConfigError, NotFound, RequestError, error_body
+from iop.errors import (
+    BadRequest,
+    BusError,
+    ConfigError,
+    InvalidConfig,
+    MethodNotAllowed,
+    NotFound,
+    RequestError,
+    error_response,
+)
 
 log = logging.getLogger("iop.edge")
 _json = msgspec.json.Encoder().encode
@@ -153,14 +162,7 @@ def build_app(edge: Edge) -> Starlette:
             new = config.parse(text, "refresh").deployment
         except ConfigError as exc:
             log.warning("admin refresh by %s: invalid deployment, nothing applied", admin)
-            err = {
-                "message": "the deployment file is invalid",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "invalid_config",
-                "problems": exc.problems,
-            }
-            return JSONResponse({"error": err}, 400)
+            raise InvalidConfig(exc.problems) from exc
         dry_run = request.query_params.get("dry_run") in ("1", "true")
         result = await edge.refresher.apply(new, dry_run=dry_run)
         log.info(
@@ -182,15 +184,21 @@ def build_app(edge: Edge) -> Starlette:
 
     async def request_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestError)
-        return Response(exc.body(), exc.status, headers=exc.headers, media_type="application/json")
+        response = error_response(exc)
+        return Response(response.body, response.status, headers=response.headers, media_type="application/json")
 
     async def http_error(request: Request, exc: Exception) -> Response:
+        # Starlette's own refusals (unknown path, wrong method) become ours, answered the same way.
         assert isinstance(exc, HTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return Response(
-            error_body(message, "invalid_request_error", code), exc.status_code, media_type="application/json"
-        )
+        err: RequestError
+        if exc.status_code == 404:
+            err = NotFound(message, code="not_found")
+        elif exc.status_code == 405:
+            err = MethodNotAllowed(message, headers=dict(exc.headers or {}))
+        else:
+            err = BadRequest(message, code="http_error", status=exc.status_code)
+        return await request_error(request, err)
 
     routes = [
         Route("/v1/chat/completions", ApiEndpoint(edge, "chat")),
@@ -298,8 +306,10 @@ async def run_edge(
         server.should_exit = True
         await serve
         await edge.stop()
-        with contextlib.suppress(Exception):
+        try:
             await nc.flush(timeout=2)
+        except (nats.errors.Error, TimeoutError, OSError) as exc:
+            log.info("iop edge stopping: NATS did not flush (%s)", exc)
         await nc.close()
         if edge.fatal:
             raise BusError(edge.fatal)

@@ -12,6 +12,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from iop import wire
+from iop.errors import Unavailable, failure_of
 from iop.node.resource import Resource
 from iop.node.running import RunningRequests
 
@@ -88,7 +89,8 @@ async def _take(running: RunningRequests, r: Resource, msg: Msg) -> None:
         return
     if time.time() > item.deadline:
         await msg.term()
-        await running.publish(item, wire.Failure(item.id, 0, 503, "queue_timeout", "waited past its deadline"))
+        late = Unavailable("waited past its deadline", code="queue_timeout")
+        await running.publish(item, failure_of(late, item.id, 0))
         return
     run = running.start(r, item, msg)
     assert run.task is not None

@@ -15,7 +15,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from iop import wire
-from iop.errors import RequestError, Unavailable
+from iop.errors import BodyUnavailable, Cancelled, RequestError, UpstreamError, failure_of
 from iop.node.flow import STALL_TIMEOUT_S, FlowWindow
 from iop.node.resource import Resource
 
@@ -121,23 +121,20 @@ class RunningRequests:
             if msg is not None:
                 await _quietly(msg.term())
             reason = "node is stopping" if self.stopping else "cancelled"
-            await _quietly(self.publish(item, wire.Failure(item.id, window.sent_chunks, 503, "cancelled", reason)))
+            await _quietly(self.publish(item, failure_of(Cancelled(reason), item.id, window.sent_chunks)))
         except RequestError as exc:
             r.failed += 1
             if msg is not None:
                 await _quietly(msg.term())
-            failure = wire.Failure(
-                item.id, window.sent_chunks, exc.status, exc.code, exc.message, exc.ended_stream, exc.param
-            )
-            await _quietly(self.publish(item, failure))
+            await _quietly(self.publish(item, failure_of(exc, item.id, window.sent_chunks)))
         except Exception as exc:  # the adapter boundary: any bug below it must end as a Failure, never hang
             # (adapter, upstream client, translation): the client hears why and the slot is freed.
             r.failed += 1
             log.exception("provider %s: request %s failed", r.cfg.id, item.id)
             if msg is not None:
                 await _quietly(msg.term())
-            failure = wire.Failure(item.id, window.sent_chunks, 502, "node_error", f"{type(exc).__name__}: {exc}")
-            await _quietly(self.publish(item, failure))
+            failed = UpstreamError(f"{type(exc).__name__}: {exc}", code="node_error")
+            await _quietly(self.publish(item, failure_of(failed, item.id, window.sent_chunks)))
         finally:
             r.in_flight -= 1
             self.by_id.pop(item.id, None)
@@ -151,15 +148,15 @@ class RunningRequests:
             try:
                 reply = await self.nc.request(item.reply_to, wire.encode(wire.BodyPart(item.id, got)), timeout=5.0)
             except (nats.errors.Error, TimeoutError) as exc:
-                raise Unavailable(
-                    f"the request body could not be fetched from the edge: {type(exc).__name__}", code="cancelled"
+                raise BodyUnavailable(
+                    f"the request body could not be fetched from the edge: {type(exc).__name__}"
                 ) from exc
             if not reply.data:
-                raise Unavailable("the edge no longer has this request", code="cancelled")
+                raise BodyUnavailable("the edge no longer has this request")
             parts.append(reply.data)
             got += len(reply.data)
         if got != item.body_size:
-            raise Unavailable(f"the request body arrived with {got} of {item.body_size} bytes", code="cancelled")
+            raise BodyUnavailable(f"the request body arrived with {got} of {item.body_size} bytes")
         return b"".join(parts)
 
     async def publish(self, item: wire.WorkItem, message: Any) -> None:

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from iop.errors import error_body
-from iop.openai.chat_events import ChatChunks, chat_completion, error_type
+from iop.errors import RequestError, error_response
+from iop.openai.chat_events import ChatChunks, chat_completion
 from iop.openai.responses_events import (
     ResponseEvents,
     final_status,
@@ -46,8 +46,8 @@ class AnswerWriter:
     def finish(self, usage: Usage, finish_reason: str = "stop") -> bytes:
         raise NotImplementedError
 
-    def fail(self, message: str, code: str) -> bytes:
-        return error_body(message, error_type(code), code)
+    def fail(self, exc: RequestError) -> bytes:
+        return error_response(exc).body
 
 
 class _ChatStream(AnswerWriter):
@@ -67,8 +67,8 @@ class _ChatStream(AnswerWriter):
     def finish(self, usage: Usage, finish_reason: str = "stop") -> bytes:
         return self._chunks.finish(finish_reason, usage)
 
-    def fail(self, message: str, code: str) -> bytes:
-        return self._chunks.error(message, code)
+    def fail(self, exc: RequestError) -> bytes:
+        return self._chunks.error(exc)
 
 
 class _ChatBody(AnswerWriter):
@@ -99,8 +99,8 @@ class _ResponsesStream(AnswerWriter):
     def finish(self, usage: Usage, finish_reason: str = "stop") -> bytes:
         return self._events.finish(usage, finish_reason)
 
-    def fail(self, message: str, code: str) -> bytes:
-        return self._events.fail(message, code)
+    def fail(self, exc: RequestError) -> bytes:
+        return self._events.fail(exc.message, exc.code)
 
 
 class _ResponsesBody(AnswerWriter):

@@ -8,31 +8,13 @@ from typing import Any
 
 import msgspec
 
-from iop.errors import RequestError, error_body
+from iop.errors import RequestError, error_event
 from iop.openai.usage import Usage, chat_usage
 
 _encode = msgspec.json.Encoder().encode
 
 DONE = b"data: [DONE]\n\n"
 _CONTENT_TAIL = b'},"logprobs":null,"finish_reason":null}]}\n\n'
-
-
-def _error_types() -> dict[str, str]:
-    types: dict[str, str] = {}
-    pending = list(RequestError.__subclasses__())
-    while pending:
-        cls = pending.pop()
-        types.setdefault(cls.code, cls.type)
-        pending.extend(cls.__subclasses__())
-    return types
-
-
-_ERROR_TYPES = _error_types()
-
-
-def error_type(code: str) -> str:
-    """The OpenAI error `type` for an iop error code (`server_error` when the code is not iop's)."""
-    return _ERROR_TYPES.get(code, "server_error")
 
 
 def completion_id() -> str:
@@ -126,6 +108,6 @@ class ChatChunks:
             out += self._envelope + b',"choices":[],"usage":' + _encode(chat_usage(counted)) + b"}\n\n"
         return out + DONE
 
-    def error(self, message: str, code: str) -> bytes:
+    def error(self, exc: RequestError) -> bytes:
         """A terminal error event; the OpenAI SDK raises it as an APIError."""
-        return b"data: " + error_body(message, error_type(code), code) + b"\n\n"
+        return error_event("chat", exc)

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from iop.errors import UpstreamError
 from iop.openai.chat_events import ChatChunks
 from iop.openai.responses_events import ResponseEvents, new_id
 from iop.openai.sse import SseDecoder, SseEvent
@@ -233,7 +234,7 @@ class ResponsesToChatStream:
         if self.ended:
             return b""
         self.ended = True
-        return self.start() + self._chunks.error(message, code)
+        return self.start() + self._chunks.error(UpstreamError(message, code=code))
 
     def _on_event(self, sse: SseEvent) -> bytes:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from iop.edge.status_schema import PoolStatus, Status
+from iop.errors import PlanError
 
 
 @dataclass(frozen=True)
@@ -20,10 +21,6 @@ class Plan:
     expect_capacity: int | None
     """Connected capacity of the pool expected; None: its total capacity (every candidate)."""
     requests: int
-
-
-class PlanError(Exception):
-    """The options ask for something this edge does not have (an unknown alias, a burst too small)."""
 
 
 def make_plan(

@@ -23,10 +23,10 @@ import yaml
 from iop import config, wire
 from iop.client import EdgeClient
 from iop.edge.status_schema import PoolStatus, Status
-from iop.errors import ConfigError, IopError
+from iop.errors import ConfigError, IopError, PlanError, UsageError
 from iop.smoke.burst import run_burst
 from iop.smoke.procs import Children, child_env, iop_command
-from iop.smoke.ready import Plan, PlanError, describe_ready, make_plan, missing
+from iop.smoke.ready import Plan, describe_ready, make_plan, missing
 from iop.smoke.report import Report, judge, ready_check, render, to_json, unsettled
 
 READY_LINE = re.compile(r"iop edge listening on (http://\S+) nats=(\S+)")
@@ -36,10 +36,6 @@ SETTLE_S = wire.HEARTBEAT_INTERVAL_S * wire.HEARTBEATS_MISSED + 3.0
 """After the burst: long enough for every node's next heartbeat to bring its final counts."""
 BUILT_IN = "iop/configs/smoke.yaml"
 _POLL_S = 0.1
-
-
-class UsageError(IopError):
-    """Options that cannot work together or name what does not exist (exit 2)."""
 
 
 @dataclass(frozen=True)
