@@ -1,0 +1,498 @@
+"""The pool scheduler and the dispatch that owns a pool request's slot, without a deployment.
+
+The scheduler needs no NATS, so its tests run on the event loop alone. The dispatch tests use a
+real nats-server and the real relay; the test plays the node by reading the work items published
+to the stream's subjects and answering on their reply subjects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from iop import bus, wire
+from iop.bus import EmbeddedNats
+from iop.edge import scheduler as scheduler_module
+from iop.edge.dispatch import DirectDispatch, DispatchResult, PoolDispatch
+from iop.edge.relay import Channel, Relay
+from iop.edge.scheduler import ProviderSlots, Scheduler
+from iop.errors import (
+    BadRequest,
+    NodeLost,
+    QueueFull,
+    RequestError,
+    Unavailable,
+    UpstreamError,
+    error_of,
+    failure_of,
+)
+
+
+def scheduler(providers: dict[str, int], pools: dict[str, list[str]], max_waiting: int = 100) -> Scheduler:
+    """A scheduler with every provider connected (on a node named after it)."""
+    s = Scheduler(max_waiting)
+    for pid, capacity in providers.items():
+        s.add_provider(pid, f"node-{pid}", capacity)
+        s.set_connected(pid, True)
+    for alias, members in pools.items():
+        s.add_pool(alias, members)
+    return s
+
+
+def soon() -> float:
+    return asyncio.get_running_loop().time() + 5.0
+
+
+async def granted(future: asyncio.Future[ProviderSlots] | asyncio.Task[ProviderSlots]) -> ProviderSlots:
+    return await asyncio.wait_for(future, 5.0)
+
+
+async def waiting(s: Scheduler, alias: str, n: int) -> None:
+    """Until `n` requests wait in the pool's queue."""
+    async with asyncio.timeout(5):
+        while s.waiting(alias) != n:
+            s.changed.clear()
+            await s.changed.wait()
+
+
+# --- the scheduler ----------------------------------------------------------------------------------
+
+
+async def test_scheduler_grants_a_free_slot_at_once_without_queueing() -> None:
+    s = scheduler({"p": 2}, {"m": ["p"]})
+    a = await s.acquire("m", soon())
+    b = await s.acquire("m", soon())
+    assert (a.id, b.id, s.providers["p"].in_flight, s.waiting("m")) == ("p", "p", 2, 0)
+
+
+async def test_scheduler_binds_to_the_provider_with_most_free_slots() -> None:
+    s = scheduler({"small": 2, "big": 4}, {"m": ["small", "big"]})
+    picks = [(await s.acquire("m", soon())).id for _ in range(3)]
+    # big has 4 free, then 3 (> 2), then 2 == 2: the tie rotates, and neither is ever over capacity.
+    assert picks[:2] == ["big", "big"]
+    assert s.providers["big"].in_flight + s.providers["small"].in_flight == 3
+    for _ in range(3):
+        await s.acquire("m", soon())
+    assert (s.providers["big"].in_flight, s.providers["small"].in_flight) == (4, 2)
+
+
+async def test_scheduler_binds_a_waiter_late_to_whichever_provider_frees_first() -> None:
+    s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
+    held = [await s.acquire("m", soon()), await s.acquire("m", soon())]
+    waiter = asyncio.create_task(s.acquire("m", soon()))
+    await waiting(s, "m", 1)
+    held_b = next(slot for slot in held if slot.id == "b")
+    s.release(held_b)
+    assert (await granted(waiter)).id == "b"
+    assert s.waiting("m") == 0
+
+
+async def test_scheduler_is_fifo_across_pools_sharing_a_provider() -> None:
+    s = scheduler({"shared": 1}, {"alpha": ["shared"], "beta": ["shared"]})
+    shared = await s.acquire("alpha", soon())
+    order: list[str] = []
+    served = asyncio.Event()
+
+    async def ask(name: str, alias: str) -> None:
+        await s.acquire(alias, soon())
+        order.append(name)
+        served.set()
+
+    asking = [("a1", "alpha", 1), ("b1", "beta", 1), ("a2", "alpha", 2), ("b2", "beta", 2)]
+    tasks = []
+    for name, alias, queued in asking:
+        tasks.append(asyncio.create_task(ask(name, alias)))
+        await waiting(s, alias, queued)
+    for _ in asking:
+        served.clear()
+        s.release(shared)  # one slot frees: the oldest waiter of either pool takes it
+        await asyncio.wait_for(served.wait(), 5)
+    assert order == ["a1", "b1", "a2", "b2"]
+    await asyncio.gather(*tasks)
+
+
+async def test_scheduler_refuses_past_max_waiting_with_retry_after() -> None:
+    s = scheduler({"p": 1}, {"m": ["p"]}, max_waiting=1)
+    await s.acquire("m", soon())
+    queued = asyncio.create_task(s.acquire("m", soon()))
+    await waiting(s, "m", 1)
+    with pytest.raises(QueueFull) as refused:
+        await s.acquire("m", soon())
+    assert refused.value.headers == {"Retry-After": "1"}
+    queued.cancel()
+    await asyncio.gather(queued, return_exceptions=True)
+    assert s.waiting("m") == 0
+
+
+async def test_scheduler_gives_up_at_the_deadline_and_leaves_the_queue() -> None:
+    s = scheduler({"p": 1}, {"m": ["p"]})
+    slot = await s.acquire("m", soon())
+    with pytest.raises(Unavailable) as late:
+        await s.acquire("m", asyncio.get_running_loop().time() + 0.05)
+    assert late.value.code == "queue_timeout" and s.waiting("m") == 0
+    s.release(slot)
+    assert s.providers["p"].in_flight == 0
+
+
+async def test_scheduler_waits_for_a_provider_to_connect() -> None:
+    s = scheduler({"p": 1}, {"m": ["p"]})
+    s.set_connected("p", False)
+    waiter = asyncio.create_task(s.acquire("m", soon()))
+    await asyncio.sleep(0)  # let it find nobody connected
+    assert not waiter.done()
+    s.set_connected("p", True)
+    assert (await granted(waiter)).id == "p"
+
+
+async def test_scheduler_never_hands_out_an_excluded_provider() -> None:
+    s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
+    assert (await s.acquire("m", soon(), frozenset({"b"}))).id == "a"
+    held_b = await s.acquire("m", soon())
+    waiter = asyncio.create_task(s.acquire("m", soon(), frozenset({"b"})))
+    await waiting(s, "m", 1)
+    s.release(held_b)  # b frees, but the waiter excludes it
+    assert s.waiting("m") == 1 and s.providers["b"].in_flight == 0
+    s.release(s.providers["a"])
+    assert (await granted(waiter)).id == "a"
+
+
+async def test_scheduler_breaker_opens_half_opens_and_closes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler_module, "BREAKER_COOLDOWN_S", 0.2)
+    s = scheduler({"p": 4}, {"m": ["p"]})
+    p = s.providers["p"]
+    for _ in range(scheduler_module.BREAKER_FAILURES):
+        s.release(await s.acquire("m", soon()))
+        s.failed(p)
+    assert p.breaker(time.monotonic()) == "open" and not p.usable(time.monotonic())
+
+    # Open: requests wait although slots are free; when the cooldown ends one trial goes out.
+    trial = asyncio.create_task(s.acquire("m", soon()))
+    second = asyncio.create_task(s.acquire("m", soon()))
+    await waiting(s, "m", 2)
+    assert (await granted(trial)) is p
+    assert p.trial and p.breaker(time.monotonic()) == "half_open"
+    assert s.waiting("m") == 1 and p.in_flight == 1  # half-open: one request at a time
+
+    # The trial succeeds: closed, and the next waiter gets its slot at once.
+    s.succeeded(p)
+    assert (await granted(second)) is p
+    assert (p.breaker(time.monotonic()), p.failures, p.trips, p.trial) == ("closed", 0, 0, False)
+
+
+async def test_scheduler_breaker_failed_trial_reopens_for_twice_as_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler_module, "BREAKER_COOLDOWN_S", 0.05)
+    s = scheduler({"p": 1}, {"m": ["p"]})
+    p = s.providers["p"]
+    for _ in range(scheduler_module.BREAKER_FAILURES):
+        s.release(await s.acquire("m", soon()))
+        s.failed(p)
+    trial = await granted(asyncio.create_task(s.acquire("m", soon())))
+    assert p.trial
+    s.release(trial)
+    before = time.monotonic()
+    s.failed(trial)
+    assert not p.trial and p.trips == 2
+    assert p.open_until >= before + 0.1  # doubled: 0.1 s this time
+
+
+async def test_scheduler_refresh_drains_a_removed_provider() -> None:
+    s = scheduler({"old": 1, "keep": 1}, {"m": ["old", "keep"]})
+    running = await s.acquire("m", soon(), frozenset({"keep"}))
+    assert running.id == "old"
+    draining = s.apply({"keep": ("node-keep", 1), "new": ("node-new", 2)}, {"m": ["keep", "new"]})
+    assert draining == ["old"]
+    assert running.removed and s.providers["old"] is running  # still counted while it runs
+    assert not running.usable(time.monotonic())
+    s.set_connected("new", True)
+    assert (await s.acquire("m", soon())).id == "new"
+    s.changed.clear()
+    s.release(running)
+    assert "old" not in s.providers and s.changed.is_set()
+
+
+async def test_scheduler_refresh_fails_the_waiters_of_a_removed_pool() -> None:
+    s = scheduler({"p": 1}, {"m": ["p"], "gone": ["p"]})
+    held = await s.acquire("m", soon())
+    waiter = asyncio.create_task(s.acquire("gone", soon()))
+    await waiting(s, "gone", 1)
+    s.apply({"p": ("node-p", 1)}, {"m": ["p"]})
+    with pytest.raises(Unavailable) as removed:
+        await waiter
+    assert removed.value.code == "model_removed"
+    s.release(held)
+    assert s.providers["p"].in_flight == 0
+
+
+async def test_scheduler_refresh_hands_new_capacity_to_waiters() -> None:
+    s = scheduler({"p": 1}, {"m": ["p"]})
+    await s.acquire("m", soon())
+    waiter = asyncio.create_task(s.acquire("m", soon()))
+    await waiting(s, "m", 1)
+    s.apply({"p": ("node-p", 2)}, {"m": ["p"]})
+    assert (await granted(waiter)).id == "p" and s.providers["p"].in_flight == 2
+
+
+# --- the dispatch: a pool request's slot, released exactly once ---------------------------------
+
+
+@dataclass
+class Node:
+    """The test's stand-in for nodes: what it receives, and how it answers each provider's work."""
+
+    nc: NATS
+    script: dict[str, Callable[[wire.WorkItem], list[object]]]
+    items: list[tuple[str, wire.WorkItem]] = field(default_factory=list)
+    """(provider, item) of every work item published, in order."""
+    cancels: list[str] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def on_work(self, msg: Msg) -> None:
+        provider = msg.subject.rsplit(".", 1)[1]
+        item = wire.decode_work(msg.data)
+        self.items.append((provider, item))
+        self.changed.set()
+        for reply in self.script[provider](item):
+            await self.nc.publish(item.reply_to, wire.encode(reply))
+
+    async def on_cancel(self, msg: Msg) -> None:
+        self.cancels.append(wire.decode_cancel(msg.data).id)
+        self.changed.set()
+
+
+def answers(*chunks: bytes) -> Callable[[wire.WorkItem], list[object]]:
+    def script(item: wire.WorkItem) -> list[object]:
+        out: list[object] = [wire.Started(item.id, "n", "i")]
+        out += [wire.Chunk(item.id, i, c) for i, c in enumerate(chunks)]
+        return [*out, wire.Done(item.id, len(chunks))]
+
+    return script
+
+
+def fails(exc: RequestError, *, started: bool = True) -> Callable[[wire.WorkItem], list[object]]:
+    def script(item: wire.WorkItem) -> list[object]:
+        head: list[object] = [wire.Started(item.id, "n", "i")] if started else []
+        return [*head, failure_of(exc, item.id, 0)]
+
+    return script
+
+
+def silent(item: wire.WorkItem) -> list[object]:
+    # Starts and sends a first part, then never finishes (until cancelled or lost).
+    return [wire.Started(item.id, "n", "i"), wire.Chunk(item.id, 0, b"part")]
+
+
+@dataclass
+class Rig:
+    scheduler: Scheduler
+    relay: Relay
+    node: Node
+    finished: list[DispatchResult]
+    receiving: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when an answer's bytes reach the HTTP side (the node has started the item)."""
+
+    def dispatch(self, alias: str = "m") -> PoolDispatch:
+        loop = asyncio.get_running_loop()
+        return PoolDispatch(self.scheduler, self.relay, alias, loop.time() + 5, on_finished=self.finished.append)
+
+    async def serve(self, dispatch: PoolDispatch, responded: Callable[[], bool] = lambda: False) -> bytes:
+        got: list[bytes] = []
+
+        async def answer(ch: Channel, provider: str) -> RequestError | None:
+            parts = []
+            async for data in self.relay.replies(ch, dispatch.deadline):
+                parts.append(data)
+                self.receiving.set()
+            got.extend(parts)  # only a whole answer counts (as the edge answers a non-streamed request)
+            return None
+
+        await dispatch.run(lambda ch: _item(self.relay, ch), answer, responded)
+        return b"".join(got)
+
+    def in_flight(self) -> dict[str, int]:
+        return {pid: p.in_flight for pid, p in self.scheduler.providers.items()}
+
+
+def _item(relay: Relay, ch: Channel) -> wire.WorkItem:
+    return wire.WorkItem(
+        id=ch.id, api="chat", stream=False, alias="m", body=b"{}", reply_to=relay.reply_to(ch), deadline=time.time() + 5
+    )
+
+
+@asynccontextmanager
+async def rig(
+    nats_server: EmbeddedNats, providers: dict[str, int], script: dict[str, Callable[[wire.WorkItem], list[object]]]
+) -> AsyncIterator[Rig]:
+    nc = await bus.connect(nats_server.url, "test-dispatch", wait_s=5)
+    try:
+        js = nc.jetstream()
+        await bus.ensure_work_stream(js, memory=True)
+        relay = Relay(nc, js, "edge1")
+        await relay.start()
+        node = Node(nc, script)
+        await nc.subscribe(wire.WORK_SUBJECTS, cb=node.on_work)
+        await nc.subscribe("iop.node.*.cancel", cb=node.on_cancel)
+        await nc.flush()
+        yield Rig(scheduler(providers, {"m": list(providers)}), relay, node, [])
+    finally:
+        await nc.close()
+
+
+async def test_dispatch_success_releases_once_and_reports_once(nats_server: EmbeddedNats) -> None:
+    async with rig(nats_server, {"p": 1}, {"p": answers(b"hel", b"lo")}) as r:
+        dispatch = r.dispatch()
+        assert await r.serve(dispatch) == b"hello"
+        pool = r.scheduler.pools["m"]
+        assert r.in_flight() == {"p": 0} and (pool.running, pool.peak_running) == (0, 1)
+        [result] = r.finished
+        assert (result.outcome, result.provider, result.node, result.attempts, result.error) == (
+            "ok",
+            "p",
+            "node-p",
+            1,
+            None,
+        )
+        assert result.queue_wait_ms is not None and result.first_byte_ms is not None
+        assert 0 <= result.queue_wait_ms <= result.first_byte_ms <= result.duration_ms
+
+
+async def test_dispatch_failure_of_the_request_releases_once_without_failover(nats_server: EmbeddedNats) -> None:
+    script = {"a": fails(BadRequest("no", code="upstream_bad_request")), "b": answers(b"x")}
+    async with rig(nats_server, {"a": 1, "b": 1}, script) as r:
+        with pytest.raises(BadRequest):
+            await r.serve(r.dispatch())
+        assert r.in_flight() == {"a": 0, "b": 0} and len(r.node.items) == 1
+        assert r.scheduler.providers["a"].failures == 0  # the request's fault, not the provider's
+        [result] = r.finished
+        assert result.outcome == "error" and isinstance(result.error, BadRequest)
+
+
+async def test_dispatch_fails_over_and_releases_every_slot_once(nats_server: EmbeddedNats) -> None:
+    script = {"a": fails(UpstreamError("down", code="upstream_unavailable")), "b": answers(b"ok")}
+    async with rig(nats_server, {"a": 2, "b": 1}, script) as r:
+        # a has the most free slots, so it is tried first; it fails, and b answers.
+        assert await r.serve(r.dispatch()) == b"ok"
+        assert [p for p, _ in r.node.items] == ["a", "b"]
+        assert r.in_flight() == {"a": 0, "b": 0} and r.scheduler.pools["m"].running == 0
+        assert r.scheduler.providers["a"].failures == 1
+        [result] = r.finished
+        assert (result.outcome, result.attempts, result.provider) == ("ok", 2, "b")
+
+
+async def test_dispatch_does_not_fail_over_once_the_client_saw_bytes(nats_server: EmbeddedNats) -> None:
+    script = {"a": fails(UpstreamError("down")), "b": answers(b"ok")}
+    async with rig(nats_server, {"a": 2, "b": 1}, script) as r:
+        with pytest.raises(UpstreamError):
+            await r.serve(r.dispatch(), responded=lambda: True)
+        assert len(r.node.items) == 1 and r.in_flight() == {"a": 0, "b": 0}
+
+
+async def test_dispatch_gives_up_after_every_provider_failed(nats_server: EmbeddedNats) -> None:
+    script = {p: fails(UpstreamError(f"{p} down"), started=False) for p in ("a", "b", "c", "d")}
+    async with rig(nats_server, dict.fromkeys(script, 1), script) as r:
+        with pytest.raises(UpstreamError):
+            await r.serve(r.dispatch())
+        assert len(r.node.items) == 3  # the first try and two more
+        assert r.in_flight() == dict.fromkeys(script, 0)
+        assert r.finished[0].attempts == 3
+
+
+async def test_dispatch_cancelled_by_the_client_releases_once_and_cancels_the_node(nats_server: EmbeddedNats) -> None:
+    async with rig(nats_server, {"p": 1}, {"p": silent}) as r:
+        pool = r.scheduler.pools["m"]
+        task = asyncio.create_task(r.serve(r.dispatch()))
+        await asyncio.wait_for(r.receiving.wait(), 5)
+        assert pool.running == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert r.in_flight() == {"p": 0} and pool.running == 0
+        [(_, item)] = r.node.items
+        async with asyncio.timeout(5):
+            while item.id not in r.node.cancels:
+                r.node.changed.clear()
+                await r.node.changed.wait()
+        assert r.finished[0].outcome == "cancelled"
+
+
+async def test_dispatch_cancelled_while_queued_takes_no_slot(nats_server: EmbeddedNats) -> None:
+    async with rig(nats_server, {"p": 1}, {"p": silent}) as r:
+        held = await r.scheduler.acquire("m", soon())
+        task = asyncio.create_task(r.serve(r.dispatch()))
+        await waiting(r.scheduler, "m", 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert r.in_flight() == {"p": 1} and r.scheduler.waiting("m") == 0 and not r.node.items
+        r.scheduler.release(held)
+        assert r.in_flight() == {"p": 0}
+        assert r.finished[0].outcome == "cancelled" and r.finished[0].attempts == 0
+
+
+async def test_dispatch_node_lost_releases_once_then_fails_over(nats_server: EmbeddedNats) -> None:
+    async with rig(nats_server, {"a": 2, "b": 1}, {"a": silent, "b": answers(b"ok")}) as r:
+        task = asyncio.create_task(r.serve(r.dispatch()))
+        await asyncio.wait_for(r.receiving.wait(), 5)
+        assert r.scheduler.pools["m"].running == 1
+        r.relay.node_lost("node-a", "test")
+        assert r.in_flight()["a"] == 0  # freed the moment the node is known lost
+        assert await task == b"ok"
+        assert r.in_flight() == {"a": 0, "b": 0} and r.finished[0].attempts == 2
+
+
+async def test_direct_dispatch_reports_once(nats_server: EmbeddedNats) -> None:
+    async with rig(nats_server, {"p": 1}, {}) as r:
+
+        async def cli(msg: Msg) -> None:
+            item = wire.decode_work(msg.data)
+            await r.node.nc.publish(msg.reply, wire.encode(wire.Accepted(item.id)))
+            for reply in answers(b"hi")(item):
+                await r.node.nc.publish(item.reply_to, wire.encode(reply))
+
+        await r.node.nc.subscribe(wire.cli_subject("n1", "agent"), cb=cli)
+        await r.node.nc.flush()
+        dispatch = DirectDispatch(r.relay, "agent", "n1", "agent", on_finished=r.finished.append)
+        got: list[bytes] = []
+
+        async def answer(ch: Channel, provider: str) -> RequestError | None:
+            got.extend([data async for data in r.relay.replies(ch, None)])
+            return None
+
+        await dispatch.run(lambda ch: _item(r.relay, ch), answer)
+        assert got == [b"hi"] and not r.relay.channels
+        [result] = r.finished
+        assert (result.route, result.outcome, result.node, result.provider) == ("direct", "ok", "n1", "agent")
+
+
+# --- errors across the wire -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        NodeLost("gone"),
+        UpstreamError("down", code="upstream_timeout"),
+        BadRequest("upstream: bad", code="upstream_bad_request", status=413),
+        Unavailable("late", code="queue_timeout"),
+    ],
+)
+def test_errors_keep_their_class_across_the_wire(exc: RequestError) -> None:
+    reply = wire.decode_reply(wire.encode(failure_of(exc, "r1", 3)))
+    assert isinstance(reply, wire.Failure) and reply.kind == type(exc).__name__
+    back = error_of(reply)
+    assert type(back) is type(exc)
+    assert (back.status, back.code, back.message, back.retryable) == (exc.status, exc.code, exc.message, exc.retryable)
+
+
+def test_errors_from_an_older_node_fall_back_to_the_status() -> None:
+    old = wire.Failure("r1", 0, 429, "upstream_rate_limited", "slow down")  # no `kind`
+    reply = wire.decode_reply(wire.encode(old))
+    assert isinstance(reply, wire.Failure)
+    back = error_of(reply)
+    assert type(back) is QueueFull and not back.retryable
