@@ -165,6 +165,7 @@ async def test_http1_chunked_body_with_extensions_and_trailers_keeps_the_connect
         b"HTTP/1.0 200 OK\r\n\r\nhello",
         b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nhello",
         b"HTTP/1.1 200 OK\r\nConnection: close\r\ncontent-length: 5\r\n\r\nhello",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\nhello",  # a coding not ending in chunked: RFC 9112 §6.3
     ],
 )
 async def test_http1_read_until_close_and_connection_close_are_not_reused(response: bytes) -> None:
@@ -366,6 +367,15 @@ async def test_http1_read_timeout_is_the_gap_between_bytes() -> None:
         (b"HTTP/1.1 200 OK\r\ncontent-length: 12x\r\n\r\n", "malformed content-length"),
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "malformed chunk size"),
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabc\r\n", "not followed by CRLF"),
+        (b"HTTP/2 200\r\n\r\n", "malformed status line"),
+        (b"HTTP/1.1 200 OK\r\nX-Folded: a\r\n  b\r\n\r\n", "malformed header line"),  # obs-fold: RFC 9112 §5.2
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\nok", "malformed content-length"),
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            "malformed content-length",  # both framings at once: a smuggling attempt or a broken server
+        ),
+        (b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\n\r\n", "unexpected 101 Switching Protocols"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\nx-big: " + b"a" * 70_000 + b"\r\n\r\n", "larger"),
     ],
 )
 async def test_http1_malformed_response_is_protocol_error(response: bytes, message: str) -> None:
@@ -541,10 +551,10 @@ class _FakeTransport(asyncio.Transport):
         (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok", 201, {}, b"ok"),
         (b"HTTP/1.1 204 No Content\r\nX-A: 1\r\nx-a: 2\r\n\r\n", 204, {"x-a": "1, 2"}, b""),
         (
-            b"HTTP/1.1 200 OK\r\nX-Folded: a\r\n  b\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nX-Spaced:  a b \t\r\ntransfer-encoding: chunked\r\n\r\n"
             b'3;ext="q"\r\nabc\r\nA\r\n0123456789\r\n0;last\r\nx-t: 1\r\n\r\n',
             200,
-            {"x-folded": "a b"},
+            {"x-spaced": "a b"},
             b"abc0123456789",
         ),
     ],
@@ -561,3 +571,64 @@ async def test_http1_parser_gives_the_same_answer_however_bytes_are_split(
         assert conn.state == http1._DONE and conn.keep_alive and conn.exc is None
         assert conn.status == status and headers.items() <= conn.headers.items()
         assert b"".join(conn.pieces) == body
+
+
+def fed(raw: bytes, size: int) -> http1._Conn:
+    """A connection that sent a request and received `raw` in reads of `size` bytes."""
+    conn = http1._Conn(asyncio.get_running_loop(), 5.0)
+    conn.connection_made(_FakeTransport())
+    conn.send(b"POST / HTTP/1.1\r\n\r\n")
+    for i in range(0, len(raw), size):
+        conn.data_received(raw[i : i + size])
+    return conn
+
+
+async def test_http1_interim_answers_headers_are_not_the_answers() -> None:
+    raw = b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    for size in (len(raw), 1):
+        conn = fed(raw, size)
+        assert (conn.state, conn.status, conn.headers, b"".join(conn.pieces)) == (
+            http1._DONE,
+            200,
+            {"content-length": "2"},
+            b"ok",
+        )
+
+
+@pytest.mark.parametrize("after", [b"garbage", b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nno"])
+async def test_http1_bytes_past_the_body_end_it_and_the_connection_is_not_kept(after: bytes) -> None:
+    conn = fed(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok" + after, 1024)
+    assert (conn.state, b"".join(conn.pieces), conn.exc) == (http1._DONE, b"ok", None)
+    assert not conn.keep_alive
+
+
+class _AbortableTransport(_FakeTransport):
+    aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * 70_000, "response head larger than 65536"),
+        (b"HTTP/1.1 200 OK\r\n" + b"x-many: a\r\n" * 7000, "response head larger than 65536"),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\nx\r\n0\r\nx-t: " + b"a" * 70_000,
+            "chunk framing or trailers larger than 65536",
+        ),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1;" + b"e" * 70_000, "larger than 65536"),
+    ],
+)
+async def test_http1_head_and_framing_held_are_bounded_however_slowly_they_come(raw: bytes, message: str) -> None:
+    conn = http1._Conn(asyncio.get_running_loop(), 5.0)
+    transport = _AbortableTransport()
+    conn.connection_made(transport)
+    conn.send(b"POST / HTTP/1.1\r\n\r\n")
+    for i in range(0, len(raw), 1000):
+        conn.data_received(raw[i : i + 1000])
+        if conn.exc is not None:
+            break
+    assert isinstance(conn.exc, ProtocolError) and re.search(message, str(conn.exc))
+    assert transport.aborted and conn.closed

@@ -5,19 +5,19 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import AsyncIterator, Mapping
-from typing import cast
+from typing import NoReturn, cast
 from urllib.parse import urlsplit
 
+import httptools
+
 MAX_HEAD = 64 * 1024
-"""A response head (or one chunk-size/trailer line) larger than this is a ProtocolError."""
+"""A response head, its trailers, or chunk framing between two body bytes larger than this is a ProtocolError."""
 HIGH_WATER = 256 * 1024
 """Reading the socket pauses once this many body bytes wait for the consumer."""
 MAX_BUFFERED = HIGH_WATER + 256 * 1024
 """Bound on bytes buffered per response: the high-water mark plus one socket read (asyncio reads ≤ 256 KiB)."""
 
 _IDLE, _HEAD, _BODY, _DONE = range(4)
-_LENGTH, _CHUNKED, _UNTIL_CLOSE = range(3)
-_SIZE, _CRLF, _TRAILER = range(3)
 _RESERVED = {"host", "content-length", "transfer-encoding"}
 
 
@@ -37,8 +37,18 @@ class ProtocolError(HttpError):
     """Malformed response, or the connection closed mid-response."""
 
 
+class _PastTheEnd(Exception):
+    """Raised in the parser's callback when bytes follow the complete response: parsing stops there."""
+
+
 class _Conn(asyncio.Protocol):
-    """One connection: parses the response as bytes arrive and hands body pieces to one consumer."""
+    """One connection: parses the response as bytes arrive and hands body pieces to one consumer.
+
+    httptools (llhttp, uvicorn's parser) does the framing: status line, headers, content-length,
+    chunked coding with extensions and trailers, interim 1xx answers. This class keeps what llhttp
+    leaves to its caller: bounds on what a response may make us hold, the end of a body that runs
+    until the connection closes, and flow control towards the consumer.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout_s: float) -> None:
         self.loop = loop
@@ -55,10 +65,14 @@ class _Conn(asyncio.Protocol):
         self.buffered = 0
         self.paused = False
         self.exc: HttpError | None = None
-        self._buf = b""  # an incomplete head, chunk-size line or trailer line
-        self._mode = _LENGTH
-        self._left = 0  # body bytes left (content-length) or bytes left in the current chunk
-        self._chunk = _SIZE
+        # One parser for the connection's life: llhttp starts the next response where one ends.
+        self._parser = httptools.HttpResponseParser(self)
+        # A bare LF ending a head line: RFC 9112 §2.2 lets a recipient accept it, and iop always has.
+        self._parser.set_dangerous_leniencies(lenient_optional_cr_before_lf=True)
+        self._until_close = False  # the body ends when the server closes the connection
+        self._field_bytes = 0  # header (then trailer) names and values of the current response
+        self._quiet = 0  # bytes received since the last body byte: head, chunk framing, trailers
+        self._stop: ProtocolError | None = None  # raised by a parser callback
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last = 0.0  # loop time of the last byte or of the start of the current wait
@@ -68,7 +82,7 @@ class _Conn(asyncio.Protocol):
     def send(self, request: bytes) -> None:
         if self.closed:
             raise ProtocolError("connection closed before the request was sent")
-        self.state, self.received, self.exc, self._buf = _HEAD, False, None, b""
+        self.state, self.received, self.exc, self._quiet = _HEAD, False, None, 0
         self.pieces, self.buffered = [], 0
         transport = cast(asyncio.Transport, self.transport)
         if self.paused:  # the last body arrived whole but unread: reading was left paused
@@ -147,26 +161,22 @@ class _Conn(asyncio.Protocol):
                 self.close()
             return
         self.received = True
-        if self._buf:
-            data, self._buf = self._buf + data, b""
+        self._quiet += len(data)
         try:
-            if self.state == _HEAD:
-                data = self._parse_head(data)
-            if not data or self.state != _BODY:
-                pass
-            elif self._mode == _CHUNKED:
-                self._feed_chunked(data)
-            elif self._mode == _UNTIL_CLOSE:
-                self._push(data)
-            elif len(data) < self._left:
-                self._push(data)
-                self._left -= len(data)
-            else:
-                if len(data) > self._left:
-                    self.keep_alive = False  # bytes past the body: the framing is off
-                    data = data[: self._left]
-                self._push(data)
-                self.state = _DONE
+            self._parser.feed_data(data)
+            if self._quiet > MAX_HEAD:  # llhttp buffers nothing, but httptools joins a field's pieces
+                where = "response head" if self.state == _HEAD else "chunk framing or trailers"
+                raise ProtocolError(f"{where} larger than {MAX_HEAD} bytes")
+        except httptools.HttpParserCallbackError as exc:
+            stop, self._stop = self._stop, None
+            if stop is not None:
+                self._fail(stop)
+                self.close()
+            elif not isinstance(exc.__context__, _PastTheEnd):
+                raise  # a bug in a callback below
+        except httptools.HttpParserError as exc:
+            self._fail(_malformed(exc, self.state == _HEAD))
+            self.close()
         except ProtocolError as exc:
             self._fail(exc)
             self.close()
@@ -191,114 +201,56 @@ class _Conn(asyncio.Protocol):
         if self.state == _HEAD:
             self._fail(ProtocolError(f"connection closed before the response head{why}"))
         elif self.state == _BODY:
-            if self._mode == _UNTIL_CLOSE and exc is None:
+            if self._until_close and exc is None:
                 self.state = _DONE
                 self._wake()
             else:
                 self._fail(ProtocolError(f"connection closed mid-body{why}"))
 
-    def _parse_head(self, data: bytes) -> bytes:
-        """Parse the head if complete; return the bytes after it (b"" and buffered if incomplete)."""
-        while True:  # more than once only after an interim 1xx response
-            end = data.find(b"\r\n\r\n")
-            stop = end + 4
-            if end < 0:  # or a server that ends lines with a bare \n
-                end = data.find(b"\n\n")
-                stop = end + 2
-            if end < 0:
-                if len(data) > MAX_HEAD:
-                    raise ProtocolError(f"response head larger than {MAX_HEAD} bytes")
-                self._buf = data
-                return b""
-            if end > MAX_HEAD:
-                raise ProtocolError(f"response head larger than {MAX_HEAD} bytes")
-            lines = data[:end].splitlines()  # \r\n or \n
-            data = data[stop:]
-            version, _, rest = lines[0].partition(b" ")
-            code = rest[:3]
-            if not version.startswith(b"HTTP/1.") or not code.isdigit() or len(code) != 3 or rest[3:4].strip():
-                raise ProtocolError(f"malformed status line: {lines[0][:100]!r}")
-            status = int(code)
-            if status >= 200 or status == 101:  # 101 only answers an Upgrade, which is never sent
-                break
-        headers: dict[str, str] = {}
-        name = ""
-        for raw in lines[1:]:
-            line = raw.decode("latin-1")
-            if line[:1] in (" ", "\t") and name:  # obsolete line folding
-                headers[name] += " " + line.strip()
-                continue
-            key, sep, value = line.partition(":")
-            if not sep or not key or key[-1] in " \t":
-                raise ProtocolError(f"malformed header line: {raw[:100]!r}")
-            name = key.lower()
-            if name in headers:
-                headers[name] += ", " + value.strip()
-            else:
-                headers[name] = value.strip()
-        self.status, self.headers, self.state = status, headers, _BODY
-        connection = headers.get("connection", "").lower()
-        self.keep_alive = "keep-alive" in connection if version == b"HTTP/1.0" else "close" not in connection
-        coding = headers.get("transfer-encoding")
-        length = headers.get("content-length")
-        if status in (204, 304):
-            self.state = _DONE
-        elif coding is not None:
-            # RFC 9112 §6.3: a coding that doesn't end in chunked leaves the length to the close.
-            self._mode = _CHUNKED if coding.lower().endswith("chunked") else _UNTIL_CLOSE
-            self._chunk, self._left = _SIZE, 0
-        elif length is not None:
-            if not (length.isascii() and length.isdigit()):
-                raise ProtocolError(f"malformed content-length: {length[:100]!r}")
-            self._mode, self._left = _LENGTH, int(length)
-            if self._left == 0:
-                self.state = _DONE
-        else:
-            self._mode = _UNTIL_CLOSE
-        if self._mode == _UNTIL_CLOSE and self.state == _BODY:
-            self.keep_alive = False
-        return data
+    # --- the parser's callbacks (httptools calls them by name)
 
-    def _feed_chunked(self, data: bytes) -> None:
-        pos, end = 0, len(data)
-        while pos < end:
-            if self._left:  # chunk data split across reads
-                take = min(self._left, end - pos)
-                self._push(data if take == end else data[pos : pos + take])
-                pos += take
-                self._left -= take
-                continue
-            nl = data.find(b"\n", pos)
-            if nl < 0:
-                if end - pos > MAX_HEAD:
-                    raise ProtocolError("chunk-size or trailer line too long")
-                self._buf = data[pos:]
-                return
-            line = data[pos:nl]
-            pos = nl + 1
-            if self._chunk == _SIZE:
-                try:
-                    size = int(line.partition(b";")[0], 16)  # int() strips the blanks; extensions dropped
-                except ValueError:
-                    size = -1
-                if size < 0:
-                    raise ProtocolError(f"malformed chunk size: {line[:100]!r}")
-                if not size:
-                    self._chunk = _TRAILER
-                elif data[pos + size : pos + size + 2] == b"\r\n":  # the usual case: whole chunk in this read
-                    self._push(data[pos : pos + size])
-                    pos += size + 2
-                else:
-                    self._left, self._chunk = size, _CRLF
-            elif self._chunk == _CRLF:
-                if line.rstrip(b"\r"):
-                    raise ProtocolError("chunk data not followed by CRLF")
-                self._chunk = _SIZE
-            elif not line.rstrip(b"\r"):  # the empty line after the (ignored) trailers ends the body
-                if pos < end:
-                    self.keep_alive = False
-                self.state = _DONE
-                return
+    def _abort(self, message: str) -> NoReturn:
+        self._stop = ProtocolError(message)
+        raise self._stop
+
+    def on_message_begin(self) -> None:
+        if self.state == _DONE:
+            self.keep_alive = False  # bytes past the body: the framing is off
+            raise _PastTheEnd
+        self.headers, self._field_bytes = {}, 0  # anew after an interim 1xx
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._field_bytes += len(name) + len(value)
+        if self._field_bytes > MAX_HEAD:
+            self._abort(f"{'response head' if self.state == _HEAD else 'trailers'} larger than {MAX_HEAD} bytes")
+        if self.state != _HEAD:
+            return  # a trailer: nothing iop reads comes in one
+        key, text = name.decode("latin-1").lower(), value.decode("latin-1").rstrip(" \t")
+        headers = self.headers
+        headers[key] = headers[key] + ", " + text if key in headers else text
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                self._abort("unexpected 101 Switching Protocols: iop never asks to upgrade")
+            return  # an interim answer (100 Continue, 103 Early Hints): the real one follows
+        self.status, self.state = status, _BODY
+        self.keep_alive = self._parser.should_keep_alive()  # version, Connection, framing
+        # RFC 9112 §6.3: no length, or a transfer coding that does not end in chunked: read until close.
+        coding = self.headers.get("transfer-encoding")
+        if coding is None:
+            self._until_close = "content-length" not in self.headers
+        else:
+            self._until_close = not coding.lower().endswith("chunked")
+
+    def on_body(self, piece: bytes) -> None:
+        self._quiet = 0
+        self._push(piece)
+
+    def on_message_complete(self) -> None:
+        if self.state == _BODY:
+            self.state = _DONE
 
     def _push(self, piece: bytes) -> None:
         self.pieces.append(piece)
@@ -489,3 +441,23 @@ def _encode_headers(headers: Mapping[str, str]) -> bytes:
     if text.count("\r") != len(headers) or text.count("\n") != len(headers):
         raise ValueError("header names and values must not contain CR or LF")
     return text.encode("latin-1")
+
+
+def _malformed(exc: httptools.HttpParserError, in_head: bool) -> ProtocolError:
+    """llhttp's reason, prefixed with the part of the response it is about."""
+    reason = str(exc)
+    if isinstance(exc, httptools.HttpParserInvalidStatusError) or any(
+        word in reason for word in ("HTTP/", "version", "dot", "status", "response line")
+    ):
+        what = "malformed status line"
+    elif "Content-Length" in reason:
+        what = "malformed content-length"
+    elif "Transfer-Encoding" in reason:
+        what = "malformed transfer-encoding"
+    elif "chunk size" in reason:
+        what = "malformed chunk size"
+    elif "after chunk data" in reason:
+        what = "chunk data not followed by CRLF"
+    else:
+        what = "malformed header line" if in_head else "malformed body"
+    return ProtocolError(f"{what}: {reason}")
