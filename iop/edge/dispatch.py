@@ -166,7 +166,7 @@ class PoolDispatch(_Dispatch):
                     if responded() or len(tried) > MAX_RETRIES or not others:
                         raise
                     log.warning("provider %s failed before answering (%s); retrying on another", slot.id, err.code)
-        except BaseException as err:
+        except BaseException as err:  # noted for the result (a cancelled client too), then raised on
             exc = err
             raise
         finally:
@@ -206,7 +206,7 @@ class DirectDispatch(_Dispatch):
         try:
             await self.relay.dispatch_direct(ch, self.node, self.resource, make_item(ch))
             self.result.error = await answer(ch, self.resource)
-        except BaseException as err:
+        except BaseException as err:  # noted for the result (a cancelled client too), then raised on
             exc = err
             raise
         finally:
