@@ -351,8 +351,9 @@ async def test_dispatch_success_releases_once_and_reports_once(nats_server: Embe
         pool = r.scheduler.pools["m"]
         assert r.in_flight() == {"p": 0} and (pool.running, pool.peak_running) == (0, 1)
         [result] = r.finished
-        assert (result.outcome, result.provider, result.node, result.attempts, result.error) == (
+        assert (result.outcome, result.status, result.provider, result.node, result.attempts, result.error) == (
             "ok",
+            200,
             "p",
             "node-p",
             1,
@@ -360,6 +361,21 @@ async def test_dispatch_success_releases_once_and_reports_once(nats_server: Embe
         )
         assert result.queue_wait_ms is not None and result.first_byte_ms is not None
         assert 0 <= result.queue_wait_ms <= result.first_byte_ms <= result.duration_ms
+
+
+async def test_dispatch_reports_a_stream_that_ended_with_an_error_event(nats_server: EmbeddedNats) -> None:
+    async with rig(nats_server, {"p": 1}, {"p": answers(b"partial")}) as r:
+        dispatch = r.dispatch()
+        cut = UpstreamError("upstream failed mid-answer")
+
+        async def answer(ch: Channel, provider: str) -> RequestError | None:
+            [data async for data in r.relay.replies(ch, dispatch.deadline)]
+            return cut  # what the client saw as the stream's last event, after a 200
+
+        await dispatch.run(lambda ch: _item(r.relay, ch), answer, lambda: True)
+        assert r.in_flight() == {"p": 0}
+        [result] = r.finished
+        assert (result.outcome, result.status, result.error) == ("error", 200, cut)
 
 
 async def test_dispatch_failure_of_the_request_releases_once_without_failover(nats_server: EmbeddedNats) -> None:
@@ -370,7 +386,7 @@ async def test_dispatch_failure_of_the_request_releases_once_without_failover(na
         assert r.in_flight() == {"a": 0, "b": 0} and len(r.node.items) == 1
         assert r.scheduler.providers["a"].failures == 0  # the request's fault, not the provider's
         [result] = r.finished
-        assert result.outcome == "error" and isinstance(result.error, BadRequest)
+        assert (result.outcome, result.status) == ("error", 400) and isinstance(result.error, BadRequest)
 
 
 async def test_dispatch_fails_over_and_releases_every_slot_once(nats_server: EmbeddedNats) -> None:
@@ -418,7 +434,7 @@ async def test_dispatch_cancelled_by_the_client_releases_once_and_cancels_the_no
             while item.id not in r.node.cancels:
                 r.node.changed.clear()
                 await r.node.changed.wait()
-        assert r.finished[0].outcome == "cancelled"
+        assert (r.finished[0].outcome, r.finished[0].status) == ("cancelled", None)
 
 
 async def test_dispatch_cancelled_while_queued_takes_no_slot(nats_server: EmbeddedNats) -> None:

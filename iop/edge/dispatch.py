@@ -57,6 +57,9 @@ class DispatchResult:
     first_byte_ms: float | None = None
     """Until the first bytes of the answer reached the edge."""
     outcome: Literal["ok", "error", "cancelled"] = "ok"
+    status: int | None = 200
+    """The HTTP status the client got: an error's when it failed before the response started, 200
+    when it succeeded or its stream ended with an error event, None when the client left."""
     """`cancelled`: the client went away before the end."""
     error: RequestError | None = None
     """What the client was told (as the HTTP error, or as the stream's error event)."""
@@ -112,10 +115,12 @@ class _Dispatch:
     def _finish(self, exc: BaseException | None) -> None:
         r = self.result
         if isinstance(exc, RequestError):
-            r.outcome, r.error = "error", exc
+            r.outcome, r.error, r.status = "error", exc, exc.status
         elif isinstance(exc, asyncio.CancelledError):
-            r.outcome = "cancelled"
-        elif exc is not None or r.error is not None:
+            r.outcome, r.status = "cancelled", None
+        elif exc is not None:
+            r.outcome, r.status = "error", 500
+        elif r.error is not None:
             r.outcome = "error"
         r.duration_ms = (time.monotonic() - self.arrived) * 1000
         if self.on_finished is not None:
