@@ -23,6 +23,7 @@ from iop.openai.translate import (
     responses_to_chat_request,
 )
 from iop.openai.usage import usage_from_chat, usage_from_responses
+from iop.openai.usage_chunk import UsageChunkFilter, ask_for_usage
 
 log = logging.getLogger("iop.node")
 _decode = msgspec.json.Decoder().decode
@@ -57,15 +58,27 @@ class OpenAIAdapter:
     async def run(self, item: wire.WorkItem, model: str | None, send: Send) -> wire.Usage | None:
         if self.serves(item.api):
             body = item.body
-            if model is not None:
+            strip: UsageChunkFilter | None = None
+            chat_stream = item.stream and item.api == "chat"
+            if model is not None or chat_stream:
                 payload: dict[str, Any] = _decode(body)
-                payload["model"] = model
+                if model is not None:
+                    payload["model"] = model
+                # A chat stream always asks for its usage (iop counts tokens); the client sees the
+                # usage chunk only if it asked for it too.
+                if chat_stream and ask_for_usage(payload):
+                    strip = UsageChunkFilter()
                 body = _encode(payload)
             response = await self._post(item.api, body)
             try:
                 if item.stream:
                     async for data in response.iter_body():
-                        await send(data)
+                        if strip is not None:
+                            data = strip.feed(data)
+                        if data:
+                            await send(data)
+                    if strip is not None and (rest := strip.close()):
+                        await send(rest)
                 else:
                     await send(await response.read())
             except HttpError as exc:
