@@ -145,6 +145,9 @@ class InvalidConfig(BadRequest):
         return {"problems": self.problems}
 
 
+del _CLASSES["InvalidConfig"]  # the edge's own answer, never a node's: it takes problems, not a message
+
+
 class Unauthorized(RequestError):
     status = 401
     type = "invalid_request_error"

@@ -17,7 +17,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from iop import bus, wire
+from iop import bus, errors, wire
 from iop.bus import EmbeddedNats
 from iop.edge import scheduler as scheduler_module
 from iop.edge.dispatch import DirectDispatch, DispatchResult, PoolDispatch
@@ -512,3 +512,13 @@ def test_errors_from_an_older_node_fall_back_to_the_status() -> None:
     assert isinstance(reply, wire.Failure)
     back = error_of(reply)
     assert type(back) is QueueFull and not back.retryable
+
+
+def test_errors_every_class_a_failure_may_name_is_rebuilt_as_itself() -> None:
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, RequestError)]
+    for cls in classes:
+        if cls is errors.InvalidConfig:
+            continue  # the edge's own answer to /admin/refresh; no node raises it
+        failure = failure_of(cls("m"), "r1", 0)
+        assert failure.kind == cls.__name__
+        assert type(error_of(failure)) is cls
