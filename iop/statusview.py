@@ -3,6 +3,19 @@
 from __future__ import annotations
 
 from iop.edge.status_schema import PoolProviderStatus, Status
+from iop.wire import Device
+
+
+def describe_device(d: Device) -> str:
+    """One line: OS and arch, CPU, memory, accelerators, Python and iop versions."""
+    gpus = ", ".join(
+        f"{a.name} {a.memory_mb / 1024:.0f} GiB{' unified' if a.unified else ''}" if a.memory_mb else a.name
+        for a in d.accelerators
+    )
+    return (
+        f"{d.os} {d.arch}; {d.cpu_model} ({d.cpu_cores} cores); {d.memory_mb / 1024:.1f} GiB; "
+        f"accelerators: {gpus or 'none'}; Python {d.python}; iop {d.iop}"
+    )
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -51,6 +64,9 @@ def render_status(status: Status) -> str:
                 ]
             )
     out += ["", _table(rows)]
+    devices = [[n.id, describe_device(n.device)] for n in status.nodes if n.device is not None]
+    if devices:
+        out += ["", _table([["NODE", "DEVICE"], *devices])]
     if status.pools:
         prow = [["POOL", "CANDIDATES", "CONNECTED", "CAPACITY", "IN FLIGHT", "WAITING"]]
         for pool in status.pools:

@@ -60,6 +60,11 @@ def hello_subject(node: str) -> str:
 HELLO_WILDCARD = "iop.node.*.hello"
 
 
+def verdict_subject(node: str, instance: str) -> str:
+    """The reply subject of an instance's heartbeats: an edge answers there only to refuse it."""
+    return f"iop.node.{node}.verdict.{instance}"
+
+
 def cancel_subject(node: str) -> str:
     return f"iop.node.{node}.cancel"
 
@@ -238,6 +243,29 @@ class ProviderLive(msgspec.Struct, kw_only=True, omit_defaults=True):
     failed: int = 0
 
 
+class Accelerator(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A GPU (or Apple silicon chip) a node can see."""
+
+    name: str
+    memory_mb: int = 0
+    unified: bool = False
+    """Apple silicon: the memory is the machine's, shared with the CPU."""
+
+
+class Device(msgspec.Struct, kw_only=True):
+    """The machine a node runs on, gathered once at its start (iop/node/device.py)."""
+
+    os: str = ""
+    arch: str = ""
+    cpu_model: str = ""
+    cpu_cores: int = 0
+    memory_mb: int = 0
+    accelerators: list[Accelerator] = msgspec.field(default_factory=list)
+    """Empty: none seen (no nvidia-smi, not Apple silicon)."""
+    python: str = ""
+    iop: str = ""
+
+
 class NodeHeartbeat(msgspec.Struct, kw_only=True):
     """A node's periodic announcement of itself and its catalog with live counts."""
 
@@ -251,18 +279,30 @@ class NodeHeartbeat(msgspec.Struct, kw_only=True):
     version: str = ""
     leaving: bool = False
     """Sent once by a node that stops: the edge marks it disconnected at once."""
+    device: Device | None = None
+    """As in `Hello`: repeated so that an edge started after the node knows the machine too."""
 
 
 class Hello(msgspec.Struct, kw_only=True):
     node: str
     instance: str
     providers: list[str]
+    device: Device | None = None
+    """The machine the node runs on; None from a node older than device facts."""
+
+
+Refusal = Literal["", "unknown_node", "other_instance"]
+"""Why an edge refused a node: its id is not (or no longer) in the deployment, or another live
+process holds the id (this one was replaced)."""
 
 
 class Welcome(msgspec.Struct, kw_only=True):
+    """The answer to a `Hello`, and to a refused `NodeHeartbeat` (on the heartbeat's reply subject)."""
+
     accepted: bool
     edge: str
     reason: str = ""
+    refusal: Refusal = ""
 
 
 # Encoders and decoders are built once (msgspec's guidance) and shared.

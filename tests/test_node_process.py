@@ -5,6 +5,8 @@ Figures are printed (`pytest -s`) and recorded in docs/reliability.md.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -12,11 +14,24 @@ import socket
 import time
 from pathlib import Path
 
+import nats
 import pytest
+from nats.aio.msg import Msg
 
+from iop import wire
 from iop.bus import EmbeddedNats
 from iop.node.catalog import differences
-from tests.harness import IopProcess, deployment, iop_process, node_process, running_edge, running_node
+from tests.fakes import fake_upstream
+from tests.harness import (
+    IopProcess,
+    deployment,
+    iop_process,
+    node_process,
+    running_edge,
+    running_node,
+    sse_events,
+    until,
+)
 
 MOCK_NODE = """
 models:
@@ -112,3 +127,119 @@ async def test_node_says_how_the_edges_catalog_differs_from_its_file(
     # Legacy concurrency, which never changes admission, is named too.
     legacy = deployment(MOCK_NODE.replace("id: n1", "id: n1\n    concurrency: 4")).node("n1")
     assert differences(local.node("n1"), legacy).endswith("→ 4")
+
+
+# --- one live instance per node id ------------------------------------------------------------------
+
+REPLACED_YAML = """
+edge:
+  queue: {{timeout_s: 20, max_waiting: 100}}
+models:
+  - {{alias: m, pool: [p1]}}
+  - {{alias: echo, route: n1/c1}}
+nodes:
+  - id: n1
+    adapters:
+      - {{id: up, type: openai, base_url: "{url}", api: both}}
+      - {{id: cat, type: cli, command: [cat], timeout_s: 30}}
+    providers:
+      - {{id: p1, adapter: up, capacity: 1}}
+      - {{id: c1, adapter: cat}}
+"""
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+async def test_a_frozen_node_replaced_by_a_new_instance_stops_when_it_wakes(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    async with fake_upstream(tokens=100_000, token_interval_s=0.02) as up:
+        text = REPLACED_YAML.format(url=up.url)
+        cfg = tmp_path / "iop.yaml"
+        cfg.write_text(text)
+        async with running_edge(deployment(text), nats_server.url) as h, h.http() as http:
+            reg = h.edge.registry
+            async with node_process(cfg, "n1", nats_server.url) as old:
+                await reg.wait_connected(["n1"], timeout_s=10)
+                old_instance = reg.nodes["n1"].instance
+                body = {"model": "m", "stream": True, **CHAT}
+                try:
+                    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                        it = r.aiter_text()
+                        first = await anext(it)
+                        os.kill(old.pid, signal.SIGSTOP)
+                        rest = "".join([t async for t in it])
+                    assert sse_events(first + rest)[-1]["error"]["code"] == "node_lost"  # type: ignore[index]
+                    async with node_process(cfg, "n1", nats_server.url):
+                        st = reg.nodes["n1"]
+                        await until(lambda: st.connected and st.instance not in (None, old_instance), reg.changed)
+                        new_instance = st.instance
+                        # The frozen process still holds its upstream call open: nothing can close it
+                        # while it sleeps. It must close it the moment it wakes.
+                        assert up.in_flight == 1
+                        woke = time.monotonic()
+                        os.kill(old.pid, signal.SIGCONT)
+                        await up.wait_for(lambda u: u.in_flight == 0)
+                        closed_s = time.monotonic() - woke
+                        assert await old.exit_code(timeout_s=10) == 1, old.lines
+                        exited_s = time.monotonic() - woke
+                        assert any("another instance took this node id" in line for line in old.stderr), old.stderr
+
+                        # Everything now runs on the new instance, one at a time on the capacity-1 upstream.
+                        up.tokens, up.token_interval_s, up.peak = 3, 0.0, up.in_flight
+                        pool = [http.post("/v1/chat/completions", json={"model": "m", **CHAT}) for _ in range(10)]
+                        direct = [http.post("/v1/chat/completions", json={"model": "echo", **CHAT}) for _ in range(10)]
+                        answers = await asyncio.gather(*pool, *direct)
+                        assert [a.status_code for a in answers] == [200] * 20, [a.text for a in answers]
+                        assert up.peak == 1
+                        assert st.connected and st.instance == new_instance
+                finally:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(old.pid, signal.SIGCONT)
+    print(
+        f"\nreplaced while frozen: upstream call closed {closed_s:.2f}s, process exited {exited_s:.2f}s after SIGCONT"
+    )
+
+
+async def test_a_node_removed_by_refresh_says_so_once_and_serves_again_when_added_back(
+    nats_server: EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="iop.edge")
+    cfg = tmp_path / "iop.yaml"
+    cfg.write_text(MOCK_NODE)
+    with_n1, without_n1 = deployment(MOCK_NODE), deployment(MOCK_NODE.replace("id: n1", "id: n2"))
+    async with running_edge(with_n1, nats_server.url) as h, node_process(cfg, "n1", nats_server.url) as p:
+        reg = h.edge.registry
+        await reg.wait_connected(["n1"], timeout_s=10)
+        await h.edge.refresher.apply(without_n1)
+        removed = time.monotonic()
+        await p.wait_line("removed from the deployment")
+        told_s = time.monotonic() - removed
+        # Quiet while removed: it asks the edge each second whether its id is back, and neither it
+        # nor the edge says more than once that it is not.
+        asked = asyncio.Event()
+        hellos = 0
+
+        async def count(msg: Msg) -> None:
+            nonlocal hellos
+            hellos += 1
+            if hellos >= 3:
+                asked.set()
+
+        nc = await nats.connect(nats_server.url)
+        try:
+            await nc.subscribe(wire.hello_subject("n1"), cb=count)
+            async with asyncio.timeout(10):
+                await asked.wait()
+        finally:
+            await nc.close()
+        await h.edge.refresher.apply(with_n1)
+        await p.wait_line("back in the deployment; serving")
+        await reg.wait_connected(["n1"], timeout_s=10)
+        answer = await h.client().chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
+        assert answer.choices[0].message.content
+        assert p.proc.returncode is None
+    assert sum("removed from the deployment" in line for line in p.lines) == 1, p.lines
+    refusals = [r.getMessage() for r in caplog.records if "refused node n1" in r.getMessage()]
+    assert len(refusals) == 1 and "not in this deployment" in refusals[0], refusals
+    print(f"\nremoved by refresh: the node said so {told_s:.2f}s after the refresh")

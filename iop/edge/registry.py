@@ -31,6 +31,8 @@ class NodeState:
     started_at: float | None = None
     version: str = ""
     live: dict[str, wire.ProviderLive] = field(default_factory=dict)
+    device: wire.Device | None = None
+    """The machine the node said it runs on (hello, heartbeats); kept while it is away."""
 
 
 class Registry:
@@ -82,20 +84,22 @@ class Registry:
         for st in self.nodes.values():
             st.last_seen_mono = max(st.last_seen_mono, now)
 
-    def _admit(self, node_id: str, instance: str) -> tuple[NodeState | None, str]:
+    def _admit(self, node_id: str, instance: str) -> tuple[NodeState | None, str, wire.Refusal]:
         st = self.nodes.get(node_id)
         if st is None:
-            return None, f"node '{node_id}' is not in this deployment"
+            return None, f"node '{node_id}' is not in this deployment", "unknown_node"
         if st.connected and st.instance not in (None, instance):
-            return None, f"node '{node_id}' is already connected (instance {st.instance})"
-        return st, ""
+            return None, f"node '{node_id}' is already connected (instance {st.instance})", "other_instance"
+        return st, "", ""
 
     def _refuse(self, node_id: str, instance: str, reason: str) -> None:
+        # Once per instance: a refused node is told (see _on_heartbeat) and goes quiet or away.
         key = (node_id, instance)
-        now = time.monotonic()
-        if now - self._refused_logged.get(key, -1e9) > 30:
+        if key not in self._refused_logged:
             log.warning("refused node %s (instance %s): %s", node_id, instance, reason)
-            self._refused_logged[key] = now
+            self._refused_logged[key] = time.monotonic()
+            if len(self._refused_logged) > 10_000:
+                self._refused_logged.clear()
 
     async def _on_hello(self, msg: Msg) -> None:
         try:
@@ -105,11 +109,13 @@ class Registry:
             return
         if msg.subject != wire.hello_subject(hello.node):
             return  # a node speaking for another: NATS lets each publish only under its own id
-        st, reason = self._admit(hello.node, hello.instance)
+        st, reason, refusal = self._admit(hello.node, hello.instance)
         if st is None:
             self._refuse(hello.node, hello.instance, reason)
+        if st is not None and hello.device is not None:
+            st.device = hello.device
         if msg.reply and self._nc is not None:
-            welcome = wire.Welcome(accepted=st is not None, edge=self.edge_id, reason=reason)
+            welcome = wire.Welcome(accepted=st is not None, edge=self.edge_id, reason=reason, refusal=refusal)
             await self._nc.publish(msg.reply, wire.encode(welcome))
 
     async def _on_heartbeat(self, msg: Msg) -> None:
@@ -120,9 +126,13 @@ class Registry:
             return
         if msg.subject != wire.heartbeat_subject(hb.node):
             return  # see _on_hello
-        st, reason = self._admit(hb.node, hb.instance)
+        st, reason, refusal = self._admit(hb.node, hb.instance)
         if st is None:
             self._refuse(hb.node, hb.instance, reason)
+            if msg.reply and self._nc is not None and not hb.leaving:
+                # Tell the instance: a replaced one stops its work, a removed one waits quietly.
+                welcome = wire.Welcome(accepted=False, edge=self.edge_id, reason=reason, refusal=refusal)
+                await self._nc.publish(msg.reply, wire.encode(welcome))
             return
         if hb.leaving:
             if st.connected:
@@ -131,12 +141,15 @@ class Registry:
             return
         if not st.connected:
             log.info("node %s connected (instance %s)", hb.node, hb.instance)
+            self._refused_logged.pop((hb.node, hb.instance), None)  # refused again later: say so again
         st.connected = True
         st.instance = hb.instance
         st.last_seen = time.time()
         st.last_seen_mono = time.monotonic()
         st.started_at = hb.started_at
         st.version = hb.version
+        if hb.device is not None:
+            st.device = hb.device
         st.live = {p.id: p for p in hb.providers}
         for p in st.cfg.providers:
             if p.capacity is not None:

@@ -110,6 +110,7 @@ def status_of(edge: Observed) -> Status:
                 version=st.version or None,
                 legacy_concurrency=node.legacy_concurrency(),
                 providers=providers,
+                device=st.device,
             )
         )
     pools = []

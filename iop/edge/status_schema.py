@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
+from iop.wire import Device
+
 
 class EdgeInfo(msgspec.Struct, kw_only=True):
     """The edge answering: who it is and whether it reaches NATS."""
@@ -90,6 +92,8 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     legacy_concurrency: int | None
     """The legacy `concurrency` of the file: metadata only, never used for admission."""
     providers: list[ProviderStatus]
+    device: Device | None = None
+    """The machine the node runs on, as it said in its hello; None: not heard from yet."""
 
 
 class PoolStatus(msgspec.Struct, kw_only=True):

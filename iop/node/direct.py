@@ -25,8 +25,10 @@ async def subscribe(running: RunningRequests, r: Resource) -> Subscription:
         except msgspec.DecodeError:
             log.error("CLI resource %s: undecodable request dropped", r.cfg.id)
             return
-        if running.stopping:
-            return  # no Accepted: the edge reports the resource unavailable
+        if running.stopping or not running.lease.fresh():
+            # No Accepted: the live instance of this node (if another) answers, else the edge
+            # reports the resource unavailable.
+            return
         if msg.reply:
             await running.nc.publish(msg.reply, wire.encode(wire.Accepted(item.id)))
         running.start(r, item, None)

@@ -20,6 +20,8 @@ log = logging.getLogger("iop.node")
 
 FETCH_TIMEOUT_S = 1.0
 """How long one pull request waits; bounds how fast an idle worker notices the node stopping."""
+LEASE_CHECK_S = 5.0
+"""How long a fetched message waits for an edge to confirm this instance before it is handed back."""
 
 
 def start_workers(
@@ -56,6 +58,13 @@ async def _fetch_until_done(
     running: RunningRequests, r: Resource, psub: JetStreamContext.PullSubscription, index: int
 ) -> None:
     while not running.stopping and not r.retired and index < (r.cfg.capacity or 0):
+        if not running.lease.fresh():
+            # Maybe frozen or cut off long enough for the edge to let another instance in: pull
+            # nothing until an edge confirms us, and end once one says the id is taken.
+            if running.lease.state == "replaced":
+                return
+            await running.lease.wait(FETCH_TIMEOUT_S)
+            continue
         try:
             msgs = await psub.fetch(1, timeout=FETCH_TIMEOUT_S)
         except (nats.errors.TimeoutError, TimeoutError):
@@ -80,6 +89,11 @@ async def _take(running: RunningRequests, r: Resource, msg: Msg) -> None:
         return
     if running.was_cancelled(item.id):
         await msg.term()
+        return
+    if not await running.lease.wait(LEASE_CHECK_S):
+        # Delivered to a pull made before a freeze: hand it back at once for the live instance.
+        log.info("provider %s: request %s handed back (this instance is not confirmed live)", r.cfg.id, item.id)
+        await msg.nak()
         return
     if msg.metadata.num_delivered > 1 and not await _claim(running, item):
         # Redelivered: the earlier delivery may have run. Only the edge knows whether the client

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from iop import bus, config
+from iop.node.presence import NodeReplaced
 from iop.node.runtime import NodeRuntime
 
 log = logging.getLogger("iop.node")
@@ -90,7 +91,16 @@ async def run_node(
             return
         starting.result()  # a failed start raises here (IopError: one line)
         print(f"iop node {node_id} serving (nats={nats_url})", flush=True)
-        await stopped
+        replaced = asyncio.create_task(runtime.lease.replaced.wait())
+        try:
+            await asyncio.wait({stopped, replaced}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            replaced.cancel()
+        if runtime.lease.replaced.is_set():
+            # One live instance per node id: this one stops its work at once and leaves the id
+            # to the other. Exit non-zero so that a supervisor sees it, and says why in one line.
+            await runtime.stop(grace_s=0)
+            raise NodeReplaced(f"node {node_id}: another instance took this node id ({runtime.lease.reason})")
         await runtime.stop()
     finally:
         stopped.cancel()

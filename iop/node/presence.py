@@ -1,13 +1,19 @@
-"""The node's presence at the edge: a hello at start, a heartbeat every second, a last one on leaving."""
+"""The node's presence at the edge: a hello at start, a heartbeat every second, a last one on leaving;
+and the lease that lets this process take work only while the edge counts it as the node's live instance."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable
+from typing import Literal
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from iop import __version__, config, wire
 from iop.errors import IopError
@@ -18,21 +24,77 @@ log = logging.getLogger("iop.node")
 State = Callable[[], tuple[config.Node, Iterable[Resource]]]
 """The node's catalog and resources as they are now (both change when the catalog does)."""
 
+LEASE_S = wire.HEARTBEAT_INTERVAL_S * (wire.HEARTBEATS_MISSED - 0.5)
+"""How long a heartbeat sent on time vouches for this instance. An edge declares a node lost after
+HEARTBEATS_MISSED silent intervals; past this, it may have, and another instance may hold the id."""
+
 
 class NodeRefused(IopError):
     """The edge refused this node (unknown id, or another process holds the id)."""
 
 
+class NodeReplaced(IopError):
+    """Another instance of this node id is live at the edge: this one must not serve any more."""
+
+
+class Lease:
+    """Whether this process may take work for its node id.
+
+    Fresh while heartbeats go out on time. A process that was frozen (SIGSTOP, a stalled VM, a
+    swapped-out machine) or cut off from NATS finds it stale: it takes nothing until an edge
+    confirms it (a hello accepted), and stops for good when an edge says another instance holds
+    the id. Work is pulled only under a fresh lease (iop/node/fetch.py, iop/node/direct.py).
+    """
+
+    def __init__(self) -> None:
+        self.renewed = time.monotonic()
+        self.state: Literal["live", "removed", "replaced"] = "live"
+        self.reason = ""
+        self.changed = asyncio.Event()
+        self.replaced = asyncio.Event()
+
+    def fresh(self) -> bool:
+        return self.state == "live" and time.monotonic() - self.renewed < LEASE_S
+
+    def renew(self) -> None:
+        self.renewed = time.monotonic()
+        self.state = "live"
+        self.changed.set()
+
+    def end(self, state: Literal["removed", "replaced"], reason: str) -> None:
+        if self.state == "replaced":
+            return  # final
+        self.state, self.reason = state, reason
+        self.changed.set()
+        if state == "replaced":
+            self.replaced.set()
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the lease to be fresh; whether it is (False at once once replaced)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while not self.fresh() and self.state != "replaced":
+                    self.changed.clear()
+                    await self.changed.wait()
+        return self.fresh()
+
+
 class Presence:
     """Tells the edges that this instance of the node is alive, and what its resources are doing."""
 
-    def __init__(self, nc: NATS, node_id: str, instance: str, started_at: float, state: State) -> None:
+    def __init__(
+        self, nc: NATS, node_id: str, instance: str, started_at: float, state: State, lease: Lease | None = None
+    ) -> None:
         self.nc = nc
         self.node_id = node_id
         self.instance = instance
         self.started_at = started_at
         self._state = state
+        self.lease = lease if lease is not None else Lease()
         self._seq = 0
+        self._reconnects = 0
+        self.device: wire.Device | None = None
+        """The machine, told in the hello and every heartbeat (set by the runtime before the hello)."""
 
     async def hello(self) -> None:
         """Announce ourselves; a refusal is final only once a previous instance had time to be declared lost.
@@ -40,28 +102,40 @@ class Presence:
         A node restarted right after a crash finds the edge still counting its old instance as
         connected for up to HEARTBEATS_MISSED heartbeats: it retries for that long before giving up.
         """
-        node, _ = self._state()
-        hello = wire.Hello(node=self.node_id, instance=self.instance, providers=[p.id for p in node.providers])
+        await self.nc.subscribe(wire.verdict_subject(self.node_id, self.instance), cb=self._on_verdict)
+        self._reconnects = self.nc.stats["reconnects"]
         loop = asyncio.get_running_loop()
         give_up = loop.time() + wire.HEARTBEAT_INTERVAL_S * (wire.HEARTBEATS_MISSED + 2)
         told = False
         while True:
-            try:
-                reply = await self.nc.request(wire.hello_subject(self.node_id), wire.encode(hello), timeout=2.0)
-            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            welcome = await self._ask()
+            if welcome is None:
                 log.warning("node %s: no edge answered yet; serving, the edge will see our heartbeats", self.node_id)
+                self.lease.renew()
                 return
-            welcome = wire.decode_welcome(reply.data)
             if welcome.accepted:
+                self.lease.renew()
                 return
             if loop.time() >= give_up:
                 raise NodeRefused(f"edge {welcome.edge} refused node {self.node_id}: {welcome.reason}")
             if not told:
-                log.info(
+                log.debug(
                     "node %s: edge %s refused our hello (%s); trying again", self.node_id, welcome.edge, welcome.reason
                 )
                 told = True
             await asyncio.sleep(wire.HEARTBEAT_INTERVAL_S / 2)
+
+    async def _ask(self) -> wire.Welcome | None:
+        """One hello: the edge's answer, or None when no edge answered."""
+        node, _ = self._state()
+        hello = wire.Hello(
+            node=self.node_id, instance=self.instance, providers=[p.id for p in node.providers], device=self.device
+        )
+        try:
+            reply = await self.nc.request(wire.hello_subject(self.node_id), wire.encode(hello), timeout=2.0)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            return None
+        return wire.decode_welcome(reply.data)
 
     async def heartbeat(self, *, leaving: bool = False) -> None:
         node, resources = self._state()
@@ -75,15 +149,60 @@ class Presence:
             legacy_concurrency=node.legacy_concurrency(),
             version=__version__,
             leaving=leaving,
+            device=self.device,
         )
-        await self.nc.publish(wire.heartbeat_subject(self.node_id), wire.encode(hb))
+        reply = "" if leaving else wire.verdict_subject(self.node_id, self.instance)
+        await self.nc.publish(wire.heartbeat_subject(self.node_id), wire.encode(hb), reply=reply)
         if leaving:
             await self.nc.flush(timeout=2)
 
     async def heartbeat_loop(self) -> None:
-        while True:
+        while not self.lease.replaced.is_set():
             await asyncio.sleep(wire.HEARTBEAT_INTERVAL_S)
             try:
-                await self.heartbeat()
+                await self.beat()
             except (nats.errors.Error, OSError) as exc:
                 log.debug("heartbeat not sent: %s", exc)
+
+    async def beat(self) -> None:
+        """One heartbeat; or, when the lease may have lapsed, first ask an edge whether we are still the node."""
+        reconnects = self.nc.stats["reconnects"]
+        if self.lease.fresh() and reconnects == self._reconnects and self.nc.is_connected:
+            await self.heartbeat()
+            self.lease.renew()
+            return
+        if not self.nc.is_connected:
+            return  # nothing to ask anyone; the lease stays stale until we are back
+        self._reconnects = reconnects
+        welcome = await self._ask()
+        if welcome is None or welcome.accepted:
+            if self.lease.state == "removed":
+                log.warning("node %s: back in the deployment; serving", self.node_id)
+            self.lease.renew()
+            await self.heartbeat()
+            return
+        self._refused(welcome)
+
+    async def _on_verdict(self, msg: Msg) -> None:
+        try:
+            welcome = wire.decode_welcome(msg.data)
+        except msgspec.DecodeError:
+            log.warning("node %s: undecodable answer to a heartbeat dropped", self.node_id)
+            return
+        if not welcome.accepted:
+            self._refused(welcome)
+
+    def _refused(self, welcome: wire.Welcome) -> None:
+        if welcome.refusal == "unknown_node":
+            if self.lease.state != "removed":
+                log.warning(
+                    "node %s: removed from the deployment at edge %s; taking no work, waiting for the id to come back",
+                    self.node_id,
+                    welcome.edge,
+                )
+            self.lease.end("removed", welcome.reason)
+        elif welcome.refusal == "other_instance" or not welcome.refusal:
+            # An edge of an older version gives no refusal kind: a refusal while serving means the id is taken.
+            if self.lease.state != "replaced":
+                log.warning("node %s: edge %s: %s; this instance stops", self.node_id, welcome.edge, welcome.reason)
+            self.lease.end("replaced", f"edge {welcome.edge}: {welcome.reason}")

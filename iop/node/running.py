@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from iop import wire
 from iop.errors import BodyUnavailable, Cancelled, RequestError, UpstreamError, failure_of
 from iop.node.flow import STALL_TIMEOUT_S, FlowWindow
+from iop.node.presence import Lease
 from iop.node.resource import Resource
 
 log = logging.getLogger("iop.node")
@@ -56,6 +57,8 @@ class RunningRequests:
         self._cancelled: dict[str, float] = {}
         self.stopping = False
         """The node is stopping: no new work, and a request cut short says so."""
+        self.lease = Lease()
+        """Work is taken only while it is fresh: this process is the node's live instance (presence.py)."""
         self.stall_timeout_s = STALL_TIMEOUT_S
         self.probe_interval_s = wire.PROBE_INTERVAL_S
 

@@ -14,10 +14,10 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from iop import bus, config, natsauth, wire
-from iop.node import adapters, direct, fetch
+from iop.node import adapters, device, direct, fetch
 from iop.node.catalog import CatalogSource, differences
 from iop.node.flow import STALL_TIMEOUT_S
-from iop.node.presence import Presence
+from iop.node.presence import Lease, Presence
 from iop.node.resource import Resource, kind_of
 from iop.node.running import Running, RunningRequests
 
@@ -52,6 +52,8 @@ class NodeRuntime:
         self.nats_url = nats_url
         self.access = access
         self.instance = secrets.token_hex(6)
+        self.lease = Lease()
+        """This process may take work for the node id (presence.py): ends when the edge says it was replaced."""
         self.started_at = time.time()
         self.nc: NATS | None = None
         self._adapters: dict[str, adapters.Adapter] = {}
@@ -106,8 +108,14 @@ class NodeRuntime:
         )
         running = self._running = RunningRequests(self.nc, self.node_id, self.instance, self.changed)
         running.stall_timeout_s, running.probe_interval_s = self._stall_timeout_s, self._probe_interval_s
+        running.lease = self.lease
         presence = self._presence = Presence(
-            self.nc, self.node_id, self.instance, self.started_at, lambda: (self.node, self.resources.values())
+            self.nc,
+            self.node_id,
+            self.instance,
+            self.started_at,
+            lambda: (self.node, self.resources.values()),
+            self.lease,
         )
         self.catalog = CatalogSource(self.nc, self.node_id)
         if not self.from_file:
@@ -123,6 +131,8 @@ class NodeRuntime:
                         differences(self.node, edge_node),
                     )
                     self.node = edge_node
+        # Once per process, off the event loop: it may run nvidia-smi or sysctl (each time-bounded).
+        presence.device = await asyncio.to_thread(device.gather)
         await presence.hello()
         await self.nc.subscribe(wire.cancel_subject(self.node_id), cb=running.on_cancel)
         await self.nc.subscribe(wire.credit_subject(self.node_id), cb=running.on_credit, pending_msgs_limit=1_000_000)
@@ -215,6 +225,9 @@ class NodeRuntime:
         """Stop taking work, let running items finish up to `grace_s`, fail the rest, leave."""
         if self._running is not None:
             self._running.stopping = True
+            if self.lease.state == "replaced":
+                # Another instance serves this id now: what runs here would run beside its work.
+                await self._running.finish(0)
         workers = [w for r in self.resources.values() for w in r.workers]
         if workers:
             # Fetches are never cancelled (a cancelled pull request can swallow a message): they
@@ -224,7 +237,7 @@ class NodeRuntime:
             await self._running.finish(grace_s)
         for t in list(self._tasks):
             t.cancel()
-        if self.nc is not None and self.nc.is_connected and self._presence is not None:
+        if self.nc is not None and self.nc.is_connected and self._presence is not None and self.lease.state == "live":
             try:
                 await self._presence.heartbeat(leaving=True)
             except (nats.errors.Error, OSError) as exc:
