@@ -32,7 +32,7 @@ nodes:
 """
 
 # The field names of /status as readers outside iop know them; a rename breaks them.
-NODE_FIELDS = {"id", "connected", "last_seen", "last_seen_s_ago", "instance", "version", "legacy_concurrency"}
+NODE_FIELDS = {"id", "connected", "last_seen", "last_seen_s_ago", "instance", "version", "legacy_concurrency", "device"}
 PROVIDER_FIELDS = {
     "id",
     "kind",
