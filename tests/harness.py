@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +77,17 @@ def deployment(text: str) -> config.Deployment:
 class EdgeHandle:
     url: str
     edge: Edge
+    clients: list[openai.AsyncOpenAI] = field(default_factory=list)
+    """Handed out by `client()`, closed when the edge stops: their pooled connections must not outlive the loop."""
 
-    def client(self, **kw: object) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="test", max_retries=0, **kw)  # type: ignore[arg-type]
+    def client(self, api_key: str = "test", timeout: float | None = None) -> openai.AsyncOpenAI:
+        """An openai SDK client of this edge, without retries; closed with the edge."""
+        timeout_or_default = openai.NOT_GIVEN if timeout is None else timeout
+        client = openai.AsyncOpenAI(
+            base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=timeout_or_default
+        )
+        self.clients.append(client)
+        return client
 
     def http(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, timeout=30)
@@ -97,7 +105,12 @@ async def running_edge(dep: config.Deployment, nats_url: str) -> AsyncIterator[E
     await edge.start()
     try:
         async with serve_asgi(build_app(edge)) as url:
-            yield EdgeHandle(url, edge)
+            handle = EdgeHandle(url, edge)
+            try:
+                yield handle
+            finally:
+                for client in handle.clients:
+                    await client.close()
     finally:
         await edge.stop()
         await nc.close()

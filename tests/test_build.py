@@ -90,34 +90,34 @@ def test_build_pyz_bundled_nats_server_starts(pyz: Path, tmp_path: Path) -> None
     cache = tmp_path / "cache"
     assert _run_pyz(pyz, ["--version"], cache, tmp_path).returncode == 0
     (binary,) = cache.glob("*/common/bin/nats-server")
-    server = subprocess.Popen(
+    with subprocess.Popen(
         [str(binary), "-a", "127.0.0.1", "-p", "-1", "-js", "-sd", str(tmp_path / "js")],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    ready = threading.Event()
-    log: list[str] = []
+    ) as server:  # leaving it closes the stderr pipe
+        ready = threading.Event()
+        log: list[str] = []
 
-    def watch() -> None:
-        assert server.stderr is not None
-        for line in server.stderr:
-            log.append(line)
-            if "Server is ready" in line:
-                ready.set()
+        def watch() -> None:
+            assert server.stderr is not None
+            for line in server.stderr:
+                log.append(line)
+                if "Server is ready" in line:
+                    ready.set()
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        assert ready.wait(timeout=20), "".join(log)
-    finally:
-        server.terminate()
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=10)
-        watcher.join(timeout=10)
+            assert ready.wait(timeout=20), "".join(log)
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(timeout=10)
+            watcher.join(timeout=10)
 
 
 def test_build_pyz_concurrent_first_starts_share_one_unpack(pyz: Path, tmp_path: Path) -> None:

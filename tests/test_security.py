@@ -94,12 +94,12 @@ async def test_client_keys_guard_every_v1_path_and_status_but_not_healthz(
             assert KEY not in status and OTHER_KEY not in status
             assert "IOP_TEST_KEYS" not in status
 
-        client = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key=KEY, max_retries=0)
+        client = h.client(api_key=KEY)
         answer = await client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
         assert answer.choices[0].message.content
         events = [e async for e in await client.responses.create(model="sim", input="hi", stream=True)]
         assert events[-1].type == "response.completed"
-        refused = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="sk-iop-wrong", max_retries=0)
+        refused = h.client(api_key="sk-iop-wrong")
         with pytest.raises(openai.AuthenticationError):
             await refused.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
 
@@ -289,8 +289,12 @@ async def test_embedded_nats_requires_credentials_on_loopback_too(
 
         # The real nats-server itself says no, to a plain nats-py client on loopback.
         for kwargs in ({}, {"token": "guess"}, {"user": "iop-edge", "password": "guess"}):
-            with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-                await nats.connect(server.address, allow_reconnect=False, connect_timeout=2, **kwargs)
+            plain = NATS()
+            try:
+                with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+                    await plain.connect(server.address, allow_reconnect=False, connect_timeout=2, **kwargs)
+            finally:
+                await plain.close()  # a refused first connect leaves nats-py's socket open otherwise
 
         # iop's own connect fails at once with one line, rather than retrying forever.
         for who in (None, bus.NatsAccess(user="iop-node-n1", password="guess")):
@@ -417,8 +421,8 @@ async def test_edge_and_nodes_as_processes_each_node_with_its_own_nats_credentia
 
         async with iop_process(*node_args, cwd=tmp_path, env=creds) as node:
             await node.wait_line("iop node n1 serving")
-            client = openai.AsyncOpenAI(base_url=http_url + "/v1", api_key=KEY, max_retries=0)
-            answer = await client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
+            async with openai.AsyncOpenAI(base_url=http_url + "/v1", api_key=KEY, max_retries=0) as client:
+                answer = await client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
             assert answer.choices[0].message.content
             async with httpx.AsyncClient(base_url=http_url) as http:
                 assert (await http.get("/v1/models")).status_code == 401
@@ -551,7 +555,7 @@ nodes:
 """
     )
     async with deployment_running(dep, nats_server.url) as h:
-        client = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key=KEY, max_retries=0)
+        client = h.client(api_key=KEY)
         answer = await client.chat.completions.create(model="echo", messages=[{"role": "user", "content": prompt}])
         content = answer.choices[0].message.content
         assert content is not None
