@@ -202,6 +202,29 @@ async def test_scheduler_breaker_failed_trial_reopens_for_twice_as_long(monkeypa
     assert p.open_until >= before + 0.1  # doubled: 0.1 s this time
 
 
+async def test_scheduler_breaker_wakes_its_waiter_even_when_the_timer_fires_early(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # uvloop's timers run on a millisecond clock: the cooldown's timer may fire a hair before
+    # `open_until` by time.monotonic(). Model it: the breaker reads a clock 5 ms ahead when it opens.
+    monkeypatch.setattr(scheduler_module, "BREAKER_COOLDOWN_S", 0.05)
+    skew = [0.0]
+    monkeypatch.setattr(scheduler_module, "monotonic", lambda: time.monotonic() + skew[0])
+    s = scheduler({"p": 1}, {"m": ["p"]})
+    p = s.providers["p"]
+    for _ in range(scheduler_module.BREAKER_FAILURES - 1):
+        s.release(await s.acquire("m", soon()))
+        s.failed(p)
+    s.release(await s.acquire("m", soon()))
+    skew[0] = 0.005
+    s.failed(p)  # opens until 5 ms past the moment its timer is due
+    skew[0] = 0.0
+    loop = asyncio.get_running_loop()
+    waited = loop.time()
+    assert (await s.acquire("m", loop.time() + 1.0)) is p  # before: 503 queue_timeout after 1 s
+    print(f"\nearly breaker timer: trial granted {1000 * (loop.time() - waited):.1f} ms after the wait began")
+
+
 async def test_scheduler_refresh_drains_a_removed_provider() -> None:
     s = scheduler({"old": 1, "keep": 1}, {"m": ["old", "keep"]})
     running = await s.acquire("m", soon(), frozenset({"keep"}))

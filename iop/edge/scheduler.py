@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from collections import deque
 from dataclasses import dataclass, field
+from time import monotonic
 
 from iop.errors import QueueFull, Unavailable
 
@@ -92,7 +92,7 @@ class PoolQueue:
 
     def best(self, exclude: frozenset[str] = frozenset()) -> ProviderSlots | None:
         """The usable provider with the most free slots; ties rotate so load spreads evenly."""
-        now = time.monotonic()
+        now = monotonic()
         best: ProviderSlots | None = None
         n = len(self.providers)
         for i in range(n):
@@ -255,14 +255,24 @@ class Scheduler:
     def failed(self, slot: ProviderSlots) -> None:
         """The provider failed a request (before answering): count it toward its breaker."""
         slot.failures += 1
-        now = time.monotonic()
+        now = monotonic()
         if slot.trial or (not slot.open_until and slot.failures >= BREAKER_FAILURES):
             cooldown = min(BREAKER_COOLDOWN_S * 2**slot.trips, BREAKER_COOLDOWN_MAX_S)
             slot.trips += 1
             slot.trial = False
             slot.open_until = now + cooldown
             # When the cooldown ends the provider may take a trial request: wake its waiters then.
-            asyncio.get_running_loop().call_later(cooldown, self._pump, slot.pools)
+            asyncio.get_running_loop().call_later(cooldown, self._cooled, slot)
+
+    def _cooled(self, slot: ProviderSlots) -> None:
+        """A breaker's cooldown timer fired: hand the trial to a waiter, or re-arm if it fired early."""
+        now = monotonic()
+        if slot.open_until and now < slot.open_until:
+            # The loop's timers (uvloop's: whole milliseconds) may fire a hair before `open_until`
+            # on this clock; nothing else would wake the waiters, so wait out the rest.
+            asyncio.get_running_loop().call_later(slot.open_until - now + 0.001, self._cooled, slot)
+            return
+        self._pump(slot.pools)
 
     def set_connected(self, provider: str, connected: bool) -> None:
         slot = self.providers.get(provider)
