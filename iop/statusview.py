@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from iop.edge.status_schema import PoolProviderStatus, Status
+from iop.edge.status_schema import PoolProviderStatus, PoolStatus, Status
 from iop.wire import Device
 
 
@@ -21,6 +21,14 @@ def describe_device(d: Device) -> str:
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def _pool_capacity(pool: PoolStatus) -> str:
+    # Usable, not merely connected: a connected provider whose breaker is open takes no request.
+    cap = f"{pool.usable_capacity}/{pool.total_capacity}"
+    if pool.retry_after_s is not None:
+        cap += f" (unavailable, retry in {pool.retry_after_s:.0f}s)"
+    return cap
 
 
 def render_status(status: Status) -> str:
@@ -68,14 +76,14 @@ def render_status(status: Status) -> str:
     if devices:
         out += ["", _table([["NODE", "DEVICE"], *devices])]
     if status.pools:
-        prow = [["POOL", "CANDIDATES", "CONNECTED", "CAPACITY", "IN FLIGHT", "WAITING"]]
+        prow = [["POOL", "CANDIDATES", "CONNECTED", "USABLE/TOTAL", "IN FLIGHT", "WAITING"]]
         for pool in status.pools:
             prow.append(
                 [
                     pool.alias,
                     str(len(pool.candidates)),
                     str(pool.connected_candidates),
-                    f"{pool.connected_capacity}/{pool.total_capacity}",
+                    _pool_capacity(pool),
                     str(pool.in_flight),
                     str(pool.waiting),
                 ]

@@ -54,6 +54,7 @@ POOL_FIELDS = {
     "total_capacity",
     "connected_capacity",
     "usable_capacity",
+    "retry_after_s",
     "in_flight",
     "dispatched_in_flight",
     "waiting",

@@ -11,6 +11,7 @@ import openai
 from iop.bus import EmbeddedNats
 from iop.edge.status_schema import PoolProviderStatus
 from iop.node.adapters.mock import mock_token
+from iop.statusview import render_status
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, running_edge, running_node, until
 
@@ -332,6 +333,37 @@ async def test_failover_before_the_first_byte_and_the_breaker(nats_server: Embed
             for _ in range(3):
                 assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
             assert bad.total == 3
+
+
+async def test_a_pool_whose_every_breaker_is_open_answers_503_at_once_and_status_says_so(
+    nats_server: EmbeddedNats,
+) -> None:
+    async with fake_upstream(fail_status=500) as bad:
+        text = f"""
+models: [{{alias: m, pool: [p]}}]
+nodes:
+  - id: n
+    adapters: [{{id: up, type: openai, base_url: "{bad.url}", api: both}}]
+    providers: [{{id: p, adapter: up, capacity: 3}}]
+"""
+        async with deployment_running(deployment(text), nats_server.url) as h, h.http() as http:
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+            for _ in range(3):
+                assert (await http.post("/v1/chat/completions", json=body)).status_code == 502
+            loop = asyncio.get_running_loop()
+            asked = loop.time()
+            r = await http.post("/v1/chat/completions", json=body)
+            took_ms = 1000 * (loop.time() - asked)
+            print(f"\nsole provider's breaker open: 503 pool_unavailable in {took_ms:.1f} ms")
+            # Before: it waited the whole queue timeout for a slot that could not come.
+            assert r.status_code == 503 and r.json()["error"]["code"] == "pool_unavailable"
+            assert r.headers["retry-after"] == "5" and bad.total == 3
+            st = await h.status()
+            pool = st.pools[0]
+            assert (pool.usable_capacity, pool.total_capacity, pool.connected_capacity) == (0, 3, 3)
+            assert pool.retry_after_s is not None and 0 < pool.retry_after_s <= 5
+            pool_row = render_status(st).splitlines()[-1].split()
+            assert pool_row[:4] == ["m", "1", "1", "0/3"] and "(unavailable," in pool_row
 
 
 async def test_a_failing_sole_provider_gives_a_clear_502(nats_server: EmbeddedNats) -> None:

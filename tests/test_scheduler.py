@@ -142,8 +142,9 @@ async def test_scheduler_gives_up_at_the_deadline_and_leaves_the_queue() -> None
 
 
 async def test_scheduler_waits_for_a_provider_to_connect() -> None:
-    s = scheduler({"p": 1}, {"m": ["p"]})
-    s.set_connected("p", False)
+    s = Scheduler(100)  # as at the edge's start: the node has not connected yet
+    s.add_provider("p", "node-p", 1)
+    s.add_pool("m", ["p"])
     waiter = asyncio.create_task(s.acquire("m", soon()))
     await asyncio.sleep(0)  # let it find nobody connected
     assert not waiter.done()
@@ -165,14 +166,15 @@ async def test_scheduler_never_hands_out_an_excluded_provider() -> None:
 
 async def test_scheduler_breaker_opens_half_opens_and_closes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scheduler_module, "BREAKER_COOLDOWN_S", 0.2)
-    s = scheduler({"p": 4}, {"m": ["p"]})
+    s = scheduler({"p": 4, "busy": 1}, {"m": ["p", "busy"]})
     p = s.providers["p"]
+    await s.acquire("m", soon(), frozenset({"p"}))  # the other provider is busy throughout
     for _ in range(scheduler_module.BREAKER_FAILURES):
-        s.release(await s.acquire("m", soon()))
+        s.release(await s.acquire("m", soon(), frozenset({"busy"})))
         s.failed(p)
     assert p.breaker(time.monotonic()) == "open" and not p.usable(time.monotonic())
 
-    # Open: requests wait although slots are free; when the cooldown ends one trial goes out.
+    # Open: requests wait although p has free slots; when the cooldown ends one trial goes out.
     trial = asyncio.create_task(s.acquire("m", soon()))
     second = asyncio.create_task(s.acquire("m", soon()))
     await waiting(s, "m", 2)
@@ -188,10 +190,11 @@ async def test_scheduler_breaker_opens_half_opens_and_closes(monkeypatch: pytest
 
 async def test_scheduler_breaker_failed_trial_reopens_for_twice_as_long(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scheduler_module, "BREAKER_COOLDOWN_S", 0.05)
-    s = scheduler({"p": 1}, {"m": ["p"]})
+    s = scheduler({"p": 1, "busy": 1}, {"m": ["p", "busy"]})
     p = s.providers["p"]
+    await s.acquire("m", soon(), frozenset({"p"}))  # busy throughout: requests wait for p
     for _ in range(scheduler_module.BREAKER_FAILURES):
-        s.release(await s.acquire("m", soon()))
+        s.release(await s.acquire("m", soon(), frozenset({"busy"})))
         s.failed(p)
     trial = await granted(asyncio.create_task(s.acquire("m", soon())))
     assert p.trial
@@ -210,12 +213,13 @@ async def test_scheduler_breaker_wakes_its_waiter_even_when_the_timer_fires_earl
     monkeypatch.setattr(scheduler_module, "BREAKER_COOLDOWN_S", 0.05)
     skew = [0.0]
     monkeypatch.setattr(scheduler_module, "monotonic", lambda: time.monotonic() + skew[0])
-    s = scheduler({"p": 1}, {"m": ["p"]})
+    s = scheduler({"p": 1, "busy": 1}, {"m": ["p", "busy"]})
     p = s.providers["p"]
+    await s.acquire("m", soon(), frozenset({"p"}))  # busy throughout: the request waits for p
     for _ in range(scheduler_module.BREAKER_FAILURES - 1):
-        s.release(await s.acquire("m", soon()))
+        s.release(await s.acquire("m", soon(), frozenset({"busy"})))
         s.failed(p)
-    s.release(await s.acquire("m", soon()))
+    s.release(await s.acquire("m", soon(), frozenset({"busy"})))
     skew[0] = 0.005
     s.failed(p)  # opens until 5 ms past the moment its timer is due
     skew[0] = 0.0
@@ -223,6 +227,73 @@ async def test_scheduler_breaker_wakes_its_waiter_even_when_the_timer_fires_earl
     waited = loop.time()
     assert (await s.acquire("m", loop.time() + 1.0)) is p  # before: 503 queue_timeout after 1 s
     print(f"\nearly breaker timer: trial granted {1000 * (loop.time() - waited):.1f} ms after the wait began")
+
+
+async def open_breaker(s: Scheduler, provider: str) -> None:
+    p = s.providers[provider]
+    others = frozenset(s.providers) - {provider}
+    for _ in range(scheduler_module.BREAKER_FAILURES):
+        s.release(await s.acquire("m", soon(), others))
+        s.failed(p)
+
+
+async def test_scheduler_pool_with_every_breaker_open_refuses_at_once_with_retry_after() -> None:
+    s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
+    await open_breaker(s, "a")
+    held = await s.acquire("m", soon())  # b, the last usable one, is busy: a request waits for it
+    waiter = asyncio.create_task(s.acquire("m", soon()))
+    await waiting(s, "m", 1)
+    s.release(held)
+    s.release(await granted(waiter))
+    await open_breaker(s, "b")
+    loop = asyncio.get_running_loop()
+    asked = loop.time()
+    with pytest.raises(Unavailable) as refused:
+        await s.acquire("m", asked + 30)  # before: waited the whole queue timeout
+    print(f"\nevery breaker open: 503 after {1000 * (loop.time() - asked):.2f} ms")
+    assert refused.value.code == "pool_unavailable" and refused.value.status == 503
+    # a opened first: its half-open try comes first, within the 5 s cooldown.
+    assert refused.value.headers == {"Retry-After": "5"}
+    assert s.waiting("m") == 0
+
+
+async def test_scheduler_waiters_are_told_when_the_last_usable_provider_opens_its_breaker() -> None:
+    s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
+    await open_breaker(s, "a")
+    held = await s.acquire("m", soon())
+    assert held.id == "b"
+    waiters = [asyncio.create_task(s.acquire("m", soon())) for _ in range(3)]
+    await waiting(s, "m", 3)
+    for _ in range(scheduler_module.BREAKER_FAILURES):
+        s.failed(held)  # b's breaker opens while it still runs one: its waiters cannot be served
+    for w in waiters:
+        with pytest.raises(Unavailable) as told:
+            await asyncio.wait_for(w, 1)
+        assert told.value.code == "pool_unavailable" and told.value.headers["Retry-After"] in {"4", "5"}
+    s.release(held)
+    assert s.waiting("m") == 0 and s.providers["b"].in_flight == 0
+
+
+async def test_scheduler_pool_whose_nodes_are_gone_refuses_at_once_and_tells_its_waiters() -> None:
+    s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
+    held = [await s.acquire("m", soon()), await s.acquire("m", soon())]
+    waiter = asyncio.create_task(s.acquire("m", soon()))
+    await waiting(s, "m", 1)
+    s.set_connected("a", False)
+    assert not waiter.done() or waiter.exception() is None  # b may still free a slot
+    s.set_connected("b", False)
+    with pytest.raises(Unavailable) as told:
+        await asyncio.wait_for(waiter, 1)
+    assert (told.value.code, told.value.headers) == ("pool_unavailable", {"Retry-After": "1"})
+    loop = asyncio.get_running_loop()
+    asked = loop.time()
+    with pytest.raises(Unavailable) as refused:
+        await s.acquire("m", asked + 30)  # before: the 2.5 s connect grace, then 503 no_provider
+    assert refused.value.code == "pool_unavailable" and loop.time() - asked < 0.1
+    for slot in held:
+        s.release(slot)
+    s.set_connected("a", True)
+    assert (await s.acquire("m", soon())).id == "a"
 
 
 async def test_scheduler_refresh_drains_a_removed_provider() -> None:

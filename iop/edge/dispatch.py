@@ -23,7 +23,7 @@ from typing import Literal
 from iop import wire
 from iop.edge.relay import Channel, Relay
 from iop.edge.scheduler import PoolQueue, ProviderSlots, Scheduler
-from iop.errors import RequestError
+from iop.errors import RequestError, Unavailable
 
 log = logging.getLogger("iop.edge")
 
@@ -155,10 +155,16 @@ class PoolDispatch(_Dispatch):
         retried, whatever fails.
         """
         tried: frozenset[str] = frozenset()
+        last: RequestError | None = None
         exc: BaseException | None = None
         try:
             while True:
-                slot = await self.scheduler.acquire(self.alias, self.deadline, tried)
+                try:
+                    slot = await self.scheduler.acquire(self.alias, self.deadline, tried)
+                except Unavailable as unusable:
+                    if last is not None and unusable.code == "pool_unavailable":
+                        raise last from None  # no other provider to fail over to: the client hears why
+                    raise
                 try:
                     await self._attempt(slot, make_item, answer)
                     return
@@ -167,6 +173,7 @@ class PoolDispatch(_Dispatch):
                         raise
                     self.scheduler.failed(slot)
                     tried |= {slot.id}
+                    last = err
                     others = [p for p in self.scheduler.pools[self.alias].providers if p.id not in tried]
                     if responded() or len(tried) > MAX_RETRIES or not others:
                         raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from time import monotonic
@@ -22,6 +23,8 @@ BREAKER_FAILURES = 3
 BREAKER_COOLDOWN_S = 5.0
 """First time out of rotation; doubles on every failed trial, up to BREAKER_COOLDOWN_MAX_S."""
 BREAKER_COOLDOWN_MAX_S = 60.0
+GONE_RETRY_AFTER_S = 1
+"""Retry-After when every provider of a pool is on a node that is gone (a node restarts in about 1 s)."""
 
 
 @dataclass(eq=False)
@@ -34,6 +37,8 @@ class ProviderSlots:
     pools: list[PoolQueue] = field(default_factory=list)
     in_flight: int = 0
     connected: bool = False
+    seen: bool = False
+    """Connected at least once since this edge started (before that, requests wait a grace period)."""
     dispatched: int = 0
     """Requests ever dispatched to it (status, tests)."""
     failures: int = 0
@@ -144,9 +149,12 @@ class Scheduler:
             if slot is not None:
                 self._take(slot)
                 return slot
-        if not pool.connected:
+        if not any(p.seen for p in pool.providers):
             await self._await_connected(pool, deadline)
             return await self.acquire(alias, deadline, exclude)
+        retry_s = self.retry_after(pool, exclude)
+        if retry_s is not None:
+            raise _pool_unavailable(alias, retry_s)
         if len(pool.waiters) >= self.max_waiting:
             raise QueueFull(
                 f"model '{alias}': {len(pool.waiters)} requests already wait for a free slot; retry later",
@@ -161,8 +169,9 @@ class Scheduler:
                 slot = await waiter.future
         except BaseException as exc:
             if waiter.future.done() and not waiter.future.cancelled():
-                # Granted in the same instant as the timeout or the client leaving: give it back.
-                self.release(waiter.future.result())
+                if waiter.future.exception() is None:
+                    # Granted in the same instant as the timeout or the client leaving: give it back.
+                    self.release(waiter.future.result())
             else:
                 waiter.future.cancel()
                 pool.waiters.remove(waiter)
@@ -173,6 +182,37 @@ class Scheduler:
                 ) from None
             raise
         return slot
+
+    def retry_after(self, pool: PoolQueue, exclude: frozenset[str] = frozenset()) -> float | None:
+        """None while a provider of the pool can take work now or once a running request ends;
+        otherwise the seconds until one may (its breaker's next half-open try, or GONE_RETRY_AFTER_S
+        when its node is gone). A half-open provider counts as usable: its trial decides."""
+        now = monotonic()
+        wait: float | None = None
+        for p in pool.providers:
+            if p.id in exclude or p.removed:
+                continue
+            if not p.connected:
+                w = float(GONE_RETRY_AFTER_S)
+            elif p.open_until and now < p.open_until:
+                w = p.open_until - now
+            else:
+                return None
+            wait = w if wait is None else min(wait, w)
+        return GONE_RETRY_AFTER_S if wait is None else wait
+
+    def _fail_if_unusable(self, pools: list[PoolQueue]) -> None:
+        """Tell the waiters of a pool that just lost its last usable provider, instead of letting
+        them wait out the queue timeout for a slot that cannot come."""
+        for pool in pools:
+            for waiter in list(pool.waiters):
+                if waiter.future.done():
+                    continue
+                retry_s = self.retry_after(pool, waiter.exclude)
+                if retry_s is not None:
+                    pool.waiters.remove(waiter)
+                    waiter.future.set_exception(_pool_unavailable(pool.alias, retry_s))
+                    self.changed.set()
 
     def _take(self, slot: ProviderSlots) -> None:
         slot.in_flight += 1
@@ -210,7 +250,7 @@ class Scheduler:
             slot = self.providers.get(pid)
             if slot is None or slot.removed:
                 connected = slot.connected if slot is not None else False
-                slot = self.providers[pid] = ProviderSlots(pid, node, capacity, connected=connected)
+                slot = self.providers[pid] = ProviderSlots(pid, node, capacity, connected=connected, seen=connected)
             slot.node, slot.capacity = node, capacity
         draining = []
         for pid, slot in list(self.providers.items()):
@@ -241,6 +281,7 @@ class Scheduler:
             for p in pool.providers:
                 p.pools.append(pool)
         self._pump(list(self.pools.values()))
+        self._fail_if_unusable(list(self.pools.values()))
         self.changed.set()
         return draining
 
@@ -263,6 +304,7 @@ class Scheduler:
             slot.open_until = now + cooldown
             # When the cooldown ends the provider may take a trial request: wake its waiters then.
             asyncio.get_running_loop().call_later(cooldown, self._cooled, slot)
+            self._fail_if_unusable(slot.pools)
 
     def _cooled(self, slot: ProviderSlots) -> None:
         """A breaker's cooldown timer fired: hand the trial to a waiter, or re-arm if it fired early."""
@@ -280,8 +322,11 @@ class Scheduler:
             return
         slot.connected = connected
         if connected:
+            slot.seen = True
             self._connected.set()
             self._pump(slot.pools)
+        else:
+            self._fail_if_unusable(slot.pools)
 
     def _pump(self, pools: list[PoolQueue]) -> None:
         """Hand free slots to the oldest waiters of the given pools."""
@@ -311,3 +356,12 @@ class Scheduler:
 
     def waiting(self, alias: str) -> int:
         return len(self.pools[alias].waiters)
+
+
+def _pool_unavailable(alias: str, retry_s: float) -> Unavailable:
+    return Unavailable(
+        f"model '{alias}': no provider of its pool can take requests now (every one is out of rotation "
+        f"after failures, or its node is gone); retry in {math.ceil(retry_s)} s",
+        code="pool_unavailable",
+        headers={"Retry-After": str(max(1, math.ceil(retry_s)))},
+    )

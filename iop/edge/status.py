@@ -126,6 +126,7 @@ def status_of(edge: Observed) -> Status:
                 connected_capacity=sum(ms.capacity for ms in members_slots if ms.connected),
                 # What can take work now: connected and not out of rotation (breaker open).
                 usable_capacity=sum(ms.capacity for ms in members_slots if ms.connected and ms.breaker(mono) != "open"),
+                retry_after_s=_retry_after(edge.scheduler, alias),
                 in_flight=sum(lv.in_flight for lv in members_live),
                 dispatched_in_flight=sum(ms.in_flight for ms in members_slots),
                 waiting=edge.scheduler.waiting(alias),
@@ -150,6 +151,14 @@ def status_of(edge: Observed) -> Status:
         pools=pools,
         routes=routes,
     )
+
+
+def _retry_after(scheduler: Scheduler, alias: str) -> float | None:
+    pool = scheduler.pools[alias]
+    if not any(p.seen for p in pool.providers):
+        return None  # not connected yet since the edge started: requests wait for it a moment
+    retry_s = scheduler.retry_after(pool)
+    return None if retry_s is None else round(retry_s, 1)
 
 
 def _live(edge: Observed, node: str, provider: str) -> wire.ProviderLive | None:

@@ -106,6 +106,9 @@ class PoolStatus(msgspec.Struct, kw_only=True):
     connected_capacity: int
     usable_capacity: int
     """Connected and not out of rotation (breaker open)."""
+    retry_after_s: float | None = None
+    """Set while no provider can take requests (they get 503 `pool_unavailable` at once): seconds
+    until one may, its breaker's next half-open try (1 when every node of the pool is gone)."""
     in_flight: int
     """Running on the nodes, from their heartbeats."""
     dispatched_in_flight: int
