@@ -19,6 +19,7 @@ import signal
 import ssl
 import sys
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -395,13 +396,24 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+AUTH_ERROR_EVERY_S = 60.0
+"""The server's "authentication error" for one user is passed on once in this long (a removed node retries)."""
+
+
 async def _drain_log(stderr: asyncio.StreamReader, reloaded: asyncio.Event) -> None:
     # Keep reading so the pipe never fills and blocks the server; surface warnings and errors.
+    said: dict[str, float] = {}
     while line := await stderr.readline():
         if b"Reloaded server configuration" in line:
             reloaded.set()
         elif b"[ERR]" in line or b"[WRN]" in line:
-            log.warning("nats-server: %s", line.decode(errors="replace").strip())
+            text = line.decode(errors="replace").strip()
+            if m := re.search(r'authentication error - User "([^"]*)"', text):
+                now = time.monotonic()
+                if now - said.get(m.group(1), -AUTH_ERROR_EVERY_S) < AUTH_ERROR_EVERY_S:
+                    continue
+                said[m.group(1)] = now
+            log.warning("nats-server: %s", text)
 
 
 def _quote(s: str) -> str:
@@ -438,12 +450,17 @@ async def connect(
     refused: asyncio.Future[str] = loop.create_future()
     last_error: list[str] = []
     connected = False
+    refusals_said: set[str] = set()
 
     async def _error(exc: Exception) -> None:
         problem = _refusal(exc, access, shown)
         if connected:
-            # Credentials changed under a running process: say so, nats-py keeps retrying.
-            (log.warning if problem else log.debug)("%s: nats: %s", name, problem or exc)
+            # Credentials changed under a running process: say so once (nats-py keeps retrying,
+            # and a node removed from the deployment may retry for hours), again after a reconnect.
+            loud = problem is not None and problem not in refusals_said
+            if problem is not None:
+                refusals_said.add(problem)
+            (log.warning if loud else log.debug)("%s: nats: %s", name, problem or exc)
             return
         if problem:
             if not refused.done():
@@ -464,6 +481,7 @@ async def connect(
             await on_disconnect()
 
     async def _reconnected() -> None:
+        refusals_said.clear()
         log.warning("%s: reconnected to NATS", name)
         if on_reconnect:
             await on_reconnect()

@@ -14,6 +14,7 @@ import socket
 import time
 from pathlib import Path
 
+import httpx
 import nats
 import pytest
 from nats.aio.msg import Msg
@@ -25,6 +26,7 @@ from tests.fakes import fake_upstream
 from tests.harness import (
     IopProcess,
     deployment,
+    eventually,
     iop_process,
     node_process,
     running_edge,
@@ -243,3 +245,67 @@ async def test_a_node_removed_by_refresh_says_so_once_and_serves_again_when_adde
     refusals = [r.getMessage() for r in caplog.records if "refused node n1" in r.getMessage()]
     assert len(refusals) == 1 and "not in this deployment" in refusals[0], refusals
     print(f"\nremoved by refresh: the node said so {told_s:.2f}s after the refresh")
+
+
+TWO_NODES = """
+edge:
+  listen: 127.0.0.1:0
+  nats: {{url: embedded, listen: "127.0.0.1:{nats_port}", store_dir: "{store}"}}
+models:
+  - {{alias: sim, pool: [p1]}}
+  - {{alias: sim2, pool: [p2]}}
+nodes:
+  - id: n1
+    adapters:
+      - {{id: m, type: mock, latency_ms: 0, tokens: 3}}
+    providers:
+      - {{id: p1, adapter: m, capacity: 1}}
+  - id: n2
+    adapters:
+      - {{id: m, type: mock, latency_ms: 0, tokens: 3}}
+    providers:
+      - {{id: p2, adapter: m, capacity: 1}}
+"""
+
+
+async def test_a_node_removed_by_iop_refresh_from_an_edge_process_is_told_and_comes_back(tmp_path: Path) -> None:
+    # The edge's embedded NATS gives each node its own user: a refresh that removes a node removes
+    # its user too, so the node must hear it before the server closes its connection.
+    text = TWO_NODES.format(nats_port=free_port(), store=tmp_path / "nats")
+    both, only_n2 = tmp_path / "both.yaml", tmp_path / "n2.yaml"
+    both.write_text(text)
+    only_n2.write_text(
+        text.replace("  - {alias: sim, pool: [p1]}\n", "").split("  - id: n1\n")[0]
+        + "  - id: n2\n"
+        + text.split("  - id: n2\n")[1]
+    )
+    async with iop_process("edge", "--config", str(both), stop_grace_s=10) as edge:
+        m = await edge.wait_line(r"iop edge listening on (http://\S+)")
+        url = m.group(1)
+        async with iop_process("node", "--config", str(both), "--node", "n1", stop_grace_s=5) as node:
+            await node.wait_line("serving")
+            async with iop_process("refresh", "--config", str(only_n2), "--edge", url) as refresh:
+                assert await refresh.exit_code() == 0, refresh.lines
+            await node.wait_line("removed from the deployment")
+            seen = len(node.lines)
+            async with iop_process("refresh", "--config", str(both), "--edge", url) as refresh:
+                assert await refresh.exit_code() == 0, refresh.lines
+            added = time.monotonic()
+            await node.wait_line("back in the deployment; serving", timeout_s=20)
+            back_s = time.monotonic() - added
+            quiet = node.lines[seen:]
+            async with httpx.AsyncClient(base_url=url) as http:
+                body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}
+
+                async def answered() -> bool:
+                    return (await http.post("/v1/chat/completions", json=body)).status_code == 200
+
+                await eventually(answered, timeout_s=10, every_s=0.2)
+    assert sum("removed from the deployment" in line for line in node.lines) == 1, node.lines
+    # While removed: one line each for the lost connection, the refused user, the regained connection.
+    assert len(quiet) <= 3, quiet
+    auth_errors = [line for line in edge.lines if "authentication error" in line]
+    assert len(auth_errors) <= 1, auth_errors
+    print(
+        f"\nremoved by iop refresh (edge process): told before its NATS user went; back {back_s:.2f}s after re-adding"
+    )

@@ -239,6 +239,8 @@ class Refresher:
         restart or SIGHUP would undo exactly these changes, so status and the log say so."""
         self.authorize_nodes: Callable[[list[config.Node]], Awaitable[None]] | None = None
         """Gives NATS users and permissions to a node list (the edge's embedded server), if set."""
+        self.tell_removed: Callable[[list[str]], Awaitable[None]] | None = None
+        """Tells removed nodes that they were removed (the edge's registry), if set."""
 
     def started_from(self, path: Path, dep: config.Deployment) -> None:
         self.file, self.file_deployment = path, dep
@@ -278,6 +280,10 @@ class Refresher:
                         result.applied.append(f"consumer {wire.consumer_name(pid)}: max_ack_pending {cap}")
                 kept = {m.id for m in new.nodes}
                 removed_nodes = [n.id for n in old_dep.nodes if n.id not in kept]
+                if removed_nodes and self.tell_removed is not None:
+                    # Before their NATS users go: told, a removed node waits quietly for its id
+                    # to come back instead of retrying refused credentials blind.
+                    await self.tell_removed(removed_nodes)
                 if self.authorize_nodes is not None:
                     # New nodes get their NATS users before their catalog exists; a removed node
                     # loses its user. A node's old section stays in the union so that a provider

@@ -78,6 +78,31 @@ class Registry:
             else:
                 st.cfg = node
 
+    async def tell_removed(self, node_ids: list[str]) -> None:
+        """Tell each connected node of `node_ids` that it left the deployment; wait (1 s at most) until it heard.
+
+        A refresh calls this before it takes the nodes' NATS users away: afterwards nothing reaches them.
+        """
+        if self._nc is None:
+            return
+        nc = self._nc
+        asks = []
+        for node_id in node_ids:
+            st = self.nodes.get(node_id)
+            if st is None or not st.connected or st.instance is None:
+                continue
+            welcome = wire.Welcome(
+                accepted=False,
+                edge=self.edge_id,
+                reason=f"node '{node_id}' was removed from the deployment",
+                refusal="unknown_node",
+            )
+            asks.append(nc.request(wire.verdict_subject(node_id, st.instance), wire.encode(welcome), timeout=1.0))
+        for outcome in await asyncio.gather(*asks, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                # An older node does not answer; it finds out from its refused heartbeats, if it can.
+                log.debug("a removed node did not confirm: %s", outcome)
+
     def bus_reconnected(self) -> None:
         """While the edge itself was cut off it heard nothing: restart every node's clock."""
         now = time.monotonic()

@@ -91,6 +91,7 @@ class Edge:
         """Called once with every served request's `DispatchResult` (pool and direct routes alike)."""
         self.registry = Registry(deployment, self.scheduler, self.edge_id, self.relay.node_lost)
         self.refresher = Refresher(self, nc, self.js)
+        self.refresher.tell_removed = self.registry.tell_removed
         self.keys = keys if keys is not None else EdgeKeys.from_settings(deployment.edge)
 
     async def start(self) -> None:

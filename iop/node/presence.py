@@ -29,6 +29,10 @@ LEASE_S = wire.HEARTBEAT_INTERVAL_S * (wire.HEARTBEATS_MISSED - 0.5)
 HEARTBEATS_MISSED silent intervals; past this, it may have, and another instance may hold the id."""
 
 
+REMOVED_RETRY_S = 5.0
+"""How often a node removed from the deployment tries NATS again (its user may be gone until it is back)."""
+
+
 class NodeRefused(IopError):
     """The edge refused this node (unknown id, or another process holds the id)."""
 
@@ -93,6 +97,7 @@ class Presence:
         self.lease = lease if lease is not None else Lease()
         self._seq = 0
         self._reconnects = 0
+        self._reconnect_wait = nc.options.get("reconnect_time_wait", 0.5)
         self.device: wire.Device | None = None
         """The machine, told in the hello and every heartbeat (set by the runtime before the hello)."""
 
@@ -178,6 +183,7 @@ class Presence:
         if welcome is None or welcome.accepted:
             if self.lease.state == "removed":
                 log.warning("node %s: back in the deployment; serving", self.node_id)
+                self.nc.options["reconnect_time_wait"] = self._reconnect_wait
             self.lease.renew()
             await self.heartbeat()
             return
@@ -191,6 +197,10 @@ class Presence:
             return
         if not welcome.accepted:
             self._refused(welcome)
+        if msg.reply:
+            # The edge waits for this before it takes our NATS user away (a refresh removing us).
+            with contextlib.suppress(nats.errors.Error):
+                await msg.respond(b"")
 
     def _refused(self, welcome: wire.Welcome) -> None:
         if welcome.refusal == "unknown_node":
@@ -201,6 +211,8 @@ class Presence:
                     welcome.edge,
                 )
             self.lease.end("removed", welcome.reason)
+            # Our NATS user may be gone with the id: knock on the door every REMOVED_RETRY_S, not twice a second.
+            self.nc.options["reconnect_time_wait"] = REMOVED_RETRY_S
         elif welcome.refusal == "other_instance" or not welcome.refusal:
             # An edge of an older version gives no refusal kind: a refusal while serving means the id is taken.
             if self.lease.state != "replaced":
