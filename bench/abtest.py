@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import load
-from measure import Measured, run_measured, spread
-from procs import Owned, Proc, cpu_s, free_port, http_json, log, upstream_argv, wait_until
-from stack import Stack, openai_pool_node, start_stack
+from bench import load
+from bench.measure import Measured, run_measured, spread
+from bench.procs import Owned, Proc, cpu_s, free_port, http_json, log, upstream_argv, wait_until
+from bench.stack import Stack, openai_pool_node, start_stack
 
 
 @dataclass

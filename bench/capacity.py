@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import load
-from abtest import start_upstream
-from measure import run_measured
-from procs import Owned, cpu_s, free_port, http_json, log
-from stack import openai_pool_node, start_stack
+from bench import load
+from bench.abtest import start_upstream
+from bench.measure import run_measured
+from bench.procs import Owned, cpu_s, free_port, http_json, log
+from bench.stack import openai_pool_node, start_stack
 
 CAPACITIES = (2, 4, 4)
 

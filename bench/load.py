@@ -1,6 +1,6 @@
 """A lean closed-loop HTTP/1.1 load generator: keep-alive connections, bounded in count and in time.
 
-    python bench/load.py --url http://127.0.0.1:8080 --model bench [--api chat|responses] [--stream]
+    python -m bench.load --url http://127.0.0.1:8080 --model bench [--api chat|responses] [--stream]
         [-c 32] [-n 5000] [--max-seconds 10] [--warmup 100] [--procs 1] [--max-tokens N]
 
 Each of `-c` connections sends one request at a time and the next as soon as the answer's last byte

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import load
-from procs import busy_cores, loadavg, machine_ticks
+from bench import load
+from bench.procs import busy_cores, loadavg, machine_ticks
 
 
 @dataclass

@@ -316,4 +316,4 @@ def iop_argv(archive: Path | None, *args: str) -> list[str]:
 
 
 def upstream_argv(*args: str) -> list[str]:
-    return [sys.executable, str(REPO / "bench" / "upstream.py"), *args]
+    return [sys.executable, "-m", "bench.upstream", *args]

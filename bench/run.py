@@ -1,4 +1,4 @@
-"""iop's benchmarks, one command: python bench/run.py [--quick] [--rounds N] [--only ...] [--out FILE]
+"""iop's benchmarks, one command: python -m bench [--quick] [--rounds N] [--only ...] [--out FILE]
 
 Starts the bench upstream, the edge and the nodes as processes of its own (from this source tree
 with `python -m iop`, or from an archive with --archive), runs the scenarios of issue #7 — each
@@ -29,20 +29,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from abtest import AbOptions, run_ab
-from capacity import CapacityOptions, run_capacity
-from procs import REPO, Owned, git_state, install_signal_handlers, loadavg, log, machine
-from report import judge, render
-from scale import ScaleOptions, run_memory, run_scale
-from startup import StartupOptions, run_startup
+from bench.abtest import AbOptions, run_ab
+from bench.capacity import CapacityOptions, run_capacity
+from bench.procs import REPO, Owned, git_state, install_signal_handlers, loadavg, log, machine
+from bench.report import judge, render
+from bench.scale import ScaleOptions, run_memory, run_scale
+from bench.startup import StartupOptions, run_startup
 
 SCENARIOS = ("latency", "throughput", "relay", "capacity", "scale", "startup")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, short runs, small counts (< 2 min)")
     ap.add_argument("--rounds", type=int, default=None, help="alternating DIRECT/IOP rounds (default 5, quick 1)")
     ap.add_argument("--seconds", type=float, default=None, help="time bound of one measured run (default 3, quick 0.8)")

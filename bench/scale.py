@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import load
-from measure import Measured, run_measured, spread
-from procs import Owned, cpu_s, http, http_json, log, rss_bytes, wait_until
-from stack import mock_node, start_stack
+from bench import load
+from bench.measure import Measured, run_measured, spread
+from bench.procs import Owned, cpu_s, http, http_json, log, rss_bytes, wait_until
+from bench.stack import mock_node, start_stack
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Many simulated nodes in one process: one iop NodeRuntime per node of a deployment, for the scale bench.
 
-    python bench/simnodes.py --config FILE --nats nats://127.0.0.1:PORT [--nodes ID,ID,...]
+    python -m bench.simnodes --config FILE --nats nats://127.0.0.1:PORT [--nodes ID,ID,...]
 
 Each node is a real `iop.node.runtime.NodeRuntime` with its own NATS connection, hello, heartbeats
 and fetch loops, exactly as `iop node` runs it; only the process is shared, so a hundred nodes fit
@@ -17,11 +17,7 @@ import importlib
 import logging
 import os
 import signal
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from iop import config
 from iop.node.runtime import NodeRuntime

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from procs import REPO, Owned, Proc, comm, cpu_s, free_port, http_json, iop_argv, log, status_ready, wait_until
+from bench.procs import Owned, Proc, comm, cpu_s, free_port, http_json, iop_argv, log, status_ready, wait_until
 
 # --- deployments ------------------------------------------------------------------------------------
 
@@ -121,7 +121,7 @@ def start_stack(
         node_list.append(
             owned.start(
                 f"{name}-simnodes",
-                [sys.executable, str(REPO / "bench" / "simnodes.py"), "--config", str(cfg), "--nats", nats_url],
+                [sys.executable, "-m", "bench.simnodes", "--config", str(cfg), "--nats", nats_url],
             )
         )
     else:

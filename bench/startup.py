@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from measure import spread
-from procs import REPO, Owned, free_port, http, iop_argv, log
-from stack import mock_node
+from bench.measure import spread
+from bench.procs import REPO, Owned, free_port, http, iop_argv, log
+from bench.stack import mock_node
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A fast fake OpenAI upstream for iop's benchmarks, counting concurrency per listening port.
 
-    python bench/upstream.py --port 18000 [--port 18001 ...] [--cap 2,4,4] [--latency uniform:20:100]
+    python -m bench.upstream --port 18000 [--port 18001 ...] [--cap 2,4,4] [--latency uniform:20:100]
         [--seed 1] [--tokens 16] [--token-interval-ms 0] [--write whole|each] [--timeline]
 
 Serves `POST /v1/chat/completions` and `POST /v1/responses`, streamed (SSE) or not. The answer has

@@ -37,7 +37,7 @@ async def fetch_loop(running: RunningRequests, r: Resource, js: JetStreamContext
     Each loop binds its own pull subscription. Loops sharing one see each other's responses
     (a message, or the 408 that ends an expired pull) on one inbox, so a loop can go on waiting
     for a pull the server has already expired: measured, a shared subscription kept 1 of 4
-    slots busy where one per loop kept 3.6 (bench/pull_fetch.py). A lowered capacity or a
+    slots busy where one per loop kept 3.6 (bench/experiments/pull_fetch.py). A lowered capacity or a
     retired provider ends the loop.
     """
     try:

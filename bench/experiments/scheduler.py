@@ -1,6 +1,6 @@
 """The edge's pool scheduler alone: one acquire + release per dispatch, by the size of the pool.
 
-    python bench/scheduler.py [--sizes 3,30,300] [--dispatches 20000]
+    python -m bench.experiments.scheduler [--sizes 3,30,300] [--dispatches 20000]
 
 Runs iop.edge.scheduler.Scheduler in this process with every provider connected and free (the
 c=1 case of the scale benchmark), so the figure is the scheduler's own CPU per dispatch.
@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from iop.edge.scheduler import Scheduler
 

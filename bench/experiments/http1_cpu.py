@@ -1,11 +1,11 @@
 """CPU per response of iop.node.http1: its parser alone, and whole calls to a loopback upstream; A/B optional.
 
-    python bench/http1_cpu.py [--baseline OLD_HTTP1_PY] [--rounds N] [--loop uvloop|asyncio]
+    python -m bench.experiments.http1_cpu [--baseline OLD_HTTP1_PY] [--rounds N] [--loop uvloop|asyncio]
 
 `--baseline` takes another version of the module as a file, e.g.
 `git show REV:iop/node/http1.py > /tmp/http1_old.py`: both run in this process, batches interleaved
 (ABAB...), so load from other processes falls on both alike; each row prints the median µs of CPU
-per response over the batches. Parser rows feed bench/http_client.py's answers (a chat completion
+per response over the batches. Parser rows feed bench/experiments/http_client.py's answers (a chat completion
 with content-length; a 9-event SSE stream, one chunk per read as a token server flushes) straight to
 `_Conn.data_received`. Call rows are whole `HttpPool.post` + read against that upstream (its own
 process), with the node's event loop (uvloop) unless told otherwise; they include the kernel's share.
@@ -17,16 +17,11 @@ import argparse
 import asyncio
 import importlib.util
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from types import ModuleType
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.http_client import EVENTS, PLAIN, SSE_HEAD, lean_call
+from bench.experiments.http_client import EVENTS, PLAIN, SSE_HEAD, lean_call, upstream_process
 from iop.node import http1
 
 REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"
@@ -53,7 +48,7 @@ def parse_batch(module: ModuleType, reads: list[bytes]) -> float:
         for data in reads:
             conn.data_received(data)
         if conn.state != module._DONE or not conn.keep_alive:
-            raise SystemExit(f"bench/http1_cpu.py: response not parsed whole: {conn.exc}")
+            raise SystemExit(f"bench.experiments.http1_cpu: response not parsed whole: {conn.exc}")
         conn.pieces.clear()
         conn.state = module._IDLE
     elapsed = time.process_time() - start
@@ -79,7 +74,7 @@ async def call_batch(call: Callable[[bool], Awaitable[int]], stream: bool, concu
 def load(path: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location("http1_baseline", path)
     if spec is None or spec.loader is None:
-        raise SystemExit(f"bench/http1_cpu.py: cannot load {path}")
+        raise SystemExit(f"bench.experiments.http1_cpu: cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -123,12 +118,7 @@ def main() -> None:
             for k in list(modules)[:: 1 if r % 2 else -1]:
                 samples[k].append(parse_batch(modules[k], reads))
         row(name, samples)
-    upstream = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("http_client.py")), "--upstream"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    try:
+    with upstream_process() as upstream:
         assert upstream.stdout is not None
         port = int(upstream.stdout.readline())
         if args.loop == "uvloop":
@@ -137,9 +127,6 @@ def main() -> None:
             uvloop.run(calls(modules, port, args.rounds))
         else:
             asyncio.run(calls(modules, port, args.rounds))
-    finally:
-        upstream.terminate()
-        upstream.wait(timeout=10)
 
 
 if __name__ == "__main__":

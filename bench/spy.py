@@ -1,6 +1,6 @@
 """Where the edge's and the node's time goes under a chosen load: py-spy on both, summarized.
 
-    python bench/profile.py [--api chat|responses] [--stream] [-c 1] [--seconds 5] [--out DIR]
+    python -m bench.spy [--api chat|responses] [--stream] [-c 1] [--seconds 5] [--out DIR]
 
 Starts the bench upstream, an edge and a node (as bench/run.py does), warms up, then records both
 processes with `py-spy record -f raw` while a closed loop of `-c` connections runs, and prints for
@@ -23,12 +23,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import load
-from abtest import start_upstream
-from procs import Owned, context_switches, cpu_split, free_port, install_signal_handlers, log
-from stack import openai_pool_node, start_stack
+from bench import load
+from bench.abtest import start_upstream
+from bench.procs import Owned, context_switches, cpu_split, free_port, install_signal_handlers, log
+from bench.stack import openai_pool_node, start_stack
 
 PY_SPY = Path(sys.executable).parent / "py-spy"
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^():]+)(?::\d+)?\)$")

@@ -1,6 +1,6 @@
 """Upstream-call cost: iop.node.http1.HttpPool vs httpx.AsyncClient against a minimal loopback upstream.
 
-    python bench/http_client.py [--requests N] [--max-seconds S]
+    python -m bench.experiments.http_client [--requests N] [--max-seconds S]
 
 The upstream runs in a subprocess (raw asyncio) so this process's CPU time is the client's alone.
 """
@@ -13,13 +13,12 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 
 import httpx
 
+from bench.procs import REPO
 from iop.node.http1 import HttpPool
 
 CHAT = (
@@ -143,14 +142,22 @@ def main() -> None:
     if args.upstream:
         asyncio.run(serve())
         return
-    upstream = subprocess.Popen([sys.executable, __file__, "--upstream"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
+    with upstream_process() as upstream:
         assert upstream.stdout is not None
         port = int(upstream.stdout.readline())
         asyncio.run(run(port, args.requests, args.max_seconds))
-    finally:
-        upstream.terminate()
-        upstream.wait(timeout=10)
+
+
+@contextmanager
+def upstream_process() -> Iterator[subprocess.Popen[bytes]]:
+    """This module's upstream in a process of its own; its first stdout line is its port."""
+    argv = [sys.executable, "-m", "bench.experiments.http_client", "--upstream"]
+    with subprocess.Popen(argv, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE) as upstream:
+        try:
+            yield upstream
+        finally:
+            upstream.terminate()
+            upstream.wait(timeout=10)
 
 
 if __name__ == "__main__":

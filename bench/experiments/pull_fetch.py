@@ -1,6 +1,6 @@
 """How a provider's fetch loops share JetStream pull subscriptions decides how busy its slots stay.
 
-    python bench/pull_fetch.py [--capacity 4] [--service-ms 50] [--items 300]
+    python -m bench.experiments.pull_fetch [--capacity 4] [--service-ms 50] [--items 300]
 
 A nats-server of our own, a work-queue stream and one consumer with max_ack_pending = capacity,
 served by `capacity` loops of fetch(batch=1) as an iop node serves a provider. Like iop's edge
@@ -17,19 +17,16 @@ import asyncio
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import nats
 import nats.errors
-from load import percentiles
 from nats.js import api
-from procs import free_port, wait_until
 
+from bench.load import percentiles
+from bench.procs import free_port, wait_until
 from iop.bundle import nats_server_path
 
 
