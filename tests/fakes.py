@@ -159,17 +159,17 @@ class FakeUpstream:
                 "type": "function",
                 "function": {"name": call["function"]["name"], "arguments": ""},
             }
-            for piece in (
+            for delta in (
                 {"tool_calls": [head]},
                 {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
                 {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
             ):
-                chunk = {**base, "choices": [{"index": 0, "delta": piece, "finish_reason": None}]}
+                chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
                 yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
             last = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
             yield b"data: " + json.dumps(last).encode() + b"\n\n"
             if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {
+                usage: dict[str, Any] = {
                     **base,
                     "choices": [],
                     "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12},

@@ -288,11 +288,18 @@ async def test_embedded_nats_requires_credentials_on_loopback_too(
         assert secret_file.stat().st_mode & 0o777 == 0o600
 
         # The real nats-server itself says no, to a plain nats-py client on loopback.
-        for kwargs in ({}, {"token": "guess"}, {"user": "iop-edge", "password": "guess"}):
+        for token, user, password in ((None, None, None), ("guess", None, None), (None, "iop-edge", "guess")):
             plain = NATS()
             try:
                 with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-                    await plain.connect(server.address, allow_reconnect=False, connect_timeout=2, **kwargs)
+                    await plain.connect(
+                        server.address,
+                        allow_reconnect=False,
+                        connect_timeout=2,
+                        token=token,
+                        user=user,
+                        password=password,
+                    )
             finally:
                 await plain.close()  # a refused first connect leaves nats-py's socket open otherwise
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from openai.types.responses import ResponseFunctionToolCall
+from openai.types.responses import Response, ResponseFunctionToolCall
 
 from iop.bus import EmbeddedNats
 from tests.codex_upstream import Call, Turn, scripted_chat
@@ -58,6 +58,8 @@ async def test_tool_call_round_trip_through_translation(nats_server: EmbeddedNat
     async with fake_upstream(api="chat") as up:
         async with deployment_running(deployment(one_provider(up.url, "chat")), nats_server.url) as h:
             client = h.client()
+            first: Response  # streamed: the SDK's ParsedResponse, a Response
+            answer: Response
             for stream in (False, True):
                 if stream:
                     async with client.responses.stream(model="m", input="weather in Paris?", tools=TOOLS) as s:

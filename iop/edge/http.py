@@ -87,7 +87,7 @@ def protocol_class(limits: HttpLimits) -> type[asyncio.Protocol]:
     return Bound
 
 
-class LimitedHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
+class LimitedHttpProtocol(HttpToolsProtocol):
     limits: HttpLimits = HttpLimits()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
