@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -264,6 +265,13 @@ async def edge_process(config_file: Path, nats_url: str) -> AsyncIterator[tuple[
         yield p, m.group(1)
 
 
+def free_port() -> int:
+    """A loopback port free now, for a process that must be told its port before it starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def pid_gone(pid: int) -> bool:
     """True when the process has exited (a zombie waiting to be reaped counts as gone)."""
     try:
@@ -315,8 +323,8 @@ RESPONSE_EVENT: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEve
 CODES_BEYOND_SDK = {"context_length_exceeded", "insufficient_quota"}
 
 
-def sse_events(text: str) -> list[dict[str, object]]:
-    """The JSON `data:` payloads of an SSE stream (without `[DONE]`)."""
+def sse_events(text: str) -> list[dict[str, Any]]:
+    """The JSON `data:` payloads of an SSE stream (without `[DONE]`): JSON as the client reads it."""
     out = []
     for line in text.splitlines():
         if line.startswith("data: ") and line != "data: [DONE]":

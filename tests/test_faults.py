@@ -92,7 +92,7 @@ async def test_node_killed_mid_stream_fails_fast_frees_the_slot_and_restarts(
                     unanswered_failed_s = time.monotonic() - killed
                     await lost
                     events = sse_events(first + rest)
-                    assert events[-1]["error"]["code"] == "node_lost"  # type: ignore[index]
+                    assert events[-1]["error"]["code"] == "node_lost"
                     assert answer.status_code == 502 and answer.json()["error"]["code"] == "node_lost"
 
                     async def slots_free() -> bool:

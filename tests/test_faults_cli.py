@@ -111,8 +111,8 @@ async def test_cli_hang_is_killed_at_timeout_with_its_whole_group(nats_server: E
         # The stream had started: its end is an error event, after what the command printed.
         assert streamed.status_code == 200
         events = sse_events(streamed.text)
-        assert "working on it" in "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])  # type: ignore[index]
-        assert events[-1]["error"]["code"] == "cli_timeout"  # type: ignore[index]
+        assert "working on it" in "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+        assert events[-1]["error"]["code"] == "cli_timeout"
         for tag in ("whole", "streamed"):
             for pid in pids_of(tmp_path, tag):  # the command and the child it started
                 await wait_gone(pid, timeout_s=2)
@@ -147,7 +147,7 @@ async def test_cli_missing_or_failing_command_gives_a_clear_error(nats_server: E
 
         r = await http.post("/v1/chat/completions", json=ask("fail", "x", stream=True))
         events = sse_events(r.text)
-        assert events[-1]["error"]["code"] == "cli_failed"  # type: ignore[index]
+        assert events[-1]["error"]["code"] == "cli_failed"
 
 
 async def test_cli_output_larger_than_a_message_arrives_whole(nats_server: EmbeddedNats, tmp_path: Path) -> None:
@@ -159,7 +159,7 @@ async def test_cli_output_larger_than_a_message_arrives_whole(nats_server: Embed
         assert whole.json()["choices"][0]["message"]["content"] == expected
         streamed = await http.post("/v1/chat/completions", json=ask("big", "x", stream=True))
         events = sse_events(streamed.text)
-        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))  # type: ignore[index]
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
         assert text == expected
 
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nats
@@ -91,12 +92,8 @@ async def held_bulk(node: NodeRuntime) -> Running:
     return run
 
 
-def bulk_text(events: list[dict[str, object]]) -> str:
-    return "".join(
-        e["choices"][0]["delta"].get("content") or ""  # type: ignore[index]
-        for e in events
-        if e.get("choices")
-    )
+def bulk_text(events: list[dict[str, Any]]) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
 
 
 async def test_slow_client_is_bounded_and_holds_nobody_back(nats_server: EmbeddedNats, tmp_path: Path) -> None:
@@ -157,7 +154,7 @@ async def test_stalled_client_fails_after_the_stall_timeout(nats_server: Embedde
             text = "".join([t async for t in r.aiter_text()])
         # The client, reading at last, gets what was sent and then a clear error, never a silent cut.
         last = sse_events(text)[-1]
-        assert last["error"]["code"] == "client_stalled"  # type: ignore[index]
+        assert last["error"]["code"] == "client_stalled"
     print(f"\nstalled client: request failed {failed_after_s:.2f}s after its window filled (timeout 1s)")
     assert 1.0 <= failed_after_s < 3.0
 

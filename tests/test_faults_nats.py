@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import nats
+from nats.js import JetStreamContext
 
 from iop.bus import EmbeddedNats
 from iop.edge.registry import LOST_AFTER_S
@@ -101,5 +102,5 @@ async def test_nats_restart_waiting_requests_are_served_once(tmp_path: Path) -> 
     print(f"\nNATS restart: down {down_s:.2f}s; edges heard the node again {back_s:.2f}s after it was back")
 
 
-async def _counts_are(js: object, want: tuple[int, int]) -> bool:
-    return await broker_counts(js, "p") == want  # type: ignore[arg-type]
+async def _counts_are(js: JetStreamContext, want: tuple[int, int]) -> bool:
+    return await broker_counts(js, "p") == want

@@ -12,7 +12,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -22,15 +21,9 @@ import httpx
 import pytest
 
 from iop.edge.status_schema import decode_status
-from tests.harness import REPO, IopProcess, eventually, iop_process
+from tests.harness import REPO, IopProcess, eventually, free_port, iop_process
 
 GUIDE = REPO / "docs" / "edge-local-dev-guide.md"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def section_blocks() -> list[tuple[str, str]]:

@@ -10,7 +10,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from tests.harness import (
     IopProcess,
     deployment,
     eventually,
+    free_port,
     iop_process,
     node_process,
     running_edge,
@@ -48,12 +48,6 @@ nodes:
 
 STOP_BOUND_S = 3.0
 """What the tests accept for "stops within a second" on a machine others load too (the figure is printed)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def sigterm_exit_s(p: IopProcess) -> float:
@@ -171,7 +165,7 @@ async def test_a_frozen_node_replaced_by_a_new_instance_stops_when_it_wakes(
                         first = await anext(it)
                         os.kill(old.pid, signal.SIGSTOP)
                         rest = "".join([t async for t in it])
-                    assert sse_events(first + rest)[-1]["error"]["code"] == "node_lost"  # type: ignore[index]
+                    assert sse_events(first + rest)[-1]["error"]["code"] == "node_lost"
                     async with node_process(cfg, "n1", nats_server.url):
                         st = reg.nodes["n1"]
                         await until(lambda: st.connected and st.instance not in (None, old_instance), reg.changed)

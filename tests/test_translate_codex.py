@@ -8,20 +8,13 @@ from typing import Any
 
 import openai
 import pytest
-from openai.types.responses import ResponseStreamEvent
-from pydantic import TypeAdapter
-
-try:
-    import httpx2  # the openai SDK's HTTP client since 3.0
-except ImportError:  # older SDKs use httpx
-    import httpx as httpx2  # type: ignore[no-redef]
 
 from iop.openai.responses_request import responses_to_chat_request
 from iop.openai.tool_names import MAX_NAME, Origin, ToolMap
 from iop.openai.translate import ChatToResponsesStream, chat_to_responses_answer
+from tests.harness import RESPONSE_EVENT, sdk_client, sse
 
 TABLE = json.loads((Path(__file__).parent / "data" / "translate" / "codex_items.json").read_text())
-EVENT: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
 
 
 @pytest.mark.parametrize("case", TABLE["requests"], ids=lambda c: c["about"][:60])
@@ -115,13 +108,13 @@ def test_codex_chat_answer_to_items_whole(case: dict[str, Any]) -> None:
 
 
 def sse_events(data: bytes) -> list[dict[str, Any]]:
+    """The events of a Responses stream as JSON, each named by its type and valid as the SDK's typed event."""
     events = []
-    for block in data.decode().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.splitlines() if line)
-        if "data" in lines:
-            event = json.loads(lines["data"])
-            assert lines.get("event") == event["type"]
-            events.append(event)
+    for n, sent in enumerate(sse(data)):
+        event = json.loads(sent.data)
+        assert sent.event == event["type"] and event["sequence_number"] == n
+        RESPONSE_EVENT.validate_python(event)
+        events.append(event)
     return events
 
 
@@ -130,9 +123,6 @@ def test_codex_chat_answer_to_items_streamed(case: dict[str, Any]) -> None:
     stream = ChatToResponsesStream(request_of(case), "gpt-5.5")
     data = stream.start() + stream.feed(stream_bytes(case)) + stream.close()
     events = sse_events(data)
-    for n, event in enumerate(events):
-        assert event["sequence_number"] == n
-        EVENT.validate_python(event)
     done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
     assert without_ids(done) == case["output"]
     completed = events[-1]
@@ -157,15 +147,7 @@ def test_codex_chat_answer_to_items_streamed(case: dict[str, Any]) -> None:
 def sdk_stream(data: bytes) -> Any:
     """The openai SDK's `responses.stream(...)` helper reading `data`, offline; returns its final response."""
 
-    def answer(request: httpx2.Request) -> httpx2.Response:
-        return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=data)
-
-    client = openai.OpenAI(
-        api_key="test",
-        base_url="http://iop.test/v1",
-        http_client=httpx2.Client(transport=httpx2.MockTransport(answer)),
-        max_retries=0,
-    )
+    client = sdk_client(data, "text/event-stream")
     with client.responses.stream(model="gpt-5.5", input="go") as stream:
         for _ in stream:
             pass

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from iop.bus import EmbeddedNats
 from iop.openai.usage_chunk import UsageChunkFilter, ask_for_usage
 from tests.fakes import fake_upstream
-from tests.harness import deployment, deployment_running
+from tests.harness import deployment, deployment_running, sse_events
 
 BASE = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
 TEXT = {
@@ -72,12 +72,7 @@ async def test_native_chat_stream_usage_reaches_only_clients_that_asked(nats_ser
     assert (
         '"usage"' not in unasked
         and "data: [DONE]" in unasked
-        and "w0 w1 w2"
-        in "".join(
-            json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-            for line in unasked.splitlines()
-            if line.startswith("data: {")
-        )
+        and "w0 w1 w2" in "".join(e["choices"][0]["delta"].get("content") or "" for e in sse_events(unasked))
     )
     assert '"usage"' in asked
     # Both reached the upstream asking for usage.
