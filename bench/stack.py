@@ -97,6 +97,7 @@ def start_stack(
     max_waiting: int = 100_000,
     node_procs: str = "each",
     ready_timeout_s: float = 90.0,
+    edge_extra: dict[str, Any] | None = None,
 ) -> Stack:
     """Write the deployment, start edge and nodes, wait until /status shows every node and full capacity.
 
@@ -105,7 +106,8 @@ def start_stack(
     t0 = time.monotonic()
     http_port, nats_port = free_port(), free_port()
     store = workdir / f"{name}-nats"
-    deployment = {"edge": edge_settings(http_port, nats_port, store, max_waiting), "models": models, "nodes": nodes}
+    edge_cfg = edge_settings(http_port, nats_port, store, max_waiting) | (edge_extra or {})
+    deployment = {"edge": edge_cfg, "models": models, "nodes": nodes}
     cfg = workdir / f"{name}.yaml"
     cfg.write_text(json.dumps(deployment, indent=1))  # JSON is YAML
     nats_url = f"nats://127.0.0.1:{nats_port}"

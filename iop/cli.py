@@ -84,16 +84,30 @@ def _log_warnings(loaded: config_mod.Loaded, node_id: str | None = None) -> None
             logging.getLogger("iop.config").warning("%s", w)
 
 
-def _logging(verbose: bool) -> None:
-    import logging
+def _logging(verbose: bool, level: str = "info", fmt: str = "text") -> None:
+    from iop import logs
 
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    # Our own lines are what an operator reads; the libraries' chatter only with -v.
-    for name in ("nats", "uvicorn", "httpx"):
-        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)
+    logs.setup("debug" if verbose else level, fmt)
+
+
+def _log_options(f: Any) -> Any:
+    """--log-level and --log-format, shared by edge and node."""
+    from iop.logs import FORMATS, LEVELS
+
+    f = click.option(
+        "--log-format",
+        type=click.Choice(FORMATS),
+        default="text",
+        show_default=True,
+        help="text lines, or one JSON object per line.",
+    )(f)
+    return click.option(
+        "--log-level",
+        type=click.Choice(LEVELS),
+        default="info",
+        show_default=True,
+        help="info shows one access line per request; -v is debug.",
+    )(f)
 
 
 @main.command("edge")
@@ -101,12 +115,15 @@ def _logging(verbose: bool) -> None:
 @click.option("--listen", default=None, help="HOST:PORT for the HTTP API (overrides edge.listen).")
 @click.option("--nats", "nats_url", default=None, help="Use this NATS instead of edge.nats.url.")
 @click.option("-v", "--verbose", is_flag=True)
-def edge_cmd(config_file: str, listen: str | None, nats_url: str | None, verbose: bool) -> None:
+@_log_options
+def edge_cmd(
+    config_file: str, listen: str | None, nats_url: str | None, verbose: bool, log_level: str, log_format: str
+) -> None:
     """Serve the OpenAI API for the deployment in FILE (starts the bundled nats-server by default)."""
     from iop.edge.server import run_edge
 
     loaded = _load_or_exit(config_file, show_warnings=False)
-    _logging(verbose)
+    _logging(verbose, log_level, log_format)
     _log_warnings(loaded)
     try:
         _run_async(run_edge(loaded, listen=listen, nats_url=nats_url))
@@ -134,6 +151,7 @@ def edge_cmd(config_file: str, listen: str | None, nats_url: str | None, verbose
 @click.option("--nats-ca", default=None, type=click.Path(dir_okay=False), help="Without --config: CA file for tls://.")
 @click.option("--no-follow", is_flag=True, help="With --config: ignore catalog changes from the edge.")
 @click.option("-v", "--verbose", is_flag=True)
+@_log_options
 def node_cmd(
     node_id: str,
     config_file: str | None,
@@ -144,6 +162,8 @@ def node_cmd(
     nats_ca: str | None,
     no_follow: bool,
     verbose: bool,
+    log_level: str,
+    log_format: str,
 ) -> None:
     """Serve one node's catalog: its providers and CLI resources.
 
@@ -177,7 +197,7 @@ def node_cmd(
             _fail(f"NATS options: {exc}", 2)
             return
         url = str(nats_url)
-    _logging(verbose)
+    _logging(verbose, log_level, log_format)
     if config_file is not None:
         _log_warnings(loaded, node_id)
 
@@ -264,6 +284,69 @@ def status_cmd(edge_url: str | None, config_file: str | None, as_json: bool, api
         click.echo(asyncio.run(fetch()))
     except IopError as exc:
         _fail(str(exc))
+
+
+@main.command("usage")
+@click.option("--edge", "edge_url", default="http://127.0.0.1:8080", show_default=True, help="The edge's HTTP URL.")
+@click.option(
+    "--since",
+    default=None,
+    help="Start: a duration ago (7d, 24h, 30m), ISO time or Unix time [default: 24h; with --tail: now].",
+)
+@click.option("--until", default=None, help="End (default: now), same forms as --since.")
+@click.option(
+    "--by", default="model", show_default=True, help="Group by: model,provider,node,key,day,hour,api,route,status."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON the edge answered.")
+@click.option("--csv", "as_csv", is_flag=True, help="Print CSV.")
+@click.option("--tail", is_flag=True, help="Follow records as they are written (--json: one JSON object a line).")
+@click.option("--model", default=None, help="With --tail: only this model alias.")
+@click.option("--api-key", envvar="IOP_API_KEY", default=None, help="Bearer key (env IOP_API_KEY).")
+def usage_cmd(
+    edge_url: str,
+    since: str | None,
+    until: str | None,
+    by: str,
+    as_json: bool,
+    as_csv: bool,
+    tail: bool,
+    model: str | None,
+    api_key: str | None,
+) -> None:
+    """Who used what, how much, how fast, and what failed: the ledger of a running edge as a table
+    (requests, errors, tokens in/out, p50/p95 duration and queue wait per group)."""
+    from iop.edge.report import parse_query, to_table
+    from iop.errors import BadRequest
+    from iop.usageview import fetch_usage, follow_usage, record_line
+
+    if as_json and as_csv:
+        _fail("--json and --csv exclude each other", 2)
+    try:
+        parse_query(since, until, by)  # bad input never leaves this machine
+    except BadRequest as exc:
+        _fail(f"--{exc.param}: {exc.message}", 2)
+    try:
+        if tail:
+            import json
+
+            for rec in follow_usage(edge_url, model, since, api_key):
+                click.echo(json.dumps(rec) if as_json else record_line(rec))
+            return
+        params = {"since": since or "24h", "by": by, "format": "csv" if as_csv else "json"}
+        if until:
+            params["until"] = until
+        answer = fetch_usage(edge_url, params, api_key)
+    except IopError as exc:
+        _fail(str(exc))
+        return
+    except KeyboardInterrupt:
+        return
+    if as_csv:
+        click.echo(answer.text, nl=False)
+    elif as_json:
+        click.echo(answer.text)
+    else:
+        click.echo(to_table(answer.json()))
 
 
 @main.command("refresh")

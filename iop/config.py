@@ -104,6 +104,26 @@ class HttpSettings(_Strict):
     ] = 4096
 
 
+class LedgerSettings(_Strict):
+    """The usage ledger: one record per request in the JetStream stream IOP_LEDGER."""
+
+    enabled: Annotated[bool, Meta(description="Write a record of every request to the ledger.")] = True
+    max_age: Annotated[
+        Seconds, Meta(description="Seconds a record is kept (default 30 days); older ones are removed.")
+    ] = 30 * 86400.0
+    max_bytes: Annotated[
+        int, Meta(ge=1024 * 1024, description="Most bytes the ledger holds (default 1 GiB); the oldest go first.")
+    ] = 1024**3
+    buffer_records: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Records the edge keeps while NATS is unreachable; past it they are lost, counted "
+            "(iop_ledger_dropped_total) and logged.",
+        ),
+    ] = 100_000
+
+
 class EdgeSettings(_Strict):
     """The HTTP front: where it listens, how it reaches NATS, how pools queue."""
 
@@ -140,6 +160,10 @@ class EdgeSettings(_Strict):
             "message are carried to the node in parts.",
         ),
     ] = 32.0
+    ledger: LedgerSettings = msgspec.field(default_factory=LedgerSettings)
+    metrics_public: Annotated[
+        bool, Meta(description="Serve /metrics without a client key (for a Prometheus that holds none).")
+    ] = False
 
 
 class ModelAlias(_Strict):

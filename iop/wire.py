@@ -30,6 +30,9 @@ CREDIT_EVERY_BYTES = WINDOW_BYTES // 4
 PROBE_INTERVAL_S = 2.0
 """How often a node asks the edge about each running request (liveness, lost credit)."""
 
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:@/+=-]{1,128}$"
+"""What an `x-request-id` may be: bounded, and safe in a log line and in an HTTP header."""
+
 BODY_PART_BYTES = 1024 * 1024
 """Largest piece of a request body a node fetches from the edge at once (bodies too big to travel inline)."""
 
@@ -113,6 +116,8 @@ class WorkItem(msgspec.Struct, kw_only=True, array_like=True):
     body_size: int = 0
     """Non-zero: the body was too large for one NATS message; `body` is empty and the node fetches
     `body_size` bytes from the edge with `BodyPart` requests on `reply_to`."""
+    request_id: str = ""
+    """The client's `x-request-id` (or the edge's own): the node logs it and sends it upstream."""
 
 
 class Usage(msgspec.Struct, array_like=True):
@@ -156,6 +161,14 @@ class Done(msgspec.Struct, tag="d", array_like=True):
     id: str
     chunks: int
     usage: Usage | None = None
+    upstream_status: int = 0
+    """The upstream's HTTP status (openai adapter); 0 when there was none."""
+    exit_code: int | None = None
+    """The CLI command's exit status."""
+    run_ms: float = 0.0
+    """How long the node ran the item."""
+    ttfb_ms: float = 0.0
+    """From the node's start to its first answer byte."""
 
 
 class Failure(msgspec.Struct, tag="f", array_like=True):
@@ -173,6 +186,11 @@ class Failure(msgspec.Struct, tag="f", array_like=True):
     kind: str = ""
     """The `iop.errors` class the node raised (e.g. `Cancelled`), so the edge raises the same one and
     knows whether to fail over; empty from a node older than this field (the edge goes by `status`)."""
+    usage: Usage | None = None
+    upstream_status: int = 0
+    exit_code: int | None = None
+    run_ms: float = 0.0
+    ttfb_ms: float = 0.0
 
 
 class Accepted(msgspec.Struct, tag="a", array_like=True):

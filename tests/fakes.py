@@ -34,6 +34,8 @@ class FakeUpstream:
     total: int = 0
     by_path: dict[str, int] = field(default_factory=dict)
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    request_ids: list[str | None] = field(default_factory=list)
+    """The `x-request-id` header of each request, as the node sent it."""
     disconnects: int = 0
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     url: str = ""
@@ -75,6 +77,7 @@ class FakeUpstream:
             if self.api not in ("both", kind):
                 return JSONResponse({"error": {"message": "not found", "type": "not_found"}}, 404)
             body = json.loads(await request.body())
+            self.request_ids.append(request.headers.get("x-request-id"))
             await self._enter(path, body)
             try:
                 await self._hold()

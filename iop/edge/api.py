@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import msgspec
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iop import config, wire
-from iop.edge.dispatch import DirectDispatch, Finished, PoolDispatch
+from iop.edge.dispatch import DirectDispatch, DispatchResult, Finished, PoolDispatch
+from iop.edge.observe import REQUEST_ID, Observer, Trace, new_request_id
 from iop.edge.relay import Channel, Relay
 from iop.edge.scheduler import Scheduler
 from iop.errors import (
@@ -118,8 +119,12 @@ class Serving(Protocol):
     def relay(self) -> Relay: ...
     @property
     def on_request_finished(self) -> Finished | None: ...
+    @property
+    def observer(self) -> Observer: ...
 
-    def authorize(self, scope: Scope) -> None: ...
+    def authorize(self, scope: Scope) -> str:
+        """The client key's name ("" without keys); raises Unauthorized."""
+        ...
 
 
 class ApiEndpoint:
@@ -130,23 +135,47 @@ class ApiEndpoint:
         self.api: wire.Api = api
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        out = _TrackedSend(send)
+        # Every request leaves one record when it ends, whatever happens to it (the dispatch, when
+        # there is one, hands its result to the trace): requests refused before any dispatch count too.
+        trace = Trace(scope.get("iop.request_id") or new_request_id(), self.api)
+        out = _TrackedSend(send, trace)
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed("use POST")
-            self.edge.authorize(scope)
+            trace.key = self.edge.authorize(scope)
             _check_content_type(scope)
             body = await _read_body(scope, receive, self.edge.max_body_bytes)
+            trace.bytes_in = len(body)
             model, stream = parse_head(self.api, body)
+            trace.stream = stream
             await self._serve(body, model, stream, receive, out)
         except RequestError as exc:
+            trace.error = exc.code
             if not out.started:
-                await _send_error(send, error_response(exc))
+                await _send_error(out, error_response(exc))
+        except asyncio.CancelledError:
+            trace.cancelled = True  # the client left while its body was read
+            raise
+        finally:
+            self._finished(trace, out.started)
+
+    def _finished(self, trace: Trace, responded: bool) -> None:
+        res = trace.result
+        if res is not None:
+            if res.error is not None and not trace.error:
+                trace.error = res.error.code  # a stream that failed after it began
+            trace.cancelled |= res.outcome == "cancelled"
+        if trace.cancelled:
+            if not responded:
+                trace.status = 499  # the client closed the request before any answer (nginx's code)
+            trace.error = trace.error or "client_cancelled"
+        self.edge.observer.finish(trace)
 
     async def _serve(self, body: bytes, model: str, stream: bool, receive: Receive, out: _TrackedSend) -> None:
         edge = self.edge
         if model not in edge.catalog.pools and model not in edge.catalog.routes:
             raise NotFound(f"model '{model}' does not exist; GET /v1/models lists the models", param="model")
+        out.trace.alias = model
         if self.api == "responses" and model in edge.catalog.pools:
             check_mixed_pool(edge.catalog, model, body)
         task = asyncio.current_task()
@@ -159,14 +188,16 @@ class ApiEndpoint:
                 await self._serve_direct(body, model, stream, out)
         except asyncio.CancelledError:
             # The client went away (the watcher cancelled us): the relay cancels the node's work.
+            out.trace.cancelled = True
             if task.cancelling():
                 task.uncancel()
         finally:
             watcher.cancel()
 
-    def _item(self, ch: Channel, body: bytes, model: str, stream: bool) -> wire.WorkItem:
+    def _item(self, ch: Channel, body: bytes, model: str, stream: bool, request_id: str) -> wire.WorkItem:
         edge = self.edge
         return wire.WorkItem(
+            request_id=request_id,
             id=ch.id,
             api=self.api,
             stream=stream,
@@ -182,23 +213,38 @@ class ApiEndpoint:
         edge = self.edge
         arrived = asyncio.get_running_loop().time()
         deadline = arrived + edge.queue_timeout_s
-        dispatch = PoolDispatch(edge.scheduler, edge.relay, model, deadline, on_finished=edge.on_request_finished)
+        trace = out.trace
+        dispatch = PoolDispatch(edge.scheduler, edge.relay, model, deadline, on_finished=self._on_finished(trace))
 
         async def answer(ch: Channel, provider: str) -> RequestError | None:
+            trace.model = _upstream_model(edge, provider, model)
             return await self._answer(ch, provider, stream, out, arrived, deadline)
 
-        await dispatch.run(lambda ch: self._item(ch, body, model, stream), answer, lambda: out.started)
+        await dispatch.run(lambda ch: self._item(ch, body, model, stream, trace.id), answer, lambda: out.started)
 
     async def _serve_direct(self, body: bytes, model: str, stream: bool, out: _TrackedSend) -> None:
         edge = self.edge
         node, resource = edge.catalog.routes[model]
         arrived = asyncio.get_running_loop().time()
-        dispatch = DirectDispatch(edge.relay, model, node, resource, on_finished=edge.on_request_finished)
+        trace = out.trace
+        trace.model = _upstream_model(edge, resource, model)
+        dispatch = DirectDispatch(edge.relay, model, node, resource, on_finished=self._on_finished(trace))
 
         async def answer(ch: Channel, provider: str) -> RequestError | None:
             return await self._answer(ch, provider, stream, out, arrived, None)
 
-        await dispatch.run(lambda ch: self._item(ch, body, model, stream), answer)
+        await dispatch.run(lambda ch: self._item(ch, body, model, stream, trace.id), answer)
+
+    def _on_finished(self, trace: Trace) -> Finished:
+        also = self.edge.on_request_finished
+        if also is None:
+            return trace.dispatched
+
+        def both(result: DispatchResult) -> None:
+            trace.dispatched(result)
+            also(result)
+
+        return both
 
     async def _answer(
         self, ch: Channel, provider: str, stream: bool, out: _TrackedSend, arrived: float, start_deadline: float | None
@@ -236,17 +282,69 @@ def _translates_responses(adapter: config.Adapter) -> bool:
     return isinstance(adapter, config.OpenAIAdapter) and adapter.api == "chat"
 
 
-class _TrackedSend:
-    """The ASGI send, remembering whether the response has started (then nothing can be retried)."""
+def _upstream_model(edge: Serving, provider: str, alias: str) -> str:
+    ref = edge.catalog.providers.get(provider)
+    return (ref.provider.model if ref is not None else None) or alias
 
-    def __init__(self, send: Send) -> None:
+
+class _TrackedSend:
+    """The ASGI send, remembering whether the response has started (then nothing can be retried),
+    and noting status, first byte and bytes out in the request's trace."""
+
+    def __init__(self, send: Send, trace: Trace) -> None:
         self.send = send
         self.started = False
+        self.trace = trace
 
     async def __call__(self, message: Message) -> None:
+        trace = self.trace
         if message["type"] == "http.response.start":
             self.started = True
+            trace.status = message["status"]
+        else:
+            size = len(message.get("body", b""))
+            if size:
+                if not trace.first_byte:
+                    trace.first_byte = time.monotonic()
+                trace.bytes_out += size
         await self.send(message)
+
+
+class RequestIds:
+    """Every answer carries `x-request-id`: the client's when it is safe to log and forward, else 400."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                rid = value.decode("latin-1")
+                break
+        if rid is None:
+            rid = new_request_id()
+        elif not REQUEST_ID.match(rid):
+            refused = BadRequest(
+                "x-request-id must be 1 to 128 characters of A-Z a-z 0-9 . _ : @ / + = -",
+                code="invalid_request_id",
+                param="x-request-id",
+                headers={"x-request-id": new_request_id()},
+            )
+            await _send_error(send, error_response(refused))
+            return
+        scope["iop.request_id"] = rid
+        header = (b"x-request-id", rid.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def _timing_headers(provider: str, arrived: float, started: float) -> list[tuple[bytes, bytes]]:

@@ -64,6 +64,8 @@ class DispatchResult:
     error: RequestError | None = None
     """What the client was told (as the HTTP error, or as the stream's error event)."""
     duration_ms: float = 0.0
+    report: wire.Done | wire.Failure | None = None
+    """The node's last word on the last attempt: what only it knows (tokens, upstream status, exit code)."""
 
 
 Finished = Callable[[DispatchResult], None]
@@ -108,7 +110,7 @@ class _Dispatch:
     def _observe(self, ch: Channel) -> None:
         r = self.result
         # The last attempt is the one that counts: an earlier one that failed over says nothing here.
-        r.id, r.node = ch.id, ch.node
+        r.id, r.node, r.report = ch.id, ch.node, ch.outcome
         r.queue_wait_ms = max(0.0, (ch.started_mono - self.arrived) * 1000) if ch.started_mono else None
         r.first_byte_ms = max(0.0, (ch.first_chunk_mono - self.arrived) * 1000) if ch.first_chunk_mono else None
 

@@ -61,6 +61,8 @@ class Channel:
     peak_buffered_bytes: int = 0
     headers: dict[str, str] = field(default_factory=dict)
     """HTTP headers the node asked for (on its first chunk), sent with the client's answer."""
+    outcome: wire.Done | wire.Failure | None = None
+    """The node's last message: what only it knows (tokens, upstream status, exit code)."""
 
     def start(self) -> None:
         if not self.started and not self.ended:
@@ -172,6 +174,7 @@ class Relay:
                 ch.ack_subject = reply.ack if reply.ack.startswith(ACK_PREFIX) else ""
                 ch.start()
         elif isinstance(reply, wire.Done | wire.Failure):
+            ch.outcome = reply
             ch.end()
         ch.queue.put_nowait(reply)
 

@@ -19,19 +19,23 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Scope
+from starlette.types import ASGIApp, Scope
 
 from iop import bus, config, validate
 from iop.edge import http as edge_http
-from iop.edge.api import ApiEndpoint
+from iop.edge.api import ApiEndpoint, RequestIds
 from iop.edge.dispatch import Finished
 from iop.edge.keys import EdgeKeys
+from iop.edge.ledger import LedgerWriter, ensure_ledger_stream
+from iop.edge.metrics import CONTENT_TYPE, Metrics
+from iop.edge.observe import Observer
 from iop.edge.refresh import Refresher, publish_catalog
 from iop.edge.registry import Registry
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
 from iop.edge.status import status_of
 from iop.edge.status_schema import encode_status
+from iop.edge.usage import usage_endpoint, usage_tail_endpoint
 from iop.errors import (
     BadRequest,
     BusError,
@@ -93,8 +97,20 @@ class Edge:
         self.refresher = Refresher(self, nc, self.js)
         self.refresher.tell_removed = self.registry.tell_removed
         self.keys = keys if keys is not None else EdgeKeys.from_settings(deployment.edge)
+        ledger_cfg = deployment.edge.ledger
+        self.ledger = (
+            LedgerWriter(nc, self.js, self.edge_id, buffer_records=ledger_cfg.buffer_records)
+            if ledger_cfg.enabled
+            else None
+        )
+        self.metrics = Metrics(self)
+        self.observer = Observer(self.edge_id, self.metrics, self.ledger)
 
     async def start(self) -> None:
+        if self.ledger is not None:
+            cfg = self.deployment.edge.ledger
+            await ensure_ledger_stream(self.js, cfg.max_age, cfg.max_bytes)
+            self.ledger.start()
         await bus.ensure_work_stream(self.js)
         for pid, ref in self.catalog.providers.items():
             if ref.provider.capacity is not None:
@@ -130,14 +146,29 @@ class Edge:
         self.registry.apply(new)
         return draining
 
-    def authorize(self, scope: Scope) -> None:
-        self.keys.client(scope)
+    def authorize(self, scope: Scope) -> str:
+        """Check the client key; returns its name for the ledger ("" when the edge has no keys)."""
+        key = self.keys.client(scope)
+        return key.name if key is not None else ""
+
+    def readiness(self) -> list[str]:
+        """Why this edge should not get traffic now; empty when ready."""
+        reasons = []
+        if not self.nc.is_connected or self.nats_down:
+            reasons.append(self.nats_down or "not connected to NATS")
+        mono = time.monotonic()
+        for alias, pool in self.scheduler.pools.items():
+            if not any(p.connected and p.breaker(mono) != "open" for p in pool.providers):
+                reasons.append(f"pool '{alias}' has no usable provider")
+        return reasons
 
     async def stop(self) -> None:
         await self.registry.stop()
+        if self.ledger is not None:
+            await self.ledger.stop()
 
 
-def build_app(edge: Edge) -> Starlette:
+def build_app(edge: Edge) -> ASGIApp:
     def model_entry(alias: str) -> dict[str, Any]:
         return {"id": alias, "object": "model", "created": int(edge.started_at), "owned_by": "iop"}
 
@@ -183,6 +214,15 @@ def build_app(edge: Edge) -> Starlette:
             body["reason"] = edge.nats_down or "not connected to NATS"
         return JSONResponse(body, 200 if connected else 503)
 
+    async def readyz(request: Request) -> Response:
+        reasons = edge.readiness()
+        return JSONResponse({"ready": not reasons, "reasons": reasons}, 503 if reasons else 200)
+
+    async def metrics(request: Request) -> Response:
+        if not edge.deployment.edge.metrics_public:
+            edge.authorize(request.scope)
+        return Response(edge.metrics.render(), media_type=CONTENT_TYPE)
+
     async def request_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestError)
         response = error_response(exc)
@@ -209,6 +249,10 @@ def build_app(edge: Edge) -> Starlette:
         Route("/v1/models/{alias:path}", model, methods=["GET"]),
         Route("/status", status, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/usage", usage_endpoint(edge), methods=["GET"]),
+        Route("/usage/tail", usage_tail_endpoint(edge), methods=["GET"]),
         Route("/admin/refresh", refresh, methods=["POST"]),
     ]
     app = Starlette(
@@ -217,7 +261,7 @@ def build_app(edge: Edge) -> Starlette:
     )
     # `/v1/models/` is not `/v1/models`: a 307 to another URL confuses clients more than a clear 404.
     app.router.redirect_slashes = False
-    return app
+    return RequestIds(app)
 
 
 def http_server(edge: Edge, *, host: str = "127.0.0.1", port: int = 0, grace_s: float = 30.0) -> uvicorn.Server:

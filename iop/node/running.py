@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 
 from iop import wire
 from iop.errors import BodyUnavailable, Cancelled, RequestError, UpstreamError, failure_of
+from iop.node import adapters
 from iop.node.flow import STALL_TIMEOUT_S, FlowWindow
 from iop.node.presence import Lease
 from iop.node.resource import Resource
@@ -90,10 +91,27 @@ class RunningRequests:
         r.in_flight += 1
         if r.in_flight > r.peak_in_flight:
             r.peak_in_flight = r.in_flight
+        # What the adapter learns (upstream status, exit code) travels back in Done/Failure.
+        outcome = adapters.Outcome()
+        adapters.outcome.set(outcome)  # this task's own context: no other item sees it
+        began = time.monotonic()
+        first_byte = 0.0
+
+        def failure(exc: RequestError) -> wire.Failure:
+            return msgspec.structs.replace(
+                failure_of(exc, item.id, window.sent_chunks),
+                usage=outcome.usage,
+                upstream_status=outcome.upstream_status,
+                exit_code=outcome.exit_code,
+                run_ms=round((time.monotonic() - began) * 1000, 3),
+            )
 
         pending: dict[str, str] = {}
 
         async def send(data: bytes, headers: Mapping[str, str] | None = None) -> None:
+            nonlocal first_byte
+            if data and not first_byte:
+                first_byte = time.monotonic()
             # Headers travel on the next chunk with bytes: the edge answers once it has the first.
             if headers:
                 pending.update(headers)
@@ -117,27 +135,39 @@ class RunningRequests:
             run.answered = True
             if msg is not None:
                 await msg.ack()  # before Done: the slot is free by the time the edge hears of it
-            await self.publish(item, wire.Done(item.id, window.sent_chunks, usage))
+            done = wire.Done(
+                item.id,
+                window.sent_chunks,
+                usage,
+                upstream_status=outcome.upstream_status,
+                exit_code=outcome.exit_code,
+                run_ms=round((time.monotonic() - began) * 1000, 3),
+                ttfb_ms=round((first_byte - began) * 1000, 3) if first_byte else 0.0,
+            )
+            await self.publish(item, done)
             r.served += 1
         except asyncio.CancelledError:
             r.failed += 1
             if msg is not None:
                 await _quietly(msg.term())
             reason = "node is stopping" if self.stopping else "cancelled"
-            await _quietly(self.publish(item, failure_of(Cancelled(reason), item.id, window.sent_chunks)))
+            await _quietly(self.publish(item, failure(Cancelled(reason))))
         except RequestError as exc:
             r.failed += 1
+            # The operator's view of an upstream failure, under the id the client and the edge know.
+            log.warning("%s %s: request %s failed: %s: %s", r.kind, r.cfg.id, item.request_id or item.id, exc.code, exc)
             if msg is not None:
                 await _quietly(msg.term())
-            await _quietly(self.publish(item, failure_of(exc, item.id, window.sent_chunks)))
+            await _quietly(self.publish(item, failure(exc)))
         except Exception as exc:  # the adapter boundary: any bug below it must end as a Failure, never hang
             # (adapter, upstream client, translation): the client hears why and the slot is freed.
             r.failed += 1
-            log.exception("provider %s: request %s failed", r.cfg.id, item.id)
+            log.exception("provider %s: request %s failed", r.cfg.id, item.request_id or item.id)
             if msg is not None:
                 await _quietly(msg.term())
-            failed = UpstreamError(f"{type(exc).__name__}: {exc}", code="node_error")
-            await _quietly(self.publish(item, failure_of(failed, item.id, window.sent_chunks)))
+            await _quietly(
+                self.publish(item, failure(UpstreamError(f"{type(exc).__name__}: {exc}", code="node_error")))
+            )
         finally:
             r.in_flight -= 1
             self.by_id.pop(item.id, None)

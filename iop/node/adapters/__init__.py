@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Protocol
 
 from iop import config, wire
@@ -16,6 +18,32 @@ class Send(Protocol):
     """
 
     def __call__(self, data: bytes, headers: Mapping[str, str] | None = None) -> Awaitable[None]: ...
+
+
+@dataclass
+class Outcome:
+    """What only the node learns while running one item, reported to the edge in Done/Failure."""
+
+    upstream_status: int = 0
+    exit_code: int | None = None
+    usage: wire.Usage | None = None
+    """Set by an adapter that fails after the upstream already reported its usage."""
+
+
+outcome: ContextVar[Outcome] = ContextVar("outcome")
+"""The running item's Outcome: set by the node's task for each item, filled in by the adapter."""
+
+
+def note_upstream_status(status: int) -> None:
+    o = outcome.get(None)
+    if o is not None:
+        o.upstream_status = status
+
+
+def note_exit_code(code: int) -> None:
+    o = outcome.get(None)
+    if o is not None:
+        o.exit_code = code
 
 
 class Adapter(Protocol):

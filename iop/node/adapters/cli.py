@@ -14,7 +14,7 @@ import msgspec
 
 from iop import config, wire
 from iop.errors import BadRequest, UpstreamError
-from iop.node.adapters import Send
+from iop.node.adapters import Send, note_exit_code
 from iop.openai.answer import Usage, answer_writer
 
 _decode = msgspec.json.Decoder().decode
@@ -68,7 +68,7 @@ class CliAdapter:
 
     async def _talk(
         self, proc: asyncio.subprocess.Process, prompt: str, stream: bool, writer: Any, send: Send
-    ) -> wire.Usage:
+    ) -> wire.Usage | None:
         assert proc.stdin and proc.stdout and proc.stderr
         stderr_task = asyncio.create_task(_tail(proc.stderr))
         feed = asyncio.create_task(_feed(proc.stdin, prompt.encode()))
@@ -91,6 +91,7 @@ class CliAdapter:
                 if stream:
                     await send(piece)
             rc = await proc.wait()
+            note_exit_code(rc)
             await feed
             err = await stderr_task
         finally:
@@ -103,9 +104,11 @@ class CliAdapter:
             detail = f": {tail}" if tail else ""
             how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
             raise UpstreamError(f"command {how}{detail}", code="cli_failed")
+        # The answer's usage object must hold numbers, so it carries an estimate; the ledger is told
+        # none: a command reports no tokens, and the ledger never records a guess.
         usage = Usage(input_tokens=max(1, len(prompt) // 4), output_tokens=max(0, out_chars // 4))
         await send(writer.finish(usage))
-        return usage
+        return None
 
     async def close(self) -> None:
         return None

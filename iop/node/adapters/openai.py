@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,8 +12,9 @@ import msgspec
 
 from iop import config, wire
 from iop.errors import RequestError, UpstreamError, error_for_status
-from iop.node.adapters import Send
+from iop.node.adapters import Send, note_upstream_status
 from iop.node.http1 import ConnectFailed, HttpError, HttpPool, HttpResponse, Timeout
+from iop.node.tokens import UsageTail, usage_of_body
 from iop.openai.tool_names import ToolMap
 from iop.openai.translate import (
     ChatToResponsesStream,
@@ -29,6 +31,7 @@ log = logging.getLogger("iop.node")
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 _PATHS = {"chat": "/chat/completions", "responses": "/responses"}
+_SAFE_ID = re.compile(wire.REQUEST_ID_PATTERN)
 
 
 class StreamFailed(UpstreamError):
@@ -69,23 +72,26 @@ class OpenAIAdapter:
                 if chat_stream and ask_for_usage(payload):
                     strip = UsageChunkFilter()
                 body = _encode(payload)
-            response = await self._post(item.api, body)
+            response = await self._post(item.api, body, item.request_id)
             try:
                 if item.stream:
+                    tail = UsageTail()  # the usage is in the stream's last event: no per-chunk parsing
                     async for data in response.iter_body():
+                        tail.feed(data)  # what the upstream sent, before the usage chunk is taken out
                         if strip is not None:
                             data = strip.feed(data)
                         if data:
                             await send(data)
                     if strip is not None and (rest := strip.close()):
                         await send(rest)
-                else:
-                    await send(await response.read())
+                    return tail.usage()
+                answer = await response.read()
+                await send(answer)
+                return usage_of_body(answer)
             except HttpError as exc:
                 raise _mid_answer(exc) from exc
             finally:
                 await response.aclose()
-            return None
         return await self._translated(item, model, send)
 
     async def _translated(self, item: wire.WorkItem, model: str | None, send: Send) -> wire.Usage | None:
@@ -106,7 +112,7 @@ class OpenAIAdapter:
                 headers["x-iop-dropped-tools"] = dropped
         else:
             upstream = chat_to_responses_request(request, name)
-        response = await self._post(upstream_api, _encode(upstream))
+        response = await self._post(upstream_api, _encode(upstream), item.request_id)
         try:
             if not item.stream:
                 answer = _decode(await response.read())
@@ -142,9 +148,11 @@ class OpenAIAdapter:
         finally:
             await response.aclose()
 
-    async def _post(self, api: wire.Api, body: bytes) -> HttpResponse:
+    async def _post(self, api: wire.Api, body: bytes, request_id: str = "") -> HttpResponse:
+        # The request id goes upstream too, so the upstream's own logs can be joined with iop's.
+        headers = {"x-request-id": request_id} if request_id and _SAFE_ID.match(request_id) else None
         try:
-            response = await self.pool.post(_PATHS[api], body)
+            response = await self.pool.post(_PATHS[api], body, headers)
         except Timeout as exc:
             raise UpstreamError(f"upstream timed out: {self.cfg.base_url}", code="upstream_timeout") from exc
         except ConnectFailed as exc:
@@ -153,6 +161,7 @@ class OpenAIAdapter:
             ) from exc
         except HttpError as exc:
             raise UpstreamError(f"upstream failed: {self.cfg.base_url}: {exc}", code="upstream_error") from exc
+        note_upstream_status(response.status)
         if response.status >= 400:
             try:
                 raw = await response.read()

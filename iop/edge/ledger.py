@@ -1,0 +1,233 @@
+"""The usage ledger: one `RequestRecord` per request, published to the JetStream stream IOP_LEDGER.
+
+Publishing never runs on a request's path: `LedgerWriter.add` appends to a bounded buffer and a
+background task sends the records in batches, one message per alias and flush. While NATS is down
+the records wait in the buffer; what does not fit is dropped, counted (`dropped`, the metric
+`iop_ledger_dropped_total`) and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections import deque
+from typing import Literal
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+
+log = logging.getLogger("iop.edge")
+
+LEDGER_STREAM = "IOP_LEDGER"
+LEDGER_SUBJECTS = "iop.ledger.>"
+FLUSH_INTERVAL_S = 0.25
+"""How long a record may wait in the buffer before its batch is sent (when NATS is up)."""
+BATCH_RECORDS = 512
+"""Most records in one ledger message (~60 KB)."""
+RETRY_S = 1.0
+LOSS_LOG_EVERY_S = 10.0
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def ledger_subject(alias: str) -> str:
+    """The subject an alias's records go to. Aliases may hold `.`, `*` or `>`; those become `_`."""
+    return "iop.ledger." + (_UNSAFE.sub("_", alias) or "_")
+
+
+class RequestRecord(msgspec.Struct, kw_only=True, array_like=True, gc=False):
+    """What the edge knows about one request when it ends. Never a prompt, an answer or a key.
+
+    Stored as a msgpack array (field order is the format: new fields go at the end, with a
+    default). Times are in milliseconds; unknown values are None, never a guess. Not tracked by
+    the garbage collector (scalars only): reading a million of them stays cheap.
+    """
+
+    id: str
+    """The request id (`x-request-id`, the client's or generated)."""
+    start: float
+    """Unix time the edge received the request."""
+    alias: str
+    """The `model` the client asked for ("" when the request never named a known one)."""
+    route: Literal["pool", "direct", ""]
+    api: Literal["chat", "responses", ""]
+    stream: bool
+    status: int
+    """The HTTP status the client got (499: the client went away first)."""
+    error: str = ""
+    """The error code, "" on success."""
+    edge: str = ""
+    node: str = ""
+    provider: str = ""
+    """The provider (pool) or CLI resource (direct) of the last attempt."""
+    model: str = ""
+    """The upstream model name the provider was asked for."""
+    attempts: int = 0
+    """Providers tried (failover makes it more than 1); 0 when nothing was dispatched."""
+    queue_ms: float | None = None
+    """From arrival until a node started the request."""
+    ttfb_ms: float | None = None
+    """From arrival until the first answer byte left the edge."""
+    duration_ms: float = 0.0
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    bytes_in: int = 0
+    bytes_out: int = 0
+    key: str = ""
+    """The name of the client key used (`name:key` entries name keys), never the key."""
+    cancelled: bool = False
+    upstream_status: int | None = None
+    """The HTTP status the upstream answered (openai adapter)."""
+    exit_code: int | None = None
+    """The CLI command's exit status (direct routes)."""
+    run_ms: float | None = None
+    """How long the node ran it (CLI: the process's run time)."""
+    node_ttfb_ms: float | None = None
+    """From the node's start until it sent the first answer byte: the gateway's own share is ttfb_ms minus this."""
+
+
+encode_batch = msgspec.msgpack.Encoder().encode
+decode_batch = msgspec.msgpack.Decoder(list[RequestRecord]).decode
+
+
+async def ensure_ledger_stream(js: JetStreamContext, max_age_s: float, max_bytes: int) -> None:
+    """Create IOP_LEDGER (file storage, limits retention) or bring its limits to the configured ones."""
+    cfg = js_api.StreamConfig(
+        name=LEDGER_STREAM,
+        subjects=[LEDGER_SUBJECTS],
+        retention=js_api.RetentionPolicy.LIMITS,
+        storage=js_api.StorageType.FILE,
+        discard=js_api.DiscardPolicy.OLD,
+        max_age=max_age_s,
+        max_bytes=max_bytes,
+        duplicate_window=120.0,
+    )
+    try:
+        info = await js.stream_info(LEDGER_STREAM)
+    except nats.js.errors.NotFoundError:
+        try:
+            await js.add_stream(cfg)
+            return
+        except nats.js.errors.BadRequestError:
+            info = await js.stream_info(LEDGER_STREAM)  # another edge created it meanwhile
+    have = info.config
+    if have.max_bytes != max_bytes or abs((have.max_age or 0) - max_age_s) > 1e-3:
+        await js.update_stream(cfg)
+
+
+class LedgerWriter:
+    """Buffers records and publishes them in batches from one background task."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext, edge_id: str, *, buffer_records: int = 100_000) -> None:
+        self.nc = nc
+        self.js = js
+        self.edge_id = edge_id
+        self.limit = buffer_records
+        self._buffer: deque[RequestRecord] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._batch_seq = 0
+        self._retry: tuple[str, str, int, bytes] | None = None
+        """The batch being sent (subject, message id, records, data): resent unchanged until stored."""
+        self._started = f"{time.time_ns():x}"
+        self.written = 0
+        self.dropped = 0
+        self._dropped_logged = 0
+        self._last_loss_log = 0.0
+        self.changed = asyncio.Event()
+        """Set after every flush (tests and shutdown wait on it)."""
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    def add(self, record: RequestRecord) -> None:
+        """Queue a record; never blocks, never raises. Full buffer: the record is lost and counted."""
+        if len(self._buffer) >= self.limit:
+            self.dropped += 1
+            self._log_loss()
+            return
+        self._buffer.append(record)
+        if len(self._buffer) >= BATCH_RECORDS:
+            self._wake.set()
+
+    @property
+    def pending(self) -> int:
+        return len(self._buffer)
+
+    def _log_loss(self) -> None:
+        now = time.monotonic()
+        if now - self._last_loss_log >= LOSS_LOG_EVERY_S:
+            self._last_loss_log = now
+            log.error(
+                "ledger: buffer full (%d records waiting for NATS): %d records lost so far",
+                len(self._buffer),
+                self.dropped,
+            )
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(FLUSH_INTERVAL_S):
+                    await self._wake.wait()
+            self._wake.clear()
+            if not await self.flush():
+                await asyncio.sleep(RETRY_S)  # NATS is down: the records wait, the buffer bounds them
+
+    async def flush(self) -> bool:
+        """Send what is buffered; False when NATS refused (the unsent records stay, in order)."""
+        while self._buffer:
+            if not self.nc.is_connected:
+                # Not handed to the client while it reconnects: its own buffer is unbounded by us
+                # and is lost (or fails its close) if NATS never comes back. Ours is counted.
+                return False
+            if self._retry is None:
+                batch: list[RequestRecord] = []
+                subject = ledger_subject(self._buffer[0].alias)
+                # One message per alias: take the leading records of the first record's alias.
+                for rec in self._buffer:
+                    if len(batch) >= BATCH_RECORDS or ledger_subject(rec.alias) != subject:
+                        break
+                    batch.append(rec)
+                self._batch_seq += 1
+                # A retry resends this exact message under the same id: had the first try reached the
+                # server after all, the duplicate window stores it once.
+                msg_id = f"{self.edge_id}-{self._started}-{self._batch_seq}"
+                self._retry = (subject, msg_id, len(batch), encode_batch(batch))
+            subject, msg_id, count, data = self._retry
+            try:
+                await self.js.publish(subject, data, timeout=5.0, headers={"Nats-Msg-Id": msg_id})
+            except (nats.errors.Error, TimeoutError, OSError) as exc:
+                log.warning("ledger: %d records waiting, NATS refused the batch: %s", len(self._buffer), exc or "")
+                return False
+            self._retry = None
+            for _ in range(count):
+                self._buffer.popleft()
+            self.written += count
+            self.changed.set()
+        return True
+
+    async def stop(self, timeout_s: float = 2.0) -> None:
+        """Send what is left (up to `timeout_s`), then stop; what could not be sent is counted as lost."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                for _ in range(int(timeout_s / RETRY_S * 4) + 1):
+                    if await self.flush():
+                        break
+                    await asyncio.sleep(RETRY_S / 4)  # a pause between tries, not a wait for an event
+        if self._buffer:
+            self.dropped += len(self._buffer)
+            log.error("ledger: %d records could not be written before shutdown", len(self._buffer))
+            self._buffer.clear()

@@ -1,0 +1,239 @@
+"""`GET /metrics`: Prometheus counters and histograms fed by request records, gauges read at scrape.
+
+iop's own names carry the `iop_` prefix; beside them the OpenTelemetry GenAI histograms in their
+Prometheus form (`gen_ai_client_operation_duration_seconds`, `gen_ai_client_token_usage`,
+`gen_ai_server_time_to_first_token_seconds`) so standard GenAI dashboards work unchanged. Labels
+stay low-cardinality: never a request id or a key.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from bisect import bisect_left
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from iop.edge.ledger import RequestRecord
+
+if TYPE_CHECKING:
+    from iop.edge.server import Edge
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# The GenAI conventions' bucket boundaries, as they define them.
+_GENAI_DURATION = tuple(0.01 * 2**i for i in range(14))  # 0.01 … 81.92
+_GENAI_TOKENS = tuple(4**i for i in range(14))  # 1, 4, 16 … 67108864
+_GENAI_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+
+
+class _Count:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+
+class _Hist:
+    """A histogram as plain numbers: observing is one bisect and two additions."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(self.bounds, v)] += 1
+        self.sum += v
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, total = [], 0
+        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
+            total += n
+            le = "+Inf" if bound == math.inf else floatToGoString(bound)  # type: ignore[no-untyped-call]
+            out.append((le, float(total)))
+        return out
+
+
+class _Family:
+    """One metric's series by label values."""
+
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...], bounds: tuple[float, ...] | None = None):
+        self.name, self.doc, self.labels, self.bounds = name, doc, labels, bounds
+        self.series: dict[tuple[str, ...], _Count | _Hist] = {}
+
+    def get(self, values: tuple[str, ...]) -> Any:
+        s = self.series.get(values)
+        if s is None:
+            s = self.series[values] = _Hist(self.bounds) if self.bounds is not None else _Count()
+        return s
+
+    def collect(self) -> Metric:
+        if self.bounds is None:
+            fam = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+            for values, c in self.series.items():
+                assert isinstance(c, _Count)
+                fam.add_metric(values, c.value)
+            return fam
+        hist = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
+        for values, h in self.series.items():
+            assert isinstance(h, _Hist)
+            hist.add_metric(values, h.buckets(), h.sum)
+        return hist
+
+
+class _Series:
+    """Every series one kind of request touches, found with one dict lookup per request."""
+
+    __slots__ = ("duration", "genai_duration", "genai_ttft", "queue", "requests", "tokens", "ttfb")
+
+    def __init__(self, m: Metrics, alias: str, route: str, node: str, provider: str, status: str, error: str):
+        self.requests: _Count = m.requests.get((alias, route, node, provider, status))
+        self.duration: _Hist = m.duration.get((alias, route))
+        self.queue: _Hist = m.queue_wait.get((alias,))
+        self.ttfb: _Hist = m.ttfb.get((alias, route))
+        self.genai_duration: _Hist = m.genai_duration.get(("chat", provider, alias, error))
+        self.genai_ttft: _Hist = m.genai_ttft.get(("chat", alias))
+        # Both APIs are the conventions' "chat" operation.
+        self.tokens = {
+            kind: (m.tokens.get((alias, provider, kind)), m.genai_tokens.get(("chat", provider, alias, kind)))
+            for kind in ("input", "output", "cached", "reasoning")
+        }
+
+
+class Metrics:
+    """The edge's metrics. Requests update plain numbers (a few microseconds, no locks: one event
+    loop writes them); prometheus-client turns them into the exposition format at scrape time."""
+
+    def __init__(self, edge: Edge) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = _Family(
+            "iop_requests", "Requests answered, by outcome.", ("alias", "route", "node", "provider", "status")
+        )
+        self.duration = _Family(
+            "iop_request_duration_seconds", "From arrival to the last byte.", ("alias", "route"), _SECONDS
+        )
+        self.queue_wait = _Family(
+            "iop_queue_wait_seconds", "From arrival until a node started it (pool).", ("alias",), _SECONDS
+        )
+        self.ttfb = _Family(
+            "iop_time_to_first_byte_seconds",
+            "From arrival until the first answer byte left the edge.",
+            ("alias", "route"),
+            _SECONDS,
+        )
+        self.tokens = _Family("iop_tokens", "Tokens the upstreams reported.", ("alias", "provider", "kind"))
+        self.genai_duration = _Family(
+            "gen_ai_client_operation_duration_seconds",
+            "GenAI semantic conventions: duration of the operation.",
+            ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "error_type"),
+            _GENAI_DURATION,
+        )
+        self.genai_tokens = _Family(
+            "gen_ai_client_token_usage",
+            "GenAI semantic conventions: tokens used per operation.",
+            ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "gen_ai_token_type"),
+            _GENAI_TOKENS,
+        )
+        self.genai_ttft = _Family(
+            "gen_ai_server_time_to_first_token_seconds",
+            "GenAI semantic conventions: time to the first token of a streamed answer.",
+            ("gen_ai_operation_name", "gen_ai_request_model"),
+            _GENAI_TTFT,
+        )
+        self._families = (
+            self.requests,
+            self.duration,
+            self.queue_wait,
+            self.ttfb,
+            self.tokens,
+            self.genai_duration,
+            self.genai_tokens,
+            self.genai_ttft,
+        )
+        self._series: dict[tuple[str, ...], _Series] = {}
+        self.registry.register(_RecordsCollector(self))
+        self.registry.register(_LiveCollector(edge))
+
+    def observe(self, rec: RequestRecord) -> None:
+        """Count one finished request."""
+        key = (rec.alias or "-", rec.route or "-", rec.node or "-", rec.provider or "-", str(rec.status), rec.error)
+        s = self._series.get(key)
+        if s is None:
+            s = self._series[key] = _Series(self, *key)
+        s.requests.value += 1
+        seconds = rec.duration_ms / 1000.0
+        s.duration.observe(seconds)
+        s.genai_duration.observe(seconds)
+        if rec.queue_ms is not None and rec.route == "pool":
+            s.queue.observe(rec.queue_ms / 1000.0)
+        if rec.ttfb_ms is not None:
+            s.ttfb.observe(rec.ttfb_ms / 1000.0)
+            if rec.stream and not rec.error:
+                s.genai_ttft.observe(rec.ttfb_ms / 1000.0)
+        if rec.input_tokens is not None:
+            tokens = s.tokens
+            for kind, n in (
+                ("input", rec.input_tokens),
+                ("output", rec.output_tokens),
+                ("cached", rec.cached_tokens),
+                ("reasoning", rec.reasoning_tokens),
+            ):
+                if n is not None:
+                    count, hist = tokens[kind]
+                    count.value += n
+                    if kind in ("input", "output"):
+                        hist.observe(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RecordsCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        for fam in self.metrics._families:
+            if fam.series:
+                yield fam.collect()
+
+
+class _LiveCollector(Collector):
+    """Gauges read from the scheduler and the registry at scrape time (nothing to keep in step)."""
+
+    def __init__(self, edge: Edge) -> None:
+        self.edge = edge
+
+    def collect(self) -> Iterator[Metric]:
+        edge = self.edge
+        capacity = GaugeMetricFamily("iop_provider_capacity", "Slots of a provider.", labels=["node", "provider"])
+        in_flight = GaugeMetricFamily(
+            "iop_provider_in_flight", "Requests this edge has dispatched to a provider.", labels=["node", "provider"]
+        )
+        for slots in edge.scheduler.providers.values():
+            capacity.add_metric([slots.node, slots.id], slots.capacity)
+            in_flight.add_metric([slots.node, slots.id], slots.in_flight)
+        waiting = GaugeMetricFamily("iop_pool_waiting", "Requests waiting for a slot.", labels=["alias"])
+        for alias in edge.scheduler.pools:
+            waiting.add_metric([alias], edge.scheduler.waiting(alias))
+        nodes = GaugeMetricFamily("iop_node_connected", "1 while the node's heartbeats arrive.", labels=["node"])
+        for node_id in edge.registry.nodes:
+            nodes.add_metric([node_id], 1.0 if edge.registry.connected(node_id) else 0.0)
+        dropped = CounterMetricFamily("iop_ledger_dropped", "Ledger records lost (buffer full while NATS was down).")
+        dropped.add_metric([], edge.ledger.dropped if edge.ledger is not None else 0)
+        pending = GaugeMetricFamily("iop_ledger_pending", "Ledger records waiting to be written.")
+        pending.add_metric([], edge.ledger.pending if edge.ledger is not None else 0)
+        nats = GaugeMetricFamily("iop_nats_connected", "1 while the edge is connected to NATS.")
+        nats.add_metric([], 1.0 if edge.nc.is_connected else 0.0)
+        up = GaugeMetricFamily("iop_edge_uptime_seconds", "Seconds since this edge started.")
+        up.add_metric([], time.time() - edge.started_at)
+        yield from (capacity, in_flight, waiting, nodes, dropped, pending, nats, up)

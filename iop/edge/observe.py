@@ -1,0 +1,173 @@
+"""What the edge notes about each request while it runs (`Trace`) and does when it ends (`Observer`).
+
+When a request ends its trace becomes one `RequestRecord`, which feeds three things at once: the
+access log line, the Prometheus metrics and the ledger. All three run after the answer's last
+byte was handed to the server, and none of them waits on NATS.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import time
+
+from iop import wire
+from iop.edge.dispatch import DispatchResult
+from iop.edge.ledger import LedgerWriter, RequestRecord
+from iop.edge.metrics import Metrics
+
+access_log = logging.getLogger("iop.access")
+
+REQUEST_ID = re.compile(wire.REQUEST_ID_PATTERN)
+
+
+def new_request_id() -> str:
+    return "req_" + secrets.token_hex(12)
+
+
+class Trace:
+    """One request's facts as they become known; `record()` freezes them. Cheap: plain slots.
+
+    The HTTP side notes what the client saw (status, first byte, bytes); the request's dispatch
+    hands over its `DispatchResult` (node, provider, attempts, queue wait, the node's report).
+    Requests refused before any dispatch (400, 401, 404) have none.
+    """
+
+    __slots__ = (
+        "alias",
+        "api",
+        "arrived",
+        "bytes_in",
+        "bytes_out",
+        "cancelled",
+        "error",
+        "first_byte",
+        "id",
+        "key",
+        "model",
+        "result",
+        "start",
+        "status",
+        "stream",
+    )
+
+    def __init__(self, request_id: str, api: wire.Api | None) -> None:
+        self.id = request_id
+        self.start = time.time()
+        self.arrived = time.monotonic()
+        self.api = api or ""
+        self.alias = ""
+        self.stream = False
+        self.key = ""
+        self.model = ""
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.status = 0
+        self.error = ""
+        self.cancelled = False
+        self.first_byte = 0.0
+        self.result: DispatchResult | None = None
+
+    def dispatched(self, result: DispatchResult) -> None:
+        """The dispatch's `on_finished`: what became of the request on its way through the edge."""
+        self.result = result
+
+    def record(self, edge_id: str) -> RequestRecord:
+        res = self.result
+        out = res.report if res is not None else None
+        usage = out.usage if out is not None else None
+        return RequestRecord(
+            id=self.id,
+            start=self.start,
+            alias=self.alias,
+            route=res.route if res is not None else "",
+            api=self.api,  # type: ignore[arg-type]
+            stream=self.stream,
+            status=self.status,
+            error=self.error,
+            edge=edge_id,
+            node=res.node if res is not None else "",
+            provider=res.provider if res is not None else "",
+            model=self.model,
+            attempts=res.attempts if res is not None else 0,
+            queue_ms=round(res.queue_wait_ms, 3) if res is not None and res.queue_wait_ms is not None else None,
+            ttfb_ms=round((self.first_byte - self.arrived) * 1000, 3) if self.first_byte else None,
+            duration_ms=round((time.monotonic() - self.arrived) * 1000, 3),
+            input_tokens=usage.input_tokens if usage is not None else None,
+            output_tokens=usage.output_tokens if usage is not None else None,
+            cached_tokens=usage.cached_tokens if usage is not None else None,
+            reasoning_tokens=usage.reasoning_tokens if usage is not None else None,
+            bytes_in=self.bytes_in,
+            bytes_out=self.bytes_out,
+            key=self.key,
+            cancelled=self.cancelled,
+            upstream_status=(out.upstream_status or None) if out is not None else None,
+            exit_code=out.exit_code if out is not None else None,
+            run_ms=(out.run_ms or None) if out is not None else None,
+            node_ttfb_ms=(out.ttfb_ms or None) if out is not None else None,
+        )
+
+
+class Observer:
+    """Turns each finished trace into a record: access log, metrics and (when enabled) the ledger."""
+
+    def __init__(self, edge_id: str, metrics: Metrics, ledger: LedgerWriter | None) -> None:
+        self.edge_id = edge_id
+        self.metrics = metrics
+        self.ledger = ledger
+        self.records = 0
+
+    def finish(self, trace: Trace) -> RequestRecord:
+        rec = trace.record(self.edge_id)
+        self.records += 1
+        self.metrics.observe(rec)
+        # A request refused for its key is logged and counted, but stays out of the ledger: anyone
+        # could otherwise fill (and so rotate away) the operators' usage history without a key.
+        if self.ledger is not None and rec.status != 401:
+            self.ledger.add(rec)
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info(access_line(rec), extra={"fields": access_fields(rec)})
+        return rec
+
+
+def _tokens(rec: RequestRecord) -> str:
+    if rec.input_tokens is None and rec.output_tokens is None:
+        return "-"
+    return f"{rec.input_tokens if rec.input_tokens is not None else '-'}/{rec.output_tokens or 0}"
+
+
+def access_line(rec: RequestRecord) -> str:
+    """`request_id alias route node/provider status duration_ms queue_ms tokens` — never prompts or keys."""
+    where = f"{rec.node or '-'}/{rec.provider or '-'}"
+    queue = f"{rec.queue_ms:.1f}" if rec.queue_ms is not None else "-"
+    extra = f" error={rec.error}" if rec.error else ""
+    if rec.attempts > 1:
+        extra += f" attempts={rec.attempts}"
+    if rec.exit_code is not None:
+        extra += f" exit={rec.exit_code}"
+    return (
+        f"{rec.id} {rec.alias or '-'} {rec.route or '-'} {where} {rec.status} "
+        f"{rec.duration_ms:.1f}ms queue={queue}ms tokens={_tokens(rec)}{extra}"
+    )
+
+
+def access_fields(rec: RequestRecord) -> dict[str, object]:
+    """The same line as fields, for `--log-format json`."""
+    return {
+        "request_id": rec.id,
+        "alias": rec.alias,
+        "route": rec.route,
+        "node": rec.node,
+        "provider": rec.provider,
+        "status": rec.status,
+        "error": rec.error or None,
+        "duration_ms": rec.duration_ms,
+        "queue_ms": rec.queue_ms,
+        "ttfb_ms": rec.ttfb_ms,
+        "attempts": rec.attempts,
+        "input_tokens": rec.input_tokens,
+        "output_tokens": rec.output_tokens,
+        "key": rec.key or None,
+        "cancelled": rec.cancelled,
+    }

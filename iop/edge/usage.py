@@ -1,0 +1,75 @@
+"""`GET /usage` (the usage table over a time range) and `GET /usage/tail` (records as they are written)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from iop.edge.ledger import RequestRecord
+from iop.edge.report import Aggregate, follow, parse_query, parse_time, read_records, record_json, to_csv
+from iop.errors import BadRequest, Unavailable
+
+if TYPE_CHECKING:
+    from iop.edge.server import Edge
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+TAIL_BUFFER = 10_000
+"""Records a slow `--tail` reader may fall behind by before the oldest are skipped."""
+
+
+def usage_endpoint(edge: Edge) -> Endpoint:
+    async def usage(request: Request) -> Response:
+        edge.authorize(request.scope)
+        q = request.query_params
+        fmt = q.get("format", "json")
+        if fmt not in ("json", "csv"):
+            raise BadRequest(f"'format' must be json or csv; got {fmt!r}", param="format")
+        query = parse_query(q.get("since"), q.get("until"), q.get("by"))
+        if edge.ledger is None:
+            raise Unavailable("the ledger is off on this edge (edge.ledger.enabled: false)", code="ledger_disabled")
+        agg = Aggregate(query)
+        await read_records(edge.js, query, agg.add)
+        report = agg.report()
+        report["records"] = agg.records
+        if fmt == "csv":
+            return Response(to_csv(report), media_type="text/csv")
+        return JSONResponse(report)
+
+    return usage
+
+
+def usage_tail_endpoint(edge: Edge) -> Endpoint:
+    async def tail(request: Request) -> Response:
+        edge.authorize(request.scope)
+        if edge.ledger is None:
+            raise Unavailable("the ledger is off on this edge (edge.ledger.enabled: false)", code="ledger_disabled")
+        alias = request.query_params.get("model") or None
+        since_text = request.query_params.get("since")
+        since = parse_time(since_text, "since", time.time()) if since_text else None
+        queue: asyncio.Queue[RequestRecord] = asyncio.Queue(TAIL_BUFFER)
+
+        def sink(records: list[RequestRecord]) -> None:
+            for r in records:
+                if queue.full():
+                    queue.get_nowait()  # a reader that cannot keep up sees the newest records
+                queue.put_nowait(r)
+
+        sub = await follow(edge.js, alias, sink, since)
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                yield b""  # the headers go out at once: the client knows it is following
+                while True:
+                    rec = await queue.get()
+                    yield record_json(rec) + b"\n"
+            finally:
+                await sub.unsubscribe()
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    return tail

@@ -1,0 +1,337 @@
+"""The request record: one per request of every kind, in the ledger, the metrics and the access log."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from iop.bus import EmbeddedNats
+from iop.edge.ledger import RequestRecord
+from iop.edge.report import Aggregate, parse_query, read_records
+from tests.fakes import FakeUpstream, fake_upstream
+from tests.harness import EdgeHandle, deployment, running_edge, running_node, until
+
+ECHO = [sys.executable, "-c", "import sys; sys.stdout.write(sys.stdin.read())"]
+FAIL = [sys.executable, "-c", "import sys; sys.exit(3)"]
+
+
+def every_kind_yaml(good: str, bad: str, slow: str, gated: str) -> str:
+    return f"""
+edge:
+  queue: {{timeout_s: 20, max_waiting: 1}}
+models:
+  - {{alias: m, pool: [good]}}
+  - {{alias: f, pool: [bad-f, good-f]}}
+  - {{alias: x, pool: [sole]}}
+  - {{alias: slow, pool: [slow-p]}}
+  - {{alias: g, pool: [gated-p]}}
+  - {{alias: ghost, pool: [ghost-p]}}
+  - {{alias: agent, route: n-cli/echo}}
+  - {{alias: agent-fail, route: n-cli/fail}}
+nodes:
+  - id: n-good
+    adapters: [{{id: up, type: openai, base_url: "{good}", api: both}}]
+    providers:
+      - {{id: good, adapter: up, model: up-model, capacity: 2}}
+      - {{id: good-f, adapter: up, capacity: 1}}
+  - id: n-bad
+    adapters: [{{id: up, type: openai, base_url: "{bad}", api: both}}]
+    providers:
+      - {{id: bad-f, adapter: up, capacity: 4}}
+      - {{id: sole, adapter: up, capacity: 1}}
+  - id: n-slow
+    adapters:
+      - {{id: up, type: openai, base_url: "{slow}", api: both}}
+      - {{id: gate, type: openai, base_url: "{gated}", api: both}}
+    providers:
+      - {{id: slow-p, adapter: up, capacity: 1}}
+      - {{id: gated-p, adapter: gate, capacity: 1}}
+  - id: n-ghost
+    adapters: [{{id: sim, type: mock}}]
+    providers: [{{id: ghost-p, adapter: sim, capacity: 1}}]
+  - id: n-cli
+    adapters:
+      - {{id: echo, type: cli, command: {ECHO!r}}}
+      - {{id: fail, type: cli, command: {FAIL!r}}}
+    providers: [{{id: echo, adapter: echo}}, {{id: fail, adapter: fail}}]
+"""
+
+
+@asynccontextmanager
+async def every_kind(nats_url: str) -> AsyncIterator[tuple[EdgeHandle, dict[str, FakeUpstream]]]:
+    """An edge with every kind of route; node n-ghost is never started (its pool has no provider)."""
+    gate = asyncio.Event()
+    async with (
+        fake_upstream() as good,
+        fake_upstream(fail_status=500) as bad,
+        fake_upstream(tokens=1000, token_interval_s=0.01) as slow,
+        fake_upstream(gate=gate) as gated,
+    ):
+        dep = deployment(every_kind_yaml(good.url, bad.url, slow.url, gated.url))
+        async with running_edge(dep, nats_url) as h, AsyncExitStack() as stack:
+            live = ["n-good", "n-bad", "n-slow", "n-cli"]
+            for node in live:
+                await stack.enter_async_context(running_node(dep, node, nats_url))
+            await h.edge.registry.wait_connected(live, timeout_s=10)
+            yield h, {"good": good, "bad": bad, "slow": slow, "gated": gated}
+            gate.set()
+
+
+def chat(model: str, **kw: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hello"}], **kw}
+
+
+async def ledger_records(h: EdgeHandle, n: int) -> list[RequestRecord]:
+    """The records in the ledger once the edge has written `n` of them."""
+    ledger = h.edge.ledger
+    assert ledger is not None
+    await until(lambda: ledger.written >= n, ledger.changed, timeout_s=15)
+    got: list[RequestRecord] = []
+    await read_records(h.edge.js, parse_query("1h", None, None), got.extend)
+    return got
+
+
+def metric_values(text: str, name: str) -> dict[str, float]:
+    """Samples of one metric from the Prometheus text format, keyed by their label text."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, _, value = line.rpartition(" ")
+            out[labels[len(name) :]] = float(value)
+    return out
+
+
+async def test_every_kind_of_request_leaves_exactly_one_record_with_its_facts(
+    nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="iop.access")
+    async with every_kind(nats_server.url) as (h, ups), h.http() as http:
+        sent: dict[str, str] = {}
+
+        async def post(tag: str, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
+            rid = f"t-{tag}"
+            r = await http.post(path, json=body, headers={"x-request-id": rid}, **kw)
+            assert r.headers["x-request-id"] == rid
+            sent[rid] = tag
+            return r
+
+        assert (await post("chat", "/v1/chat/completions", chat("m"))).status_code == 200
+        r = await post(
+            "chat-stream", "/v1/chat/completions", chat("m", stream=True, stream_options={"include_usage": True})
+        )
+        assert r.status_code == 200 and "[DONE]" in r.text
+        assert (await post("resp", "/v1/responses", {"model": "m", "input": "hi"})).status_code == 200
+        r = await post("resp-stream", "/v1/responses", {"model": "m", "input": "hi", "stream": True})
+        assert "response.completed" in r.text
+        assert (await post("failover", "/v1/chat/completions", chat("f"))).status_code == 200
+        assert (await post("upstream-500", "/v1/chat/completions", chat("x"))).status_code == 502
+        assert (await post("cli", "/v1/chat/completions", chat("agent"))).status_code == 200
+        assert (await post("cli-fail", "/v1/chat/completions", chat("agent-fail"))).status_code == 502
+        assert (await post("unknown", "/v1/chat/completions", chat("nope"))).status_code == 404
+        assert (await post("no-provider", "/v1/chat/completions", chat("ghost"))).status_code == 503
+        assert (await post("bad-json", "/v1/chat/completions", {"model": "m"})).status_code == 400
+
+        # 429: the gated pool's one slot runs, one waits (max_waiting 1), the next is refused.
+        held = [asyncio.create_task(post(f"held-{i}", "/v1/chat/completions", chat("g"))) for i in range(2)]
+        await ups["gated"].wait_for(lambda u: u.in_flight == 1)
+        pool = h.edge.scheduler.pools["g"]
+        await until(lambda: len(pool.waiters) == 1, h.edge.scheduler.changed)
+        assert (await post("full", "/v1/chat/completions", chat("g"))).status_code == 429
+
+        # The client hangs up mid-stream.
+        async with http.stream(
+            "POST", "/v1/chat/completions", json=chat("slow", stream=True), headers={"x-request-id": "t-cancel"}
+        ) as resp:
+            sent["t-cancel"] = "cancel"
+            async for _ in resp.aiter_bytes():
+                break
+        await ups["slow"].wait_for(lambda u: u.disconnects == 1)
+
+        assert ups["gated"].gate is not None
+        ups["gated"].gate.set()
+        assert [t.status_code for t in await asyncio.gather(*held)] == [200, 200]
+
+        n = len(sent)
+        records = await ledger_records(h, n)
+        metrics = (await http.get("/metrics")).text
+
+    by_id = {r.id: r for r in records}
+    assert len(records) == n and set(by_id) == set(sent)  # exactly one record each
+    good = ups["good"]
+
+    def rec(tag: str) -> RequestRecord:
+        return by_id[f"t-{tag}"]
+
+    for tag, api, stream in (
+        ("chat", "chat", False),
+        ("chat-stream", "chat", True),
+        ("resp", "responses", False),
+        ("resp-stream", "responses", True),
+    ):
+        r = rec(tag)
+        assert (r.api, r.stream, r.status, r.error, r.route) == (api, stream, 200, "", "pool"), tag
+        assert (r.node, r.provider, r.model, r.attempts, r.upstream_status) == ("n-good", "good", "up-model", 1, 200)
+        # Tokens are the ones the fake upstream reported, never an estimate.
+        assert (r.input_tokens, r.output_tokens) == (5, good.tokens), tag
+        assert r.queue_ms is not None and r.ttfb_ms is not None and r.duration_ms >= r.ttfb_ms
+        assert r.bytes_in > 0 and r.bytes_out > 0 and r.run_ms is not None
+    assert "t-chat" in good.request_ids and "t-resp-stream" in good.request_ids  # carried upstream
+    assert rec("resp").cached_tokens == 0 and rec("resp").reasoning_tokens == 0
+    assert rec("chat").cached_tokens is None  # the fake reports no details for chat
+
+    f = rec("failover")
+    assert (f.status, f.attempts, f.provider, f.input_tokens) == (200, 2, "good-f", 5)
+    x = rec("upstream-500")
+    assert (x.status, x.error, x.upstream_status, x.input_tokens) == (502, "upstream_error", 500, None)
+    c = rec("cli")
+    assert (c.route, c.node, c.provider, c.status, c.exit_code, c.input_tokens) == (
+        "direct",
+        "n-cli",
+        "echo",
+        200,
+        0,
+        None,
+    )
+    cf = rec("cli-fail")
+    assert (cf.status, cf.error, cf.exit_code) == (502, "cli_failed", 3)
+    u = rec("unknown")
+    assert (u.status, u.error, u.alias, u.attempts, u.route) == (404, "model_not_found", "", 0, "")
+    assert (rec("no-provider").status, rec("no-provider").error) == (503, "no_provider")
+    assert rec("bad-json").status == 400
+    assert (rec("full").status, rec("full").error) == (429, "queue_full")
+    assert rec("held-1").queue_ms is not None and rec("held-1").queue_ms > 0
+    cancel = rec("cancel")
+    assert cancel.cancelled and cancel.status == 200 and cancel.error == "client_cancelled"
+
+    # /metrics and the ledger agree exactly.
+    counted = metric_values(metrics, "iop_requests_total")
+    assert sum(counted.values()) == n
+    for r in records:
+        key = (
+            f'{{alias="{r.alias or "-"}",node="{r.node or "-"}",provider="{r.provider or "-"}",'
+            f'route="{r.route or "-"}",status="{r.status}"}}'
+        )
+        assert counted[key] == sum(
+            1
+            for o in records
+            if (o.alias, o.node, o.provider, o.route, o.status) == (r.alias, r.node, r.provider, r.route, r.status)
+        )
+    tokens = metric_values(metrics, "iop_tokens_total")
+    assert tokens['{alias="m",kind="input",provider="good"}'] == sum(
+        r.input_tokens or 0 for r in records if r.provider == "good"
+    )
+    assert "gen_ai_client_operation_duration_seconds_bucket" in metrics
+
+    # One access line per request, never the prompt.
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "iop.access"]
+    assert len(lines) == n
+    assert all("hello" not in line for line in lines)
+    assert any(line.startswith("t-failover f pool n-good/good-f 200") and "attempts=2" in line for line in lines)
+
+
+async def test_usage_groups_by_the_keys_asked_for(nats_server: EmbeddedNats) -> None:
+    async with every_kind(nats_server.url) as (h, _), h.http() as http:
+        for _ in range(3):
+            assert (await http.post("/v1/chat/completions", json=chat("m"))).status_code == 200
+        assert (await http.post("/v1/chat/completions", json=chat("x"))).status_code == 502
+        await ledger_records(h, 4)
+        r = await http.get("/usage", params={"since": "1h", "by": "model,provider"})
+        assert r.status_code == 200, r.text
+        rows = {(row["model"], row["provider"]): row for row in r.json()["rows"]}
+        assert rows[("m", "good")]["requests"] == 3 and rows[("m", "good")]["errors"] == 0
+        assert rows[("m", "good")]["input_tokens"] == 15 and rows[("m", "good")]["output_tokens"] == 9
+        assert rows[("x", "sole")]["errors"] == 1
+        assert rows[("m", "good")]["duration_p95_ms"] >= rows[("m", "good")]["duration_p50_ms"] > 0
+        csv = await http.get("/usage", params={"since": "1h", "by": "model", "format": "csv"})
+        assert csv.headers["content-type"].startswith("text/csv")
+        assert csv.text.splitlines()[0].startswith("model,requests,errors,input_tokens")
+        assert csv.text.splitlines()[1].startswith("m,3,0,15,9")
+        # A range that ends before these requests holds none of them.
+        early = await http.get("/usage", params={"since": "2h", "until": "1h"})
+        assert early.json()["rows"] == []
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"since": "yesterday"}, "since"),
+        ({"until": "7x"}, "until"),
+        ({"since": "1h", "until": "2h"}, "until"),
+        ({"by": "model,colour"}, "by"),
+        ({"format": "xml"}, "format"),
+    ],
+)
+async def test_usage_refuses_bad_parameters_naming_them(
+    nats_server: EmbeddedNats, params: dict[str, str], param: str
+) -> None:
+    dep = deployment(
+        "models: [{alias: m, pool: [p]}]\nnodes: [{id: n, adapters: [{id: s, type: mock}], "
+        "providers: [{id: p, adapter: s, capacity: 1}]}]"
+    )
+    async with running_edge(dep, nats_server.url) as h, h.http() as http:
+        r = await http.get("/usage", params=params)
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == param
+
+
+def test_aggregate_counts_and_percentiles() -> None:
+    q = parse_query("1h", None, "model", now=10_000.0)
+    agg = Aggregate(q)
+    recs = [
+        RequestRecord(
+            id=str(i),
+            start=9_000.0 + i,
+            alias="m",
+            route="pool",
+            api="chat",
+            stream=False,
+            status=200,
+            duration_ms=float(i),
+            queue_ms=1.0,
+            input_tokens=2,
+            output_tokens=None,
+        )
+        for i in range(1, 101)
+    ]
+    old = RequestRecord(id="old", start=1.0, alias="m", route="pool", api="chat", stream=False, status=200)
+    agg.add([*recs, old])
+    (row,) = agg.rows()
+    assert row["requests"] == 100 and row["input_tokens"] == 200 and row["output_tokens"] == 0
+    assert (row["duration_p50_ms"], row["duration_p95_ms"]) == (50.0, 95.0)
+
+
+async def test_records_wait_while_nats_is_down_and_are_written_after(tmp_path: Path) -> None:
+    server = EmbeddedNats("127.0.0.1:0", tmp_path / "nats")
+    await server.start()
+    dep = deployment(
+        "models: [{alias: agent, route: n/echo}]\nnodes: [{id: n, adapters: "
+        f"[{{id: echo, type: cli, command: {ECHO!r}}}], providers: [{{id: echo, adapter: echo}}]}}]"
+    )
+    try:
+        async with running_edge(dep, server.url) as h:
+            ledger = h.edge.ledger
+            assert ledger is not None
+            port = server.url.rsplit(":", 1)[1]
+            await server.stop()
+            # Requests while NATS is down fail (no node reachable) but still leave records.
+            async with h.http() as http:
+                for _ in range(3):
+                    r = await http.post("/v1/chat/completions", json=chat("agent"))
+                    assert r.status_code == 503
+            assert ledger.pending == 3 and ledger.written == 0
+            server = EmbeddedNats(f"127.0.0.1:{port}", tmp_path / "nats")
+            await server.start()
+            await until(lambda: ledger.written == 3, ledger.changed, timeout_s=20)
+            got: list[RequestRecord] = []
+            await read_records(h.edge.js, parse_query("1h", None, None), got.extend)
+            assert [r.status for r in got] == [503, 503, 503] and ledger.dropped == 0
+    finally:
+        await server.stop()
