@@ -287,7 +287,10 @@ def status_cmd(edge_url: str | None, config_file: str | None, as_json: bool, api
 
 
 @main.command("usage")
-@click.option("--edge", "edge_url", default="http://127.0.0.1:8080", show_default=True, help="The edge's HTTP URL.")
+@click.option("--edge", "edge_url", default=None, help=_EDGE_HELP)
+@click.option(
+    "--config", "config_file", default=None, type=click.Path(dir_okay=False), help="Deployment file naming the edge."
+)
 @click.option(
     "--since",
     default=None,
@@ -303,7 +306,8 @@ def status_cmd(edge_url: str | None, config_file: str | None, as_json: bool, api
 @click.option("--model", default=None, help="With --tail: only this model alias.")
 @click.option("--api-key", envvar="IOP_API_KEY", default=None, help="Bearer key (env IOP_API_KEY).")
 def usage_cmd(
-    edge_url: str,
+    edge_url: str | None,
+    config_file: str | None,
     since: str | None,
     until: str | None,
     by: str,
@@ -315,9 +319,13 @@ def usage_cmd(
 ) -> None:
     """Who used what, how much, how fast, and what failed: the ledger of a running edge as a table
     (requests, errors, tokens in/out, p50/p95 duration and queue wait per group)."""
-    from iop.edge.report import parse_query, to_table
+    import asyncio
+
+    import msgspec
+
+    from iop.client import EdgeClient
+    from iop.edge.report import parse_query, record_line, to_table
     from iop.errors import BadRequest
-    from iop.usageview import fetch_usage, follow_usage, record_line
 
     if as_json and as_csv:
         _fail("--json and --csv exclude each other", 2)
@@ -325,28 +333,33 @@ def usage_cmd(
         parse_query(since, until, by)  # bad input never leaves this machine
     except BadRequest as exc:
         _fail(f"--{exc.param}: {exc.message}", 2)
-    try:
-        if tail:
-            import json
+    url = _edge_address(edge_url, config_file)
 
-            for rec in follow_usage(edge_url, model, since, api_key):
-                click.echo(json.dumps(rec) if as_json else record_line(rec))
-            return
+    async def follow() -> None:
+        params = {k: v for k, v in (("since", since), ("model", model)) if v}
+        async with EdgeClient(url, api_key=api_key) as edge:
+            async for line in edge.follow_usage(params):
+                click.echo(line.decode() if as_json else record_line(msgspec.json.decode(line)))
+
+    async def table() -> str:
         params = {"since": since or "24h", "by": by, "format": "csv" if as_csv else "json"}
         if until:
             params["until"] = until
-        answer = fetch_usage(edge_url, params, api_key)
+        async with EdgeClient(url, api_key=api_key) as edge:
+            raw = await edge.usage(params)
+        if as_csv or as_json:
+            return raw.decode().rstrip("\n")
+        return to_table(msgspec.json.decode(raw))
+
+    try:
+        if tail:
+            asyncio.run(follow())
+        else:
+            click.echo(asyncio.run(table()))
     except IopError as exc:
         _fail(str(exc))
-        return
     except KeyboardInterrupt:
         return
-    if as_csv:
-        click.echo(answer.text, nl=False)
-    elif as_json:
-        click.echo(answer.text)
-    else:
-        click.echo(to_table(answer.json()))
 
 
 @main.command("refresh")

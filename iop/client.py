@@ -1,4 +1,4 @@
-"""The edge's HTTP API as iop's own commands reach it: `iop status`, `iop refresh`, `iop smoke --edge`.
+"""The edge's HTTP API as iop's own commands reach it: `iop status`, `iop refresh`, `iop usage`, `iop smoke --edge`.
 
 One place knows the edge's address rules, its paths and the Structs its answers decode into;
 every failure becomes an `IopError` whose message is the one line the command prints.
@@ -6,6 +6,7 @@ every failure becomes an `IopError` whose message is the one line the command pr
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from types import TracebackType
 from urllib.parse import urlsplit
 
@@ -70,7 +71,7 @@ _refresh_result = msgspec.json.Decoder(RefreshResult).decode
 
 
 class EdgeClient:
-    """A running edge's own endpoints (`/status`, `/admin/refresh`), used as `async with EdgeClient(url):`."""
+    """A running edge's own endpoints (`/status`, `/admin/refresh`, `/usage`), used as `async with EdgeClient(url):`."""
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 5.0, trust_env: bool = True) -> None:
         self.url = url.rstrip("/")
@@ -127,6 +128,28 @@ class EdgeClient:
         except msgspec.DecodeError:
             raise IopError(f"{self.url}{path} answered {r.status_code}: {r.text[:200]}") from None
 
+    async def usage(self, params: dict[str, str]) -> bytes:
+        """GET /usage: the usage table as JSON or CSV (`params["format"]`), as the edge sent it."""
+        r = await self._send("GET", "/usage", params=params, timeout=120.0)
+        if r.status_code != 200:
+            raise IopError(f"{self.url}/usage answered {r.status_code}: {_message(r)}")
+        return r.content
+
+    async def follow_usage(self, params: dict[str, str]) -> AsyncIterator[bytes]:
+        """GET /usage/tail: one JSON record per line as edges write them, until the caller stops."""
+        try:
+            async with self._http.stream(
+                "GET", "/usage/tail", params=params, timeout=httpx.Timeout(10.0, read=None)
+            ) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    raise IopError(f"{self.url}/usage/tail answered {r.status_code}: {_message(r)}")
+                async for line in r.aiter_lines():
+                    if line:
+                        yield line.encode()
+        except httpx.HTTPError as exc:
+            raise IopError(f"lost the edge at {self.url}: {type(exc).__name__}: {exc}") from exc
+
     async def _send(
         self,
         method: str,
@@ -135,6 +158,7 @@ class EdgeClient:
         content: bytes | None = None,
         headers: dict[str, str] | None = None,
         timeout: float | None = None,
+        params: dict[str, str] | None = None,
     ) -> httpx.Response:
         try:
             return await self._http.request(
@@ -142,6 +166,7 @@ class EdgeClient:
                 path,
                 content=content,
                 headers=headers,
+                params=params,
                 timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
             )
         except httpx.HTTPError as exc:

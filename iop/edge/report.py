@@ -325,3 +325,17 @@ _json = msgspec.json.Encoder()
 def record_json(r: RequestRecord) -> bytes:
     """One record as a JSON object (the stored form is an array)."""
     return _json.encode(msgspec.structs.asdict(r))
+
+
+def record_line(r: dict[str, Any]) -> str:
+    """One followed record as a line: time, id, model, route, where, status, times, tokens."""
+    when = time.strftime("%H:%M:%S", time.localtime(r["start"]))
+    where = f"{r.get('node') or '-'}/{r.get('provider') or '-'}"
+    tokens = "-" if r.get("input_tokens") is None else f"{r['input_tokens']}/{r.get('output_tokens') or 0}"
+    queue = "-" if r.get("queue_ms") is None else f"{r['queue_ms']:.1f}"
+    err = f" {r['error']}" if r.get("error") else ""
+    key = f" key={r['key']}" if r.get("key") else ""
+    return (
+        f"{when} {r['id']} {r.get('alias') or '-'} {r.get('route') or '-'} {where} {r['status']}{err} "
+        f"{r['duration_ms']:.1f}ms queue={queue}ms tokens={tokens}{key}"
+    )
