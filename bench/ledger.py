@@ -1,4 +1,4 @@
-"""The ledger's cost and speed: python bench/ledger.py [--quick] [--rounds N] [--records N] [--out FILE]
+"""The ledger's cost and speed: python -m bench.ledger [--quick] [--rounds N] [--records N] [--out FILE]
 
     cost         CPU per finished request of what the ledger work adds at the edge (the record,
                  metrics, the access line, the buffer append), measured in-process.
@@ -27,13 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import load
-from abtest import start_upstream
-from procs import Owned, free_port, install_signal_handlers, log
-from stack import Stack, openai_pool_node, start_stack
-
+from bench import load
+from bench.abtest import start_upstream
+from bench.procs import Owned, free_port, http_json, install_signal_handlers, log
+from bench.stack import Stack, openai_pool_node, start_stack
 from iop import bus
 from iop.bus import EmbeddedNats
 from iop.edge.ledger import BATCH_RECORDS, RequestRecord, encode_batch, ensure_ledger_stream, ledger_subject
@@ -91,7 +88,7 @@ def run_onoff(owned: Owned, workdir: Path, rounds: int, seconds: float) -> dict[
         owned.stop(upstream)
 
     def med(arm: str, key: str) -> float:
-        return statistics.median(r[arm][key] for r in runs)
+        return float(statistics.median(r[arm][key] for r in runs))
 
     added_p50 = [r["on"]["p50_ms_c1"] - r["off"]["p50_ms_c1"] for r in runs]
     rps_ratio = [r["on"]["rps_c32"] / r["off"]["rps_c32"] for r in runs if r["off"]["rps_c32"]]
@@ -107,8 +104,6 @@ def run_onoff(owned: Owned, workdir: Path, rounds: int, seconds: float) -> dict[
 
 def _stream_messages(stack: Stack) -> dict[str, int] | None:
     """How the ledger of the 'on' stack was written: records per message under this load."""
-    from procs import http_json
-
     data = http_json("GET", stack.url + "/usage?since=1h&by=model")
     rows = data.get("rows") or []
     return {"records": sum(r["requests"] for r in rows)} if rows else None
@@ -264,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         if "aggregate" in only:
             result["aggregate"] = asyncio.run(run_aggregate(workdir, n))
         if "onoff" in only:
-            owned = Owned()
+            owned = Owned(workdir)
             try:
                 result["onoff"] = run_onoff(owned, workdir, rounds, seconds)
             finally:

@@ -176,13 +176,14 @@ async def test_every_kind_of_request_leaves_exactly_one_record_with_its_facts(
         ("resp", "responses", False),
         ("resp-stream", "responses", True),
     ):
-        r = rec(tag)
-        assert (r.api, r.stream, r.status, r.error, r.route) == (api, stream, 200, "", "pool"), tag
-        assert (r.node, r.provider, r.model, r.attempts, r.upstream_status) == ("n-good", "good", "up-model", 1, 200)
+        one = rec(tag)
+        assert (one.api, one.stream, one.status, one.error, one.route) == (api, stream, 200, "", "pool"), tag
+        assert (one.node, one.provider, one.model, one.attempts) == ("n-good", "good", "up-model", 1)
+        assert one.upstream_status == 200
         # Tokens are the ones the fake upstream reported, never an estimate.
-        assert (r.input_tokens, r.output_tokens) == (5, good.tokens), tag
-        assert r.queue_ms is not None and r.ttfb_ms is not None and r.duration_ms >= r.ttfb_ms
-        assert r.bytes_in > 0 and r.bytes_out > 0 and r.run_ms is not None
+        assert (one.input_tokens, one.output_tokens) == (5, good.tokens), tag
+        assert one.queue_ms is not None and one.ttfb_ms is not None and one.duration_ms >= one.ttfb_ms
+        assert one.bytes_in > 0 and one.bytes_out > 0 and one.run_ms is not None
     assert "t-chat" in good.request_ids and "t-resp-stream" in good.request_ids  # carried upstream
     assert rec("resp").cached_tokens == 0 and rec("resp").reasoning_tokens == 0
     assert rec("chat").cached_tokens is None  # the fake reports no details for chat
@@ -207,26 +208,24 @@ async def test_every_kind_of_request_leaves_exactly_one_record_with_its_facts(
     assert (rec("no-provider").status, rec("no-provider").error) == (503, "no_provider")
     assert rec("bad-json").status == 400
     assert (rec("full").status, rec("full").error) == (429, "queue_full")
-    assert rec("held-1").queue_ms is not None and rec("held-1").queue_ms > 0
+    waited = rec("held-1").queue_ms
+    assert waited is not None and waited > 0
     cancel = rec("cancel")
     assert cancel.cancelled and cancel.status == 200 and cancel.error == "client_cancelled"
 
     # /metrics and the ledger agree exactly.
     counted = metric_values(metrics, "iop_requests_total")
     assert sum(counted.values()) == n
-    for r in records:
+    for one in records:
         key = (
-            f'{{alias="{r.alias or "-"}",node="{r.node or "-"}",provider="{r.provider or "-"}",'
-            f'route="{r.route or "-"}",status="{r.status}"}}'
+            f'{{alias="{one.alias or "-"}",node="{one.node or "-"}",provider="{one.provider or "-"}",'
+            f'route="{one.route or "-"}",status="{one.status}"}}'
         )
-        assert counted[key] == sum(
-            1
-            for o in records
-            if (o.alias, o.node, o.provider, o.route, o.status) == (r.alias, r.node, r.provider, r.route, r.status)
-        )
+        same = (one.alias, one.node, one.provider, one.route, one.status)
+        assert counted[key] == sum(1 for o in records if (o.alias, o.node, o.provider, o.route, o.status) == same)
     tokens = metric_values(metrics, "iop_tokens_total")
     assert tokens['{alias="m",kind="input",provider="good"}'] == sum(
-        r.input_tokens or 0 for r in records if r.provider == "good"
+        o.input_tokens or 0 for o in records if o.provider == "good"
     )
     assert "gen_ai_client_operation_duration_seconds_bucket" in metrics
 

@@ -82,7 +82,7 @@ class Trace:
             start=self.start,
             alias=self.alias,
             route=res.route if res is not None else "",
-            api=self.api,  # type: ignore[arg-type]
+            api=self.api,
             stream=self.stream,
             status=self.status,
             error=self.error,
