@@ -150,6 +150,13 @@ def edge_cmd(
 @click.option("--nats-password-env", default=None, help="Without --config: env variable holding the NATS password.")
 @click.option("--nats-ca", default=None, type=click.Path(dir_okay=False), help="Without --config: CA file for tls://.")
 @click.option("--no-follow", is_flag=True, help="With --config: ignore catalog changes from the edge.")
+@click.option(
+    "--allow-commands",
+    "policy_file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="This machine's node_policy (commands, upstream_hosts, env); default: exactly what --config names.",
+)
 @click.option("-v", "--verbose", is_flag=True)
 @_log_options
 def node_cmd(
@@ -161,6 +168,7 @@ def node_cmd(
     nats_password_env: str | None,
     nats_ca: str | None,
     no_follow: bool,
+    policy_file: str | None,
     verbose: bool,
     log_level: str,
     log_format: str,
@@ -169,8 +177,12 @@ def node_cmd(
 
     With --config the node starts from its section of the file; without, it needs only the NATS
     address (and credentials) and takes its catalog from the edge. Either way it follows the
-    catalog the edge publishes, so `iop refresh` reaches it.
+    catalog the edge publishes, so `iop refresh` reaches it — but runs only the commands, upstream
+    hosts and variables this machine allows (--allow-commands FILE; with --config, by default
+    exactly those of its section there; without either, none): the rest is refused and shown as
+    such in the edge's status.
     """
+    from iop.node import policy
     from iop.node.main import default_nats_url, run_node
 
     dep: config_mod.Deployment | None = None
@@ -202,7 +214,19 @@ def node_cmd(
         _log_warnings(loaded, node_id)
 
     try:
-        _run_async(run_node(dep, node_id, nats_url=url, nats_settings=nats_settings, follow_edge=not no_follow))
+        node_policy = policy.load(policy_file) if policy_file is not None else None
+        _run_async(
+            run_node(
+                dep,
+                node_id,
+                nats_url=url,
+                nats_settings=nats_settings,
+                follow_edge=not no_follow,
+                node_policy=node_policy,
+            )
+        )
+    except ConfigError as exc:
+        _fail("; ".join(exc.problems), 2)
     except IopError as exc:
         _fail(str(exc))
 

@@ -56,6 +56,8 @@ def render_status(status: Status) -> str:
                 queued = str(p.queued)
                 if p.breaker in ("open", "half_open"):
                     cap += f" ({p.breaker.replace('_', '-')})"
+            if p.refused:
+                cap += f" (refused: {p.refused})"
             rows.append(
                 [
                     n.id if i == 0 else "",

@@ -259,6 +259,8 @@ class ProviderLive(msgspec.Struct, kw_only=True, omit_defaults=True):
     peak_in_flight: int = 0
     served: int = 0
     failed: int = 0
+    refused: str = ""
+    """Not served: the node's own policy refused it (`command not allowed`, ...)."""
 
 
 class Accelerator(msgspec.Struct, kw_only=True, omit_defaults=True):

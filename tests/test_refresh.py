@@ -263,6 +263,8 @@ async def test_a_provider_added_to_a_running_node_starts_serving(nats_server: Em
 
 
 async def test_a_node_without_a_file_takes_its_catalog_from_the_edge(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text("node_policy: {upstream_hosts: [127.0.0.1]}\n")  # what this machine allows
     async with fake_upstream() as a:
         text = pool_yaml(a.url, "", 2, None)
         async with running_edge(deployment(text), nats_server.url) as h, h.http() as http:
@@ -275,6 +277,8 @@ async def test_a_node_without_a_file_takes_its_catalog_from_the_edge(nats_server
                 "node-a",
                 "--nats",
                 nats_server.url,
+                "--allow-commands",
+                str(policy_file),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
             )

@@ -28,6 +28,7 @@ from iop.bundle import nats_server_path
 from iop.edge.keys import EdgeKeys, parse_keys
 from iop.edge.server import build_app
 from iop.errors import BusError, ConfigError
+from iop.node import policy as node_policy
 from iop.node.runtime import NodeRuntime
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, eventually, iop_process, running_edge, running_node, until
@@ -730,3 +731,74 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                 for n in nodes:
                     await n.stop(grace_s=2)
     assert "Publish Violation" in _our_log_text(caplog)  # the server's own refusals reach the edge's log
+
+
+# --- nodes run only what their own operator allowed ------------------------------------------------
+
+
+def test_node_policy_allows_prefixes_exact_commands_hosts_and_env(tmp_path: Path) -> None:
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(
+        "node_policy:\n"
+        "  commands: [[codex, exec]]\n"
+        "  exact_commands: [[cat]]\n"
+        "  upstream_hosts: [gpu-a.lan]\n"
+        "  env: [OPENAI_API_KEY]\n"
+    )
+    policy = node_policy.load(policy_file)
+
+    def cli(command: list[str], env: list[str] | None = None) -> config.CliAdapter:
+        return config.CliAdapter(id="x", command=command, env=env or [])
+
+    assert policy.refusal(cli(["codex", "exec", "--json"], ["OPENAI_API_KEY"])) is None
+    assert policy.refusal(cli(["cat"])) is None
+    assert policy.refusal(cli(["cat", "/etc/shadow"])) == "command not allowed"  # exact means exact
+    assert policy.refusal(cli(["codex"])) == "command not allowed"  # shorter than the prefix
+    assert policy.refusal(cli(["sh", "-c", "codex exec"])) == "command not allowed"
+    assert policy.refusal(cli(["cat"], ["AWS_SECRET_ACCESS_KEY"])) == "env not allowed: AWS_SECRET_ACCESS_KEY"
+    assert policy.refusal(config.OpenAIAdapter(id="u", base_url="http://gpu-a.lan:8000/v1")) is None
+    assert (
+        policy.refusal(config.OpenAIAdapter(id="u", base_url="http://evil.example/v1")) == "upstream host not allowed"
+    )
+    assert policy.refusal(config.MockAdapter(id="m")) is None
+    policy_file.write_text("node_policy: {commands: [sh]}\n")
+    with pytest.raises(ConfigError, match="node_policy: Expected `array`"):
+        node_policy.load(policy_file)
+
+
+async def test_a_catalog_command_outside_the_nodes_policy_is_not_run_and_shows_in_status(
+    nats_server: bus.EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    pwned = tmp_path / "pwned"
+    text = """
+models: [{alias: echo, route: n1/echo-cli}]
+nodes:
+  - id: n1
+    adapters: [{id: echo, type: cli, command: [cat]}]
+    providers: [{id: echo-cli, adapter: echo}]
+"""
+    dep = deployment(text)
+    chat = {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
+    async with running_edge(dep, nats_server.url) as h, running_node(dep, "n1", nats_server.url), h.http() as http:
+        await h.edge.registry.wait_connected(["n1"], timeout_s=10)
+        assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+        # An administrator (or whoever took an admin key) publishes a command the node's operator
+        # never allowed: the node, started from its own file, runs exactly the commands there.
+        evil = text.replace("command: [cat]", f"command: [sh, -c, 'touch {pwned}; cat']")
+        result = await h.edge.refresher.apply(deployment(evil))
+        assert result.error is None, result
+
+        def refused() -> bool:
+            live = h.edge.registry.nodes["n1"].live.get("echo-cli")
+            return live is not None and live.refused == "command not allowed"
+
+        await until(refused, h.edge.registry.changed)
+        status = (await http.get("/status")).json()
+        (provider,) = [p for n in status["nodes"] for p in n["providers"] if p["id"] == "echo-cli"]
+        assert provider["refused"] == "command not allowed"
+        r = await http.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 503, r.text
+    assert not pwned.exists()
+    lines = [r.getMessage() for r in caplog.records if "refused echo-cli" in r.getMessage()]
+    assert lines == ["node n1: refused echo-cli (adapter echo): command not allowed by this node's policy"]

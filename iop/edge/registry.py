@@ -178,7 +178,9 @@ class Registry:
         st.live = {p.id: p for p in hb.providers}
         for p in st.cfg.providers:
             if p.capacity is not None:
-                self.scheduler.set_connected(p.id, p.id in st.live)
+                live = st.live.get(p.id)
+                # A provider the node's own policy refused is not served there: not connected.
+                self.scheduler.set_connected(p.id, live is not None and not live.refused)
         self.changed.set()
 
     def _lose(self, st: NodeState, reason: str) -> None:

@@ -82,6 +82,7 @@ def status_of(edge: Observed) -> Status:
                         breaker=slots.breaker(mono),
                         breaker_open_for_s=round(slots.open_until - mono, 1) if slots.open_until > mono else None,
                         consecutive_failures=slots.failures,
+                        refused=(live.refused or None) if live else None,
                     )
                 )
             else:
@@ -98,6 +99,7 @@ def status_of(edge: Observed) -> Status:
                         served=live.served if live else 0,
                         failed=live.failed if live else 0,
                         route=routes_of.get(f"{node.id}/{p.id}"),
+                        refused=(live.refused or None) if live else None,
                     )
                 )
         nodes.append(

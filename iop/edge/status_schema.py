@@ -54,6 +54,8 @@ class PoolProviderStatus(msgspec.Struct, kw_only=True, tag="pool", tag_field="ki
     consecutive_failures: int
     breaker_open_for_s: float | None = None
     """Seconds until the breaker lets a trial through; only present while it is open."""
+    refused: str | None = None
+    """Why the node's own policy refuses to run it (`command not allowed`, ...); absent when it runs."""
 
 
 class CliResourceStatus(msgspec.Struct, kw_only=True, tag="cli", tag_field="kind"):
@@ -73,6 +75,8 @@ class CliResourceStatus(msgspec.Struct, kw_only=True, tag="cli", tag_field="kind
     failed: int
     route: str | None
     """The alias routed to it, if any."""
+    refused: str | None = None
+    """Why the node's own policy refuses to run it (`command not allowed`, ...); None when it runs."""
 
 
 ProviderStatus = PoolProviderStatus | CliResourceStatus

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from iop import bus, config
+from iop.node.policy import NodePolicy
 from iop.node.presence import NodeReplaced
 from iop.node.runtime import NodeRuntime
 
@@ -65,6 +66,7 @@ async def run_node(
     nats_url: str,
     nats_settings: config.NatsSettings,
     follow_edge: bool,
+    node_policy: NodePolicy | None = None,
 ) -> None:
     """Serve one node until SIGINT/SIGTERM, then stop it gracefully.
 
@@ -77,7 +79,7 @@ async def run_node(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     access = node_access(nats_settings, node_id, from_file=dep is not None, nats_url=nats_url)
-    runtime = NodeRuntime(dep, node_id, nats_url, access=access, follow_edge=follow_edge)
+    runtime = NodeRuntime(dep, node_id, nats_url, access=access, follow_edge=follow_edge, node_policy=node_policy)
     starting = asyncio.create_task(runtime.start())
     stopped = asyncio.create_task(stop.wait())
     try:

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Literal
+from typing import Literal, Protocol
 
 import msgspec
 import nats.errors
@@ -17,11 +17,17 @@ from nats.aio.msg import Msg
 
 from iop import __version__, config, wire
 from iop.errors import IopError
-from iop.node.resource import Resource
 
 log = logging.getLogger("iop.node")
 
-State = Callable[[], tuple[config.Node, Iterable[Resource]]]
+
+class Reported(Protocol):
+    """A catalog entry as heartbeats report it (a served resource, or one the policy refused)."""
+
+    def live(self) -> wire.ProviderLive: ...
+
+
+State = Callable[[], tuple[config.Node, Iterable[Reported]]]
 """The node's catalog and resources as they are now (both change when the catalog does)."""
 
 LEASE_S = wire.HEARTBEAT_INTERVAL_S * (wire.HEARTBEATS_MISSED - 0.5)

@@ -14,7 +14,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from iop import bus, config, natsauth, wire
-from iop.node import adapters, device, direct, fetch
+from iop.node import adapters, device, direct, fetch, policy
 from iop.node.catalog import CatalogSource, differences
 from iop.node.flow import STALL_TIMEOUT_S
 from iop.node.presence import Lease, Presence
@@ -39,6 +39,7 @@ class NodeRuntime:
         *,
         access: bus.NatsAccess | None = None,
         follow_edge: bool = True,
+        node_policy: policy.NodePolicy | None = None,
     ) -> None:
         """`deployment` None: take the catalog from the edge (the iop_catalog bucket) at start.
 
@@ -48,6 +49,11 @@ class NodeRuntime:
         self.node_id = node_id
         self.node = deployment.node(node_id) if deployment is not None else config.Node(id=node_id)
         self.from_file = deployment is not None
+        # What this machine's operator allows: given, else exactly what the local file names, else
+        # nothing but mock adapters (a node without a file runs no command it was not allowed).
+        self.policy = node_policy or (policy.NodePolicy.of_node(self.node) if self.from_file else policy.NodePolicy())
+        self.refused: dict[str, policy.Refused] = {}
+        """Catalog entries the policy refused: reported in heartbeats, never served."""
         self.follow_edge = follow_edge
         self.nats_url = nats_url
         self.access = access
@@ -114,8 +120,7 @@ class NodeRuntime:
             self.node_id,
             self.instance,
             self.started_at,
-            lambda: (self.node, self.resources.values()),
-            self.lease,
+from iop.node import adapters, device, direct, fetch, policy
         )
         self.catalog = CatalogSource(self.nc, self.node_id)
         if not self.from_file:
@@ -163,7 +168,23 @@ class NodeRuntime:
     async def _apply(self, node: config.Node) -> None:
         assert self.nc is not None and self._running is not None
         self.node = node
-        new_cfgs = {a.id: a for a in node.adapters}
+        refusals = {a.id: why for a in node.adapters if (why := self.policy.refusal(a)) is not None}
+        refused = {
+            p.id: policy.Refused(p, "cli" if kind_of(node, p) == "cli" else "pool", refusals[p.adapter])
+            for p in node.providers
+            if p.adapter in refusals
+        }
+        for pid, no in refused.items():
+            if pid not in self.refused or self.refused[pid].reason != no.reason:
+                log.warning(
+                    "node %s: refused %s (adapter %s): %s by this node's policy",
+                    self.node_id,
+                    pid,
+                    no.provider.adapter,
+                    no.reason,
+                )
+        self.refused = refused
+        new_cfgs = {a.id: a for a in node.adapters if a.id not in refusals}
         for aid, cfg in new_cfgs.items():
             if self._adapter_cfgs.get(aid) != cfg:
                 if aid in self._adapters:
@@ -174,7 +195,7 @@ class NodeRuntime:
             if aid not in new_cfgs:
                 self._old_adapters.append(self._adapters.pop(aid))
                 del self._adapter_cfgs[aid]
-        wanted = {p.id: p for p in node.providers}
+        wanted = {p.id: p for p in node.providers if p.id not in refused}
         for pid, gone in list(self.resources.items()):
             p = wanted.get(pid)
             if p is None or kind_of(node, p) != gone.kind:
