@@ -20,6 +20,7 @@ import signal
 import time
 
 from iop import config
+from iop.node.main import node_access
 from iop.node.runtime import NodeRuntime
 
 START_AT_ONCE = 20
@@ -27,7 +28,9 @@ START_AT_ONCE = 20
 
 
 async def serve(deployment: config.Deployment, node_ids: list[str], nats_url: str) -> None:
-    runtimes = [NodeRuntime(deployment, nid, nats_url) for nid in node_ids]
+    # Each node with its own NATS user, as `iop node --config` finds it (store_dir of the file).
+    access = {nid: node_access(deployment.edge.nats, nid, from_file=True, nats_url=nats_url) for nid in node_ids}
+    runtimes = [NodeRuntime(deployment, nid, nats_url, access=access[nid]) for nid in node_ids]
     gate = asyncio.Semaphore(START_AT_ONCE)
     t0 = time.monotonic()
 

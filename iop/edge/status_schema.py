@@ -58,7 +58,7 @@ class PoolProviderStatus(msgspec.Struct, kw_only=True, tag="pool", tag_field="ki
     """Why the node's own policy refuses to run it (`command not allowed`, ...); absent when it runs."""
 
 
-class CliResourceStatus(msgspec.Struct, kw_only=True, tag="cli", tag_field="kind"):
+class CliResourceStatus(msgspec.Struct, kw_only=True, tag="cli", tag_field="kind", omit_defaults=True):
     """A CLI resource: unlimited, never queued, reached by at most one direct route."""
 
     id: str
@@ -76,7 +76,7 @@ class CliResourceStatus(msgspec.Struct, kw_only=True, tag="cli", tag_field="kind
     route: str | None
     """The alias routed to it, if any."""
     refused: str | None = None
-    """Why the node's own policy refuses to run it (`command not allowed`, ...); None when it runs."""
+    """Why the node's own policy refuses to run it (`command not allowed`, ...); absent when it runs."""
 
 
 ProviderStatus = PoolProviderStatus | CliResourceStatus

@@ -120,7 +120,8 @@ class NodeRuntime:
             self.node_id,
             self.instance,
             self.started_at,
-from iop.node import adapters, device, direct, fetch, policy
+            lambda: (self.node, [*self.resources.values(), *self.refused.values()]),
+            self.lease,
         )
         self.catalog = CatalogSource(self.nc, self.node_id)
         if not self.from_file:
