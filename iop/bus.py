@@ -425,6 +425,18 @@ def servers_of(url: str) -> list[str]:
     return [u.strip() for u in url.split(",") if u.strip()]
 
 
+async def flush(nc: NATS, timeout_s: int = 5) -> None:
+    """Everything written to `nc` so far has reached the server (subscriptions included).
+
+    nats-py's own `flush()` writes its PING straight to the socket, ahead of commands still waiting
+    in its buffer for the flusher task: its PONG can come back before a SUB that was issued earlier
+    has been sent. Measured here: after subscribe() + flush(), another connection's message was
+    missed in 7 of 150 tries. Pushing the buffer out first makes the PING really come last.
+    """
+    await nc._flush_pending(force_flush=True)
+    await nc.flush(timeout=timeout_s)
+
+
 async def connect(
     url: str,
     name: str,

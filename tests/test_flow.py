@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from iop import config, wire
+from iop import bus, config, wire
 from iop.bus import EmbeddedNats
 from iop.node.adapters.mock import MockAdapter
 from iop.node.flow import ClientStalled, FlowWindow
@@ -24,8 +24,9 @@ from iop.node.resource import Resource
 from iop.node.running import PROBES_UNANSWERED, Running, RunningRequests
 from tests.harness import until
 
-WAIT_S = 5.0
-"""Upper bound on anything these tests wait for; a healthy run takes milliseconds."""
+WAIT_S = 20.0
+"""Upper bound on anything these tests wait for; a healthy run takes milliseconds (the bound is for
+a machine busy with other work, as CI's two cores can be)."""
 
 
 async def blocked(window: FlowWindow, size: int, on_blocked: asyncio.Event) -> asyncio.Task[int]:
@@ -141,9 +142,11 @@ class PlayedEdge:
     probed: int = 0
     failure: wire.Failure | None = None
     failed: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
     sub: Subscription | None = None
 
     async def on_message(self, msg: Msg) -> None:
+        self.changed.set()
         reply = wire.decode_reply(msg.data)
         if isinstance(reply, wire.Chunk):
             self.chunks += 1
@@ -179,11 +182,12 @@ async def one_long_answer(nats_url: str) -> AsyncIterator[OneRequest]:
         cfg=config.Provider(id="p", adapter="m", capacity=1), adapter=MockAdapter(adapter_cfg), kind="pool"
     )
     running = RunningRequests(node_nc, "n", "instance", asyncio.Event())
+    running.probe_interval_s = WAIT_S  # a probe's answer may be slow on a busy machine; never time it out here
     request_id = secrets.token_hex(4)
     edge = PlayedEdge(request_id)
     reply_to = wire.reply_prefix("played-edge") + "." + request_id
     edge.sub = await edge_nc.subscribe(reply_to, cb=edge.on_message)
-    await edge_nc.flush()
+    await bus.flush(edge_nc)
     item = wire.WorkItem(
         id=request_id,
         api="chat",
@@ -197,6 +201,10 @@ async def one_long_answer(nats_url: str) -> AsyncIterator[OneRequest]:
     try:
         await until(lambda: run.window.blocked, running.changed, WAIT_S)
         assert run.window.sent_chunks == wire.WINDOW_CHUNKS and run.window.credit_chunks == 0
+        # The node has sent the window; wait until the played edge has it all too, so that no probe
+        # queues behind chunks still on their way (under load that took longer than a probe waits).
+        await bus.flush(node_nc)
+        await until(lambda: edge.chunks == wire.WINDOW_CHUNKS, edge.changed, WAIT_S)
         yield OneRequest(running, resource, run, edge, edge_nc)
     finally:
         assert run.task is not None
@@ -248,7 +256,7 @@ async def test_probe_without_responder_stops_the_request_only_the_second_time(na
     async with one_long_answer(nats_server.url) as one:
         assert one.edge.sub is not None
         await one.edge.sub.unsubscribe()
-        await one.edge_nc.flush()  # the server no longer has a responder for the reply subject
+        await bus.flush(one.edge_nc)  # the server no longer has a responder for the reply subject
         await one.running.probe(one.run)
         # Once may be an edge reconnecting to NATS: the request goes on.
         assert one.run.unanswered == 1
@@ -256,12 +264,12 @@ async def test_probe_without_responder_stops_the_request_only_the_second_time(na
 
         # Answered again: the count starts over.
         one.edge.sub = await one.edge_nc.subscribe(one.run.item.reply_to, cb=one.edge.on_message)
-        await one.edge_nc.flush()
+        await bus.flush(one.edge_nc)
         await one.running.probe(one.run)
         assert one.run.unanswered == 0
 
         await one.edge.sub.unsubscribe()
-        await one.edge_nc.flush()
+        await bus.flush(one.edge_nc)
         for _ in range(PROBES_UNANSWERED):
             await one.running.probe(one.run)
         await until(lambda: one.resource.in_flight == 0, one.running.changed, WAIT_S)

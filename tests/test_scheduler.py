@@ -432,7 +432,7 @@ async def rig(
         node = Node(nc, script)
         await nc.subscribe(wire.WORK_SUBJECTS, cb=node.on_work)
         await nc.subscribe("iop.node.*.cancel", cb=node.on_cancel)
-        await nc.flush()
+        await bus.flush(nc)
         yield Rig(scheduler(providers, {"m": list(providers)}), relay, node, [])
     finally:
         await nc.close()
@@ -566,7 +566,7 @@ async def test_direct_dispatch_reports_once(nats_server: EmbeddedNats) -> None:
                 await r.node.nc.publish(item.reply_to, wire.encode(reply))
 
         await r.node.nc.subscribe(wire.cli_subject("n1", "agent"), cb=cli)
-        await r.node.nc.flush()
+        await bus.flush(r.node.nc)
         dispatch = DirectDispatch(r.relay, "agent", "n1", "agent", on_finished=r.finished.append)
         got: list[bytes] = []
 

@@ -712,7 +712,7 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                     # was sent to b.
                     forged = wire.encode(wire.Done(rid, 0))
                     await a.nc.publish(wire.reply_subject(edge_id, "a", rid), forged)
-                    await a.nc.flush()
+                    await bus.flush(a.nc)
 
                     async def dropped() -> bool:
                         return h.edge.relay.forged == 1

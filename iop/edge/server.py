@@ -118,6 +118,8 @@ class Edge:
         await publish_catalog(self.nc, self.js, self.deployment)
         await self.relay.start()
         await self.registry.start(self.nc)
+        # Serving starts once the server has the reply and presence subscriptions.
+        await bus.flush(self.nc)
 
     @property
     def drift(self) -> list[str]:
@@ -352,7 +354,7 @@ async def run_edge(
         await serve
         await edge.stop()
         try:
-            await nc.flush(timeout=2)
+            await bus.flush(nc, 2)
         except (nats.errors.Error, TimeoutError, OSError) as exc:
             log.info("iop edge stopping: NATS did not flush (%s)", exc)
         await nc.close()

@@ -144,7 +144,7 @@ class NodeRuntime:
         await self.nc.subscribe(wire.credit_subject(self.node_id), cb=running.on_credit, pending_msgs_limit=1_000_000)
         await self._apply(self.node)
         # "Started" means the server has our subscriptions, not that they are still in our buffer.
-        await self.nc.flush(timeout=5)
+        await bus.flush(self.nc, 5)
         self._spawn(presence.heartbeat_loop())
         self._spawn(running.progress_loop())
         self._spawn(running.probe_loop())
@@ -268,7 +268,7 @@ class NodeRuntime:
         if self.nc is not None:
             # Not drain(): it waits out every idle pull request. All work has ended; flush and go.
             try:
-                await self.nc.flush(timeout=2)
+                await bus.flush(self.nc, 2)
             except (nats.errors.Error, OSError) as exc:
                 log.debug("node %s: final flush: %s", self.node_id, exc)
             await self.nc.close()
