@@ -106,6 +106,34 @@ async def test_node_serving_stops_on_a_signal(nats_server: EmbeddedNats, tmp_pat
     print(f"\nserving, idle: exited {took:.2f}s after {signal.Signals(sig).name}")
 
 
+async def test_node_with_a_running_request_stops_on_a_second_sigterm(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    async with fake_upstream(tokens=100_000, token_interval_s=0.02) as up:
+        text = REPLACED_YAML.format(url=up.url)
+        cfg = tmp_path / "iop.yaml"
+        cfg.write_text(text)
+        async with (
+            running_edge(deployment(text), nats_server.url) as h,
+            h.http() as http,
+            node_process(cfg, "n1", nats_server.url) as p,
+        ):
+            await h.edge.registry.wait_connected(["n1"], timeout_s=10)
+            body = {"model": "m", "stream": True, **CHAT}
+            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                it = r.aiter_text()
+                first = await anext(it)
+                os.kill(p.pid, signal.SIGTERM)
+                await p.wait_line("waiting up to 30s for 1 running requests")  # the grace, by design
+                t0 = time.monotonic()
+                os.kill(p.pid, signal.SIGTERM)
+                assert await p.exit_code(timeout_s=STOP_BOUND_S) == 0, p.lines
+                took = time.monotonic() - t0
+                rest = "".join([t async for t in it])
+            assert sse_events(first + rest)[-1]["error"]["message"] == "node is stopping"  # type: ignore[index]
+            await up.wait_for(lambda u: u.in_flight == 0 and u.disconnects == 1)
+    assert any("cutting 1 running requests short" in line for line in p.lines), p.lines
+    print(f"\nserving a request: a second SIGTERM stopped it in {took:.2f}s")
+
+
 async def test_node_says_how_the_edges_catalog_differs_from_its_file(
     nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -103,6 +103,16 @@ async def run_node(
             # to the other. Exit non-zero so that a supervisor sees it, and says why in one line.
             await runtime.stop(grace_s=0)
             raise NodeReplaced(f"node {node_id}: another instance took this node id ({runtime.lease.reason})")
-        await runtime.stop()
+        # Running requests get their grace; a second signal cuts them short (each client hears why).
+        stop.clear()
+        stopping = asyncio.create_task(runtime.stop())
+        again = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({stopping, again}, return_when=asyncio.FIRST_COMPLETED)
+            if not stopping.done():
+                log.warning("node %s: stopping now, cutting %d running requests short", node_id, runtime.cut_short())
+            await stopping
+        finally:
+            again.cancel()
     finally:
         stopped.cancel()

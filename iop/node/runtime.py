@@ -243,6 +243,14 @@ class NodeRuntime:
                 log.debug("node %s: unsubscribing %s: %s", self.node_id, r.cfg.id, exc)
         log.info("node %s: %s left the catalog (finishing %d running)", self.node_id, r.cfg.id, r.in_flight)
 
+    def cut_short(self) -> int:
+        """Cancel every running request now (a second Ctrl-C during `stop`); how many there were."""
+        runs = list(self._running.by_id.values()) if self._running is not None else []
+        for run in runs:
+            if run.task is not None:
+                run.task.cancel()
+        return len(runs)
+
     async def stop(self, grace_s: float = 30.0) -> None:
         """Stop taking work, let running items finish up to `grace_s`, fail the rest, leave."""
         if self._running is not None:
