@@ -66,11 +66,11 @@ GOOD = {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}
 def _error(r: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json")
-    err = r.json()["error"]
+    err: dict[str, Any] = r.json()["error"]
     assert set(err) >= {"message", "type", "param", "code"}
     if code is not None:
         assert err["code"] == code
-    return err  # type: ignore[no-any-return]
+    return err
 
 
 CASES = [

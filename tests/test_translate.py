@@ -12,8 +12,8 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from openai.types.responses import Response
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageFunctionToolCall
+from openai.types.responses import FunctionTool, Response
 
 from iop.errors import BadRequest, UpstreamError, error_response
 from iop.openai.sse import SseDecoder, SseEvent
@@ -276,7 +276,8 @@ def test_translate_chat_answer_to_response(case: dict[str, Any]) -> None:
     assert (response.incomplete_details.reason if response.incomplete_details else None) == case["reason"]
     assert summary(body["output"]) == case["output"]
     assert responses_usage(body["usage"]) == case["usage"]
-    assert response.instructions == "You are Codex." and response.tools[0].name == "shell"  # type: ignore[union-attr]
+    assert response.instructions == "You are Codex."
+    assert isinstance(response.tools[0], FunctionTool) and response.tools[0].name == "shell"
     sdk = sdk_client(json.dumps(body).encode(), "application/json").responses.create(model="qwen", input="x")
     assert summary(sdk.output) == case["output"]
 
@@ -294,7 +295,10 @@ def test_translate_response_answer_to_chat(case: dict[str, Any]) -> None:
     assert completion.model == "oss" and choice.finish_reason == case["finish_reason"]
     assert choice.message.content == case["content"]
     assert (choice.message.model_extra or {}).get("reasoning_content") == case["reasoning"]
-    calls = [[c.id, c.function.name, c.function.arguments] for c in choice.message.tool_calls or []]  # type: ignore[union-attr]
+    calls = []
+    for c in choice.message.tool_calls or []:
+        assert isinstance(c, ChatCompletionMessageFunctionToolCall)
+        calls.append([c.id, c.function.name, c.function.arguments])
     assert calls == case["tool_calls"]
     u = completion.usage
     assert u is not None and u.prompt_tokens_details and u.completion_tokens_details

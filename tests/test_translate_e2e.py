@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from openai.types.responses import Response, ResponseFunctionToolCall
+from openai.types.responses import (
+    Response,
+    ResponseCompletedEvent,
+    ResponseCustomToolCall,
+    ResponseFunctionToolCall,
+)
 
 from iop.bus import EmbeddedNats
 from tests.codex_upstream import Call, Turn, scripted_chat
@@ -46,7 +51,8 @@ async def test_responses_on_a_chat_only_upstream(nats_server: EmbeddedNats) -> N
             assert kinds[-1] == "response.completed"
             assert [e.sequence_number for e in events] == list(range(len(events)))
             assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "w0 w1 w2"
-            final = events[-1].response  # type: ignore[union-attr]
+            assert isinstance(events[-1], ResponseCompletedEvent)
+            final = events[-1].response
             assert final.usage is not None and final.usage.output_tokens == 3
         # The upstream saw only chat calls, with instructions as the system message.
         assert set(up.by_path) == {"/v1/chat/completions"}
@@ -140,8 +146,9 @@ async def test_codex_tools_through_edge_and_node_with_the_sdk_stream_helper(nats
         kinds = [item.type for item in final.output]
         assert kinds == ["reasoning", "message", "function_call", "custom_tool_call"]
         call, patch = final.output[2], final.output[3]
-        assert (call.name, call.namespace, call.call_id) == ("close_agent", "multi_agent_v1", "c1")  # type: ignore[union-attr]
-        assert (patch.name, patch.input, patch.call_id) == ("apply_patch", "PATCH", "c2")  # type: ignore[union-attr]
+        assert isinstance(call, ResponseFunctionToolCall) and isinstance(patch, ResponseCustomToolCall)
+        assert (call.name, call.namespace, call.call_id) == ("close_agent", "multi_agent_v1", "c1")
+        assert (patch.name, patch.input, patch.call_id) == ("apply_patch", "PATCH", "c2")
         assert final.usage is not None and final.usage.total_tokens == 18
         # The hosted tools were dropped, and the answer says which (whole answers too).
         raw = await client.responses.with_raw_response.create(model="m", input="go", tools=CODEX_TOOLS)

@@ -49,7 +49,9 @@ class Upstream(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buf += data
         while (end := self.buf.find(b"\r\n\r\n")) >= 0:
-            length = int(LENGTH.search(self.buf, 0, end + 2).group(1))  # type: ignore[union-attr]
+            head = LENGTH.search(self.buf, 0, end + 2)
+            assert head is not None, "the client sends content-length"
+            length = int(head.group(1))
             if len(self.buf) < end + 4 + length:
                 return
             body = self.buf[end + 4 : end + 4 + length]
