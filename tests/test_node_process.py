@@ -128,7 +128,7 @@ async def test_node_with_a_running_request_stops_on_a_second_sigterm(nats_server
                 assert await p.exit_code(timeout_s=STOP_BOUND_S) == 0, p.lines
                 took = time.monotonic() - t0
                 rest = "".join([t async for t in it])
-            assert sse_events(first + rest)[-1]["error"]["message"] == "node is stopping"  # type: ignore[index]
+            assert sse_events(first + rest)[-1]["error"]["message"] == "node is stopping"
             await up.wait_for(lambda u: u.in_flight == 0 and u.disconnects == 1)
     assert any("cutting 1 running requests short" in line for line in p.lines), p.lines
     print(f"\nserving a request: a second SIGTERM stopped it in {took:.2f}s")
