@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from iop import config, wire
 from iop.bus import EmbeddedNats
+from iop.errors import BadRequest
+from iop.node.adapters.openai import OpenAIAdapter
 from tests.harness import deployment, deployment_running
 
 YAML = """
@@ -118,6 +121,69 @@ def test_bad_responses_bodies_get_openai_errors(edge_url: str, body: dict[str, A
     with httpx.Client(base_url=edge_url) as http:
         err = _error(http.post("/v1/responses", json=body), 400, "invalid_request")
         assert err["param"].startswith("input")
+
+
+WRONG_TYPES = [
+    ("/v1/chat/completions", {**GOOD, "tools": 1}, "tools"),
+    ("/v1/chat/completions", {**GOOD, "tools": "f"}, "tools"),
+    ("/v1/chat/completions", {**GOOD, "messages": [{"role": "assistant", "tool_calls": 1}]}, "messages[0].tool_calls"),
+    (
+        "/v1/chat/completions",
+        {**GOOD, "messages": [{"role": "assistant", "tool_calls": [{"function": 1}]}]},
+        "messages[0].tool_calls[0].function",
+    ),
+    ("/v1/responses", {"model": "sim", "input": "hi", "tools": 1}, "tools"),
+    ("/v1/responses", {"model": "sim", "input": "hi", "tools": [1]}, "tools[0]"),
+    ("/v1/responses", {"model": "sim", "input": "hi", "include": 1}, "include"),
+    ("/v1/responses", {"model": "sim", "input": "hi", "include": [1]}, "include[0]"),
+    ("/v1/responses", {"model": "sim", "input": [{"type": 1}]}, "input[0].type"),
+]
+
+
+def test_wrongly_typed_fields_are_400_naming_the_param_and_never_count_against_the_provider(edge_url: str) -> None:
+    # Before: 502 node_error from the node's translation or the mock's writer, each counted as the
+    # provider's failure: three of them opened the breaker of every provider they reached.
+    with httpx.Client(base_url=edge_url) as http:
+        for _ in range(3):
+            for path, body, param in WRONG_TYPES:
+                err = _error(http.post(path, json=body), 400, "invalid_request")
+                assert err["param"] == param, (path, body, err)
+        sim = next(p for n in http.get("/status").json()["nodes"] for p in n["providers"] if p["id"] == "sim-1")
+        assert (sim["breaker"], sim["consecutive_failures"], sim["failed"]) == ("closed", 0, 0)
+        assert http.post("/v1/chat/completions", json=GOOD).status_code == 200
+        ok = {
+            "model": "sim",
+            "input": [{"type": "message", "role": "user", "content": "hi"}],
+            "tools": [],
+            "include": [],
+        }
+        assert http.post("/v1/responses", json=ok).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("api", "body"),
+    [
+        ("responses", {"model": "m", "input": "hi", "include": 1}),
+        ("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": 1}),
+    ],
+)
+async def test_a_body_the_translation_cannot_read_is_a_400_on_the_node(api: wire.Api, body: dict[str, Any]) -> None:
+    # Past the edge's checks (an older edge, a field it does not know): the node must still say it
+    # is the request's fault. Before: TypeError, 502 node_error, counted against the provider.
+    # An upstream of the other API: the request is translated (nothing listens at port 9).
+    upstream_api: wire.Api = "responses" if api == "chat" else "chat"
+    adapter = OpenAIAdapter(config.OpenAIAdapter(id="up", base_url="http://127.0.0.1:9/v1", api=upstream_api))
+    item = wire.WorkItem(
+        id="r1", api=api, stream=False, alias="m", body=json.dumps(body).encode(), reply_to="", deadline=0
+    )
+    with pytest.raises(BadRequest) as refused:
+        await adapter.run(item, None, _never_sent)
+    assert refused.value.status == 400 and "TypeError" in refused.value.message
+    await adapter.close()
+
+
+async def _never_sent(data: bytes, headers: Mapping[str, str] | None = None) -> None:
+    raise AssertionError("nothing may be sent for a refused request")
 
 
 def test_wrong_content_type_is_415(edge_url: str) -> None:

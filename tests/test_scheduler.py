@@ -483,6 +483,22 @@ async def test_dispatch_failure_of_the_request_releases_once_without_failover(na
         assert (result.outcome, result.status) == ("error", 400) and isinstance(result.error, BadRequest)
 
 
+async def test_dispatch_a_4xx_from_a_node_neither_fails_over_nor_counts_against_the_provider(
+    nats_server: EmbeddedNats,
+) -> None:
+    # An upstream's 422 comes back as an UpstreamError (retryable as a class) carrying status 422.
+    refused = UpstreamError("upstream: unprocessable", code="upstream_error", status=422)
+    script = {"a": fails(refused), "b": answers(b"x")}
+    async with rig(nats_server, {"a": 2, "b": 1}, script) as r:
+        for _ in range(scheduler_module.BREAKER_FAILURES):
+            with pytest.raises(UpstreamError) as got:
+                await r.serve(r.dispatch())
+            assert got.value.status == 422
+        assert [p for p, _ in r.node.items] == ["a"] * scheduler_module.BREAKER_FAILURES  # no failover
+        a = r.scheduler.providers["a"]
+        assert (a.failures, a.breaker(time.monotonic())) == (0, "closed")
+
+
 async def test_dispatch_fails_over_and_releases_every_slot_once(nats_server: EmbeddedNats) -> None:
     script = {"a": fails(UpstreamError("down", code="upstream_unavailable")), "b": answers(b"ok")}
     async with rig(nats_server, {"a": 2, "b": 1}, script) as r:

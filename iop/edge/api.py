@@ -35,14 +35,31 @@ _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
+# The edge checks the types of the fields iop itself reads or translates (on the node: the
+# translations, the mock's writer), so that a client's wrongly typed field is a 400 naming it here,
+# never a crash on a node that would count against the provider. Everything else passes through
+# unread; empty Structs check "an object" without decoding its contents.
+
+
+class _Object(msgspec.Struct):
+    """Any JSON object (its fields unread)."""
+
+
+class _ToolCall(msgspec.Struct):
+    function: _Object | None = None
+
+
 class _Message(msgspec.Struct):
     """A chat message as far as the edge checks it: an object with a string `role`."""
 
     role: str
+    tool_calls: list[_ToolCall] | None = None
 
 
 class _Item(msgspec.Struct):
-    """A Responses input item as far as the edge checks it: an object."""
+    """A Responses input item as far as the edge checks it: an object, its `type` a string."""
+
+    type: str | None = None
 
 
 class ChatHead(msgspec.Struct):
@@ -51,12 +68,15 @@ class ChatHead(msgspec.Struct):
     model: str
     messages: list[_Message]
     stream: bool = False
+    tools: list[_Object] | None = None
 
 
 class ResponsesHead(msgspec.Struct):
     model: str
     input: str | list[_Item]
     stream: bool = False
+    tools: list[_Object] | None = None
+    include: list[str] | None = None
 
 
 _chat_head = msgspec.json.Decoder(ChatHead).decode

@@ -171,7 +171,10 @@ class PoolDispatch(_Dispatch):
                     await self._attempt(slot, make_item, answer)
                     return
                 except RequestError as err:
-                    if not err.retryable:
+                    if not err.retryable or err.status < 500:
+                        # A 4xx is about the request (an upstream's 422 arrives as an UpstreamError
+                        # with its status): another provider would refuse it too, and it says
+                        # nothing of this provider's health.
                         raise
                     self.scheduler.failed(slot)
                     tried |= {slot.id}

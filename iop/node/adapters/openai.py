@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from iop import config, wire
-from iop.errors import RequestError, UpstreamError, error_for_status
+from iop.errors import BadRequest, RequestError, UpstreamError, error_for_status
 from iop.node.adapters import Send, note_upstream_status
 from iop.node.http1 import ConnectFailed, HttpError, HttpPool, HttpResponse, Timeout
 from iop.node.tokens import UsageTail, usage_of_body
@@ -100,18 +100,25 @@ class OpenAIAdapter:
         upstream_api: wire.Api = "chat" if item.api == "responses" else "responses"
         tools: ToolMap | None = None
         headers: dict[str, str] = {}
-        if item.api == "responses":
-            # One map for both directions: the answer's calls are decoded by the request's names.
-            tools = ToolMap.of(request)
-            upstream = responses_to_chat_request(
-                request, name, tools=tools, vision=self.cfg.vision, replay_reasoning=self.cfg.replay_reasoning
-            )
-            if tools.dropped:
-                dropped = ",".join(tools.dropped)
-                log.debug("request %s: dropped tools a chat server cannot run: %s", item.id, dropped)
-                headers["x-iop-dropped-tools"] = dropped
-        else:
-            upstream = chat_to_responses_request(request, name)
+        try:
+            if item.api == "responses":
+                # One map for both directions: the answer's calls are decoded by the request's names.
+                tools = ToolMap.of(request)
+                upstream = responses_to_chat_request(
+                    request, name, tools=tools, vision=self.cfg.vision, replay_reasoning=self.cfg.replay_reasoning
+                )
+                if tools.dropped:
+                    dropped = ",".join(tools.dropped)
+                    log.debug("request %s: dropped tools a chat server cannot run: %s", item.id, dropped)
+                    headers["x-iop-dropped-tools"] = dropped
+            else:
+                upstream = chat_to_responses_request(request, name)
+        except (TypeError, AttributeError, KeyError, ValueError) as exc:
+            # A field of a shape the translation did not expect (the edge checks the ones it knows):
+            # the request's fault, never the provider's, so no breaker counts it and no failover.
+            raise BadRequest(
+                f"the request cannot be translated for this provider: {type(exc).__name__}: {exc}"
+            ) from exc
         response = await self._post(upstream_api, _encode(upstream), item.request_id)
         try:
             if not item.stream:
