@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import platform
 import shutil
@@ -10,6 +11,8 @@ import subprocess
 import sys
 
 from iop import __version__, wire
+
+log = logging.getLogger("iop.node")
 
 PROBE_TIMEOUT_S = 3.0
 """Longest any one outside command (nvidia-smi, sysctl) may take; past it, its facts are left out."""
@@ -47,10 +50,25 @@ def _run(*argv: str) -> str | None:
     if shutil.which(argv[0]) is None:
         return None
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)
-    except (OSError, subprocess.SubprocessError):
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+    except OSError:
         return None
-    return done.stdout if done.returncode == 0 else None
+    try:
+        out, _ = proc.communicate(timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        # Not subprocess.run: after the kill it waits for the command without bound, and a command
+        # stuck in the kernel (a wedged GPU driver) may never die. Give it a second, then leave it.
+        try:
+            proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not exit when killed; device facts without it", argv[0])
+        if proc.stdout is not None:
+            proc.stdout.close()
+        return None
+    return out if proc.returncode == 0 else None
 
 
 def _sysctl(name: str) -> str:
