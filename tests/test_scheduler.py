@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
@@ -33,6 +34,7 @@ from iop.errors import (
     error_of,
     failure_of,
 )
+from tests.harness import eventually, stream_messages, until
 
 
 def scheduler(providers: dict[str, int], pools: dict[str, list[str]], max_waiting: int = 100) -> Scheduler:
@@ -559,6 +561,51 @@ async def test_dispatch_cancelled_while_queued_takes_no_slot(nats_server: Embedd
         r.scheduler.release(held)
         assert r.in_flight() == {"p": 0}
         assert r.finished[0].outcome == "cancelled" and r.finished[0].attempts == 0
+
+
+async def test_dispatch_client_leaving_during_the_publish_leaves_no_work_behind(nats_server: EmbeddedNats) -> None:
+    # The stream has stored the work but the edge has not read the publish's ack (so it does not
+    # know the message's sequence) when the client leaves, and no node has fetched it yet. Before:
+    # the message stayed in the stream, and the node that fetched it later ran it for nobody until
+    # its next probe (2-3 s).
+    async with rig(nats_server, {"p": 1}, {"p": lambda item: []}) as r:
+        real_publish = r.relay.js.publish
+        stored, gate = asyncio.Event(), asyncio.Event()
+
+        async def publish_then_wait(*args: Any, **kwargs: Any) -> Any:
+            ack = await real_publish(*args, **kwargs)
+            stored.set()
+            await gate.wait()  # the ack is "still on its way" while the client leaves
+            return ack
+
+        r.relay.js.publish = publish_then_wait  # type: ignore[method-assign]
+        task = asyncio.create_task(r.serve(r.dispatch()))
+        await asyncio.wait_for(stored.wait(), 5)
+        assert await stream_messages(r.relay.js) == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert r.in_flight() == {"p": 0}
+        gate.set()
+
+        async def withdrawn() -> bool:
+            return await stream_messages(r.relay.js) == 0
+
+        waited_s = await eventually(withdrawn, timeout_s=5)
+        print(f"\nclient left during the publish: work withdrawn from the stream {1000 * waited_s:.1f} ms later")
+        [(_, item)] = r.node.items
+        assert item.id in r.node.cancels
+
+
+async def test_relay_cancels_work_a_node_starts_for_a_request_it_no_longer_knows(nats_server: EmbeddedNats) -> None:
+    # The last door: a node that fetched the work before the edge could withdraw it says Started
+    # for a request the edge has forgotten. Before: the edge dropped that reply and the node ran
+    # the work until its next probe.
+    async with rig(nats_server, {"p": 1}, {"p": silent}) as r:
+        ch = r.relay.open("node-p")
+        r.relay.close(ch)
+        await r.node.nc.publish(r.relay.reply_to(ch), wire.encode(wire.Started(ch.id, "node-p", "i")))
+        await until(lambda: r.node.cancels.count(ch.id) >= 2, r.node.changed, timeout_s=5)
 
 
 async def test_dispatch_node_lost_releases_once_then_fails_over(nats_server: EmbeddedNats) -> None:

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
 
 from iop import bus, wire
 from iop.errors import NodeLost, RelayGap, Unavailable, error_of, failure_of
@@ -61,6 +63,8 @@ class Channel:
     peak_buffered_bytes: int = 0
     headers: dict[str, str] = field(default_factory=dict)
     """HTTP headers the node asked for (on its first chunk), sent with the client's answer."""
+    publishing: asyncio.Future[PubAck] | None = None
+    """The work's publish, when the request ended before its ack told the stream sequence."""
     outcome: wire.Done | wire.Failure | None = None
     """The node's last message: what only it knows (tokens, upstream status, exit code)."""
 
@@ -160,6 +164,11 @@ class Relay:
             return
         ch = self._channel(reply.id, msg.subject)
         if ch is None:
+            if isinstance(reply, wire.Started) and reply.id not in self.channels:
+                # A node began work this edge has already given up (the client left before the edge
+                # could withdraw it from the stream): stop it now, not at the node's next probe.
+                node = msg.subject.rsplit(".", 2)[-2]
+                self._spawn(self._abandon(Channel(reply.id, node)))
             return
         if isinstance(reply, wire.Chunk):
             if not ch.first_chunk_mono:
@@ -224,13 +233,21 @@ class Relay:
         """Publish the work to the provider's JetStream subject (the broker enforces its capacity)."""
         # The work stream refuses messages over bus.MAX_PAYLOAD even where the server allows more.
         data = self._framed(ch, item, min(self.nc.max_payload, bus.MAX_PAYLOAD))
-        try:
-            ack = await self.js.publish(
+        publishing = asyncio.ensure_future(
+            self.js.publish(
                 wire.work_subject(provider),
                 data,
                 headers={"Nats-Msg-Id": item.id},  # a retried publish is not queued twice
                 timeout=5.0,
             )
+        )
+        try:
+            # Shielded: a client that leaves now must not cancel the publish half-way, since the
+            # stream may hold the work already and only the ack tells where (`close` withdraws it).
+            ack = await asyncio.shield(publishing)
+        except asyncio.CancelledError:
+            ch.publishing = publishing
+            raise
         except (nats.errors.Error, TimeoutError) as exc:
             ch.end()  # nothing reached a node: there is nothing to cancel
             reason = str(exc) or type(exc).__name__
@@ -306,16 +323,21 @@ class Relay:
 
     async def _abandon(self, ch: Channel, *, tell_node: bool = True) -> None:
         """Client gone, request failed at the edge, or node lost: stop the work, free the broker slot."""
+        if ch.publishing is not None:
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                ch.stream_seq = (await ch.publishing).seq
         with contextlib.suppress(nats.errors.Error, OSError, TimeoutError):
+            if ch.stream_seq and not ch.started:
+                # Still in the stream (never fetched): remove it so it can never run later. First,
+                # so that a node fetching it meanwhile hears the cancel below after it knows the id.
+                with contextlib.suppress(nats.js.errors.Error):
+                    await self.js.delete_msg(wire.WORK_STREAM, ch.stream_seq)
             if tell_node and ch.node:
                 await self.nc.publish(wire.cancel_subject(ch.node), wire.encode(wire.Cancel(ch.id)))
             if ch.ack_subject and not tell_node:
                 # The node is gone and cannot ack: terminate its delivery so the slot frees now,
                 # not after ack_wait (the redelivery would be dropped by the claim anyway).
                 await self.nc.publish(ch.ack_subject, b"+TERM")
-            elif ch.stream_seq and not ch.started:
-                # Still in the stream (never fetched): remove it so it can never run later.
-                await self.js.delete_msg(wire.WORK_STREAM, ch.stream_seq)
 
     def _spawn(self, coro: object) -> None:
         t: asyncio.Task[None] = asyncio.create_task(coro)  # type: ignore[arg-type]
