@@ -802,3 +802,38 @@ nodes:
     assert not pwned.exists()
     lines = [r.getMessage() for r in caplog.records if "refused echo-cli" in r.getMessage()]
     assert lines == ["node n1: refused echo-cli (adapter echo): command not allowed by this node's policy"]
+
+
+async def test_a_refresh_gives_new_nodes_their_nats_user_and_takes_it_from_removed_ones(tmp_path: Path) -> None:
+    one = deployment(MOCK_POOL).nodes
+    two = deployment(MOCK_POOL.replace("  - id: n1", "  - id: n2\n  - id: n1")).nodes
+    server = bus.EmbeddedNats("127.0.0.1:0", tmp_path / "nats", nodes=one)
+    await server.start()
+    try:
+        with pytest.raises(BusError, match="refused our credentials"):
+            await bus.connect(server.address, "n2", access=server.node_access("n2"), wait_s=10)
+        await server.authorize(two)  # what Refresher.apply does before it publishes the catalog
+        dropped = asyncio.Event()
+
+        async def on_disconnect() -> None:
+            dropped.set()
+
+        n2 = await bus.connect(server.address, "n2", access=server.node_access("n2"), on_disconnect=on_disconnect)
+        await server.authorize(one)
+        # The server drops the connection of a user it no longer has ...
+        async with asyncio.timeout(10):
+            await dropped.wait()
+        # (nats-py, retrying a refused reconnect, may cancel its own writer while closing)
+        with contextlib.suppress(asyncio.CancelledError, nats.errors.Error):
+            await n2.close()
+        # ... and refuses a new one.
+        with pytest.raises(BusError, match="refused our credentials"):
+            await bus.connect(server.address, "n2", access=server.node_access("n2"), wait_s=10)
+        bad = tmp_path / "other"
+        bad.mkdir()
+        (bad / bus.SECRET_FILE).write_text("x" * 64)
+        (bad / bus.SECRET_FILE).chmod(0o644)
+        with pytest.raises(BusError, match="readable by others"):
+            bus.Credentials.load(bad)
+    finally:
+        await server.stop()
