@@ -81,6 +81,14 @@ class QueueSettings(_Strict):
     max_waiting: Annotated[int, Meta(ge=1, description="How many requests may wait per pool; one more gets 429.")] = (
         1000
     )
+    max_waiting_mb: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Request bytes waiting requests may hold in the edge's memory, all pools together, "
+            "in MiB; a request that would pass it gets 429.",
+        ),
+    ] = 256.0
 
 
 class HttpSettings(_Strict):

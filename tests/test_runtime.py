@@ -366,6 +366,45 @@ nodes:
             assert pool_row[:4] == ["m", "1", "1", "0/3"] and "(unavailable," in pool_row
 
 
+async def test_waiting_requests_bodies_are_bounded_per_edge_with_429(nats_server: EmbeddedNats) -> None:
+    # Before: every waiting request kept its whole body (16 waiting x 30 MiB = +745 MiB), bounded
+    # only by max_waiting x max_body_mb (~47 GiB per pool with the defaults).
+    gate = asyncio.Event()
+    async with fake_upstream(gate=gate) as up:
+        text = f"""
+edge: {{queue: {{max_waiting_mb: 0.5}}}}
+models: [{{alias: m, pool: [p]}}]
+nodes:
+  - id: n
+    adapters: [{{id: up, type: openai, base_url: "{up.url}", api: both}}]
+    providers: [{{id: p, adapter: up, capacity: 1}}]
+"""
+        async with deployment_running(deployment(text), nats_server.url) as h, h.http() as http:
+
+            def body(kib: int) -> dict[str, object]:
+                return {"model": "m", "messages": [{"role": "user", "content": "x" * kib * 1024}]}
+
+            async def ask(kib: int) -> int:
+                return (await http.post("/v1/chat/completions", json=body(kib))).status_code
+
+            running = asyncio.create_task(ask(400))  # takes the slot: held by the upstream, not waiting
+            await up.wait_for(lambda u: u.in_flight == 1)
+            sched = h.edge.scheduler
+            waiting_big = asyncio.create_task(ask(300))
+            await until(lambda: sched.waiting("m") == 1, sched.changed)
+            r = await http.post("/v1/chat/completions", json=body(300))
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+            assert r.headers["retry-after"] == "1" and "max_waiting_mb" in r.json()["error"]["message"]
+            waiting_small = asyncio.create_task(ask(100))
+            await until(lambda: sched.waiting("m") == 2, sched.changed)
+            held_mib = sched.waiting_bytes / (1024 * 1024)
+            print(f"\nwaiting requests hold {held_mib:.2f} MiB of the 0.5 MiB allowed; the next 300 KiB got 429")
+            assert held_mib <= 0.5
+            gate.set()
+            assert list(await asyncio.gather(running, waiting_big, waiting_small)) == [200, 200, 200]
+            assert sched.waiting_bytes == 0
+
+
 async def test_a_failing_sole_provider_gives_a_clear_502(nats_server: EmbeddedNats) -> None:
     async with fake_upstream(fail_status=503) as bad:
         text = f"""

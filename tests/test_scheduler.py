@@ -143,6 +143,27 @@ async def test_scheduler_gives_up_at_the_deadline_and_leaves_the_queue() -> None
     assert s.providers["p"].in_flight == 0
 
 
+async def test_scheduler_bounds_the_bytes_waiting_requests_hold() -> None:
+    s = scheduler({"p": 1}, {"m": ["p"], "n": ["p"]})
+    s.max_waiting_bytes = 1000
+    held = await s.acquire("m", soon(), size=5000)  # a request granted at once holds nothing here
+    first = asyncio.create_task(s.acquire("m", soon(), size=600))
+    await waiting(s, "m", 1)
+    assert s.waiting_bytes == 600
+    with pytest.raises(QueueFull) as refused:
+        await s.acquire("n", soon(), size=600)  # the bound is the edge's, over every pool
+    assert refused.value.headers == {"Retry-After": "1"} and "max_waiting_mb" in refused.value.message
+    small = asyncio.create_task(s.acquire("n", soon(), size=400))
+    await waiting(s, "n", 1)
+    assert s.waiting_bytes == 1000
+    small.cancel()  # a waiter that leaves gives its bytes back
+    await asyncio.gather(small, return_exceptions=True)
+    assert s.waiting_bytes == 600
+    s.release(held)
+    s.release(await granted(first))  # and so does one that is granted
+    assert s.waiting_bytes == 0
+
+
 async def test_scheduler_waits_for_a_provider_to_connect() -> None:
     s = Scheduler(100)  # as at the edge's start: the node has not connected yet
     s.add_provider("p", "node-p", 1)

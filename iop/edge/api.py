@@ -234,7 +234,9 @@ class ApiEndpoint:
         arrived = asyncio.get_running_loop().time()
         deadline = arrived + edge.queue_timeout_s
         trace = out.trace
-        dispatch = PoolDispatch(edge.scheduler, edge.relay, model, deadline, on_finished=self._on_finished(trace))
+        dispatch = PoolDispatch(
+            edge.scheduler, edge.relay, model, deadline, on_finished=self._on_finished(trace), size=len(body)
+        )
 
         async def answer(ch: Channel, provider: str) -> RequestError | None:
             trace.model = _upstream_model(edge, provider, model)

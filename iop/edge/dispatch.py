@@ -143,8 +143,11 @@ class PoolDispatch(_Dispatch):
         deadline: float,
         *,
         on_finished: Finished | None = None,
+        size: int = 0,
     ) -> None:
         super().__init__(relay, DispatchResult(alias, "pool"), on_finished)
+        self.size = size
+        """The request body's bytes: what it holds in the edge's memory while it waits."""
         self.scheduler = scheduler
         self.alias = alias
         self.deadline = deadline
@@ -162,7 +165,7 @@ class PoolDispatch(_Dispatch):
         try:
             while True:
                 try:
-                    slot = await self.scheduler.acquire(self.alias, self.deadline, tried)
+                    slot = await self.scheduler.acquire(self.alias, self.deadline, tried, self.size)
                 except Unavailable as unusable:
                     if last is not None and unusable.code == "pool_unavailable":
                         raise last from None  # no other provider to fail over to: the client hears why

@@ -73,6 +73,8 @@ class Waiter:
     future: asyncio.Future[ProviderSlots]
     order: int
     exclude: frozenset[str]
+    size: int = 0
+    """Bytes of the request body it holds while it waits (counted in Scheduler.waiting_bytes)."""
 
 
 @dataclass(eq=False)
@@ -116,8 +118,11 @@ class PoolQueue:
 class Scheduler:
     """Admission for pool aliases: take a slot now, or wait in the pool's FIFO until one frees."""
 
-    def __init__(self, max_waiting: int) -> None:
+    def __init__(self, max_waiting: int, max_waiting_bytes: int = 256 * 1024 * 1024) -> None:
         self.max_waiting = max_waiting
+        self.max_waiting_bytes = max_waiting_bytes
+        """Bound on the request bytes all waiting requests hold in memory together (every pool)."""
+        self.waiting_bytes = 0
         self.providers: dict[str, ProviderSlots] = {}
         self.pools: dict[str, PoolQueue] = {}
         self._order = itertools.count()
@@ -137,11 +142,14 @@ class Scheduler:
         for p in pool.providers:
             p.pools.append(pool)
 
-    async def acquire(self, alias: str, deadline: float, exclude: frozenset[str] = frozenset()) -> ProviderSlots:
+    async def acquire(
+        self, alias: str, deadline: float, exclude: frozenset[str] = frozenset(), size: int = 0
+    ) -> ProviderSlots:
         """A slot of a provider of `alias` (none of `exclude`); `deadline` is on the loop's clock.
 
-        Raises QueueFull when `max_waiting` requests already wait, Unavailable when no provider of
-        the pool is connected or the wait outlasts the deadline.
+        `size` is the bytes the request holds while it waits (its body). Raises QueueFull when
+        `max_waiting` requests already wait or their bytes would pass `max_waiting_bytes`,
+        Unavailable when no provider of the pool can take it or the wait outlasts the deadline.
         """
         pool = self.pools[alias]
         if not pool.waiters:
@@ -151,7 +159,7 @@ class Scheduler:
                 return slot
         if not any(p.seen for p in pool.providers):
             await self._await_connected(pool, deadline)
-            return await self.acquire(alias, deadline, exclude)
+            return await self.acquire(alias, deadline, exclude, size)
         retry_s = self.retry_after(pool, exclude)
         if retry_s is not None:
             raise _pool_unavailable(alias, retry_s)
@@ -160,9 +168,18 @@ class Scheduler:
                 f"model '{alias}': {len(pool.waiters)} requests already wait for a free slot; retry later",
                 headers={"Retry-After": "1"},
             )
+        if self.waiting_bytes + size > self.max_waiting_bytes:
+            # Each waiting request keeps its whole body here: bound the sum, not only the count.
+            mib = self.max_waiting_bytes / (1024 * 1024)
+            raise QueueFull(
+                f"model '{alias}': waiting requests already hold {self.waiting_bytes / (1024 * 1024):.1f} MiB "
+                f"of the edge's {mib:g} MiB for waiting requests (edge.queue.max_waiting_mb); retry later",
+                headers={"Retry-After": "1"},
+            )
         loop = asyncio.get_running_loop()
-        waiter = Waiter(loop.create_future(), next(self._order), exclude)
+        waiter = Waiter(loop.create_future(), next(self._order), exclude, size)
         pool.waiters.append(waiter)
+        self.waiting_bytes += size
         self.changed.set()
         try:
             async with asyncio.timeout_at(deadline):
@@ -175,6 +192,7 @@ class Scheduler:
             else:
                 waiter.future.cancel()
                 pool.waiters.remove(waiter)
+                self._left(waiter)
                 self.changed.set()
             if isinstance(exc, TimeoutError):
                 raise Unavailable(
@@ -211,8 +229,14 @@ class Scheduler:
                 retry_s = self.retry_after(pool, waiter.exclude)
                 if retry_s is not None:
                     pool.waiters.remove(waiter)
+                    self._left(waiter)
                     waiter.future.set_exception(_pool_unavailable(pool.alias, retry_s))
                     self.changed.set()
+
+    def _left(self, waiter: Waiter) -> None:
+        """A waiter left the queue (granted, refused, gone): its bytes no longer count."""
+        self.waiting_bytes -= waiter.size
+        waiter.size = 0
 
     def _take(self, slot: ProviderSlots) -> None:
         slot.in_flight += 1
@@ -266,6 +290,7 @@ class Scheduler:
                 for p in gone.providers:
                     p.pools.remove(gone)
                 for waiter in gone.waiters:
+                    self._left(waiter)
                     if not waiter.future.done():
                         waiter.future.set_exception(
                             Unavailable(f"model '{alias}' was removed by a refresh", code="model_removed")
@@ -334,7 +359,7 @@ class Scheduler:
             chosen: tuple[PoolQueue, Waiter, ProviderSlots] | None = None
             for pool in pools:
                 while pool.waiters and pool.waiters[0].future.done():
-                    pool.waiters.popleft()
+                    self._left(pool.waiters.popleft())
                 for waiter in pool.waiters:
                     if chosen is not None and waiter.order > chosen[1].order:
                         break
@@ -350,6 +375,7 @@ class Scheduler:
                 return
             pool, waiter, slot = chosen
             pool.waiters.remove(waiter)
+            self._left(waiter)
             self._take(slot)
             waiter.future.set_result(slot)
             self.changed.set()

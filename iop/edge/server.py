@@ -84,7 +84,9 @@ class Edge:
             max_connections=h.max_connections,
         )
         self.started_at = time.time()
-        self.scheduler = Scheduler(deployment.edge.queue.max_waiting)
+        self.scheduler = Scheduler(
+            deployment.edge.queue.max_waiting, int(deployment.edge.queue.max_waiting_mb * 1024 * 1024)
+        )
         for pid, ref in self.catalog.providers.items():
             if ref.provider.capacity is not None:
                 self.scheduler.add_provider(pid, ref.node.id, ref.provider.capacity)
@@ -137,6 +139,7 @@ class Edge:
         self.queue_timeout_s = new.edge.queue.timeout_s
         self.max_body_bytes = int(new.edge.max_body_mb * 1024 * 1024)
         self.scheduler.max_waiting = new.edge.queue.max_waiting
+        self.scheduler.max_waiting_bytes = int(new.edge.queue.max_waiting_mb * 1024 * 1024)
         draining = self.scheduler.apply(
             {
                 pid: (ref.node.id, ref.provider.capacity)
