@@ -127,7 +127,10 @@ async def test_every_kind_of_request_leaves_exactly_one_record_with_its_facts(
         r = await post(
             "chat-stream", "/v1/chat/completions", chat("m", stream=True, stream_options={"include_usage": True})
         )
-        assert r.status_code == 200 and "[DONE]" in r.text
+        assert r.status_code == 200 and "[DONE]" in r.text and '"usage"' in r.text
+        # A client that did not ask for usage does not see it, and its tokens are counted all the same.
+        r = await post("chat-stream-plain", "/v1/chat/completions", chat("m", stream=True))
+        assert r.status_code == 200 and "[DONE]" in r.text and '"usage"' not in r.text
         assert (await post("resp", "/v1/responses", {"model": "m", "input": "hi"})).status_code == 200
         r = await post("resp-stream", "/v1/responses", {"model": "m", "input": "hi", "stream": True})
         assert "response.completed" in r.text
@@ -173,6 +176,7 @@ async def test_every_kind_of_request_leaves_exactly_one_record_with_its_facts(
     for tag, api, stream in (
         ("chat", "chat", False),
         ("chat-stream", "chat", True),
+        ("chat-stream-plain", "chat", True),
         ("resp", "responses", False),
         ("resp-stream", "responses", True),
     ):

@@ -55,6 +55,8 @@ def usage_tail_endpoint(edge: Edge) -> Endpoint:
 
         def sink(records: list[RequestRecord]) -> None:
             for r in records:
+                if alias is not None and r.alias != alias:
+                    continue  # another alias on the same subject (their unsafe characters both became `_`)
                 if queue.full():
                     queue.get_nowait()  # a reader that cannot keep up sees the newest records
                 queue.put_nowait(r)
