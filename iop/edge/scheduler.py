@@ -25,6 +25,8 @@ BREAKER_COOLDOWN_S = 5.0
 BREAKER_COOLDOWN_MAX_S = 60.0
 GONE_RETRY_AFTER_S = 1
 """Retry-After when every provider of a pool is on a node that is gone (a node restarts in about 1 s)."""
+WAIT_SAMPLES = 512
+"""Queue waits kept per pool (the most recent admissions) for the p50/p95 that /status shows."""
 
 
 @dataclass(eq=False)
@@ -88,6 +90,8 @@ class PoolQueue:
     running: int = 0
     """Requests of this pool that a node has started and not yet finished (this edge's)."""
     peak_running: int = 0
+    waits_s: deque[float] = field(default_factory=lambda: deque(maxlen=WAIT_SAMPLES))
+    """How long recent admissions waited in this queue (0 for a slot taken at once)."""
 
     def run_started(self) -> None:
         self.running += 1
@@ -156,6 +160,7 @@ class Scheduler:
             slot = pool.best(exclude)
             if slot is not None:
                 self._take(slot)
+                pool.waits_s.append(0.0)
                 return slot
         if not any(p.seen for p in pool.providers):
             await self._await_connected(pool, deadline)
@@ -178,6 +183,7 @@ class Scheduler:
             )
         loop = asyncio.get_running_loop()
         waiter = Waiter(loop.create_future(), next(self._order), exclude, size)
+        queued_at = loop.time()
         pool.waiters.append(waiter)
         self.waiting_bytes += size
         self.changed.set()
@@ -199,6 +205,7 @@ class Scheduler:
                     f"model '{alias}': no slot became free within the queue timeout", code="queue_timeout"
                 ) from None
             raise
+        pool.waits_s.append(loop.time() - queued_at)
         return slot
 
     def retry_after(self, pool: PoolQueue, exclude: frozenset[str] = frozenset()) -> float | None:

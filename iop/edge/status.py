@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Iterable
 from typing import Protocol
 
 from iop import __version__, config, wire
@@ -118,6 +120,7 @@ def status_of(edge: Observed) -> Status:
     pools = []
     for alias, members in edge.catalog.pools.items():
         members_slots = [edge.scheduler.providers[m] for m in members]
+        p50_ms, p95_ms = _wait_quantiles_ms(edge.scheduler.pools[alias].waits_s)
         members_live = [lv for ms in members_slots if (lv := _live(edge, ms.node, ms.id)) is not None]
         pools.append(
             PoolStatus(
@@ -134,6 +137,8 @@ def status_of(edge: Observed) -> Status:
                 waiting=edge.scheduler.waiting(alias),
                 running=edge.scheduler.pools[alias].running,
                 peak_running=edge.scheduler.pools[alias].peak_running,
+                queue_wait_p50_ms=p50_ms,
+                queue_wait_p95_ms=p95_ms,
             )
         )
     routes = [
@@ -161,6 +166,17 @@ def _retry_after(scheduler: Scheduler, alias: str) -> float | None:
         return None  # not connected yet since the edge started: requests wait for it a moment
     retry_s = scheduler.retry_after(pool)
     return None if retry_s is None else round(retry_s, 1)
+
+
+def _wait_quantiles_ms(waits_s: Iterable[float]) -> tuple[float | None, float | None]:
+    """p50 and p95 of the recent queue waits (nearest rank), in ms; None while nothing was admitted."""
+    ordered = sorted(waits_s)
+    if not ordered:
+        return None, None
+    n = len(ordered)
+    p50 = ordered[(n - 1) // 2]
+    p95 = ordered[min(n - 1, math.ceil(0.95 * n) - 1)]
+    return round(p50 * 1000, 1), round(p95 * 1000, 1)
 
 
 def _live(edge: Observed, node: str, provider: str) -> wire.ProviderLive | None:

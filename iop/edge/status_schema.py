@@ -121,6 +121,9 @@ class PoolStatus(msgspec.Struct, kw_only=True):
     """Started, counted at this edge from the nodes' Started messages."""
     peak_running: int
     """Most ever running at once since this edge started."""
+    queue_wait_p50_ms: float | None = None
+    """Median time the pool's recent admissions (up to 512) waited for a slot; None: none yet."""
+    queue_wait_p95_ms: float | None = None
 
 
 class RouteStatus(msgspec.Struct, kw_only=True):
