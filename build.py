@@ -189,14 +189,16 @@ def split_common(per_python: dict[str, dict[str, bytes]]) -> list[Entry]:
 
 
 def package_files() -> list[Entry]:
-    """The iop package as setuptools would install it: modules, py.typed and configs/*.yaml."""
+    """The iop package as setuptools would install it: modules, py.typed, configs/*.yaml and the status
+    page's files (edge/static/*)."""
     entries: list[Entry] = []
     for path in sorted(PACKAGE.rglob("*")):
         rel = path.relative_to(ROOT).as_posix()
         if not path.is_file() or "__pycache__" in path.parts or path == BOOTSTRAP:
             continue
         in_configs = path.parent == PACKAGE / "configs" and path.suffix == ".yaml"
-        if path.suffix == ".py" or path.name == "py.typed" or in_configs:
+        in_static = path.parent == PACKAGE / "edge" / "static"
+        if path.suffix == ".py" or path.name == "py.typed" or in_configs or in_static:
             entries.append(Entry(f"{COMMON}/{rel}", path.read_bytes()))
     return entries
 

@@ -35,6 +35,7 @@ from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
 from iop.edge.status import status_of
 from iop.edge.status_schema import encode_status
+from iop.edge.ui import StatusFeed, ui_routes
 from iop.edge.usage import usage_endpoint, usage_tail_endpoint
 from iop.errors import (
     BadRequest,
@@ -107,6 +108,8 @@ class Edge:
         )
         self.metrics = Metrics(self)
         self.observer = Observer(self.edge_id, self.metrics, self.ledger)
+        self.status_feed = StatusFeed(self)
+        """`/status/events`: the live status the `/ui` page reads."""
 
     async def start(self) -> None:
         if self.ledger is not None:
@@ -259,6 +262,7 @@ def build_app(edge: Edge) -> ASGIApp:
         Route("/usage", usage_endpoint(edge), methods=["GET"]),
         Route("/usage/tail", usage_tail_endpoint(edge), methods=["GET"]),
         Route("/admin/refresh", refresh, methods=["POST"]),
+        *ui_routes(edge, edge.status_feed, keys_on=lambda: bool(edge.keys.clients)),
     ]
     app = Starlette(
         routes=routes,
@@ -353,6 +357,7 @@ async def run_edge(
         if supervisor is not None:
             supervisor.cancel()
         log.info("iop edge stopping: finishing in-flight requests (up to %gs)", grace_s)
+        edge.status_feed.close()  # open status pages would otherwise hold the shutdown for grace_s
         server.should_exit = True
         await serve
         await edge.stop()
