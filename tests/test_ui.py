@@ -198,10 +198,13 @@ async def edge_on(dep_text: str, nats_url: str, keys: EdgeKeys | None = None) ->
     await edge.start()
     try:
         async with serve_asgi(build_app(edge)) as url:
+            handle = EdgeHandle(url, edge)
             try:
-                yield EdgeHandle(url, edge)
+                yield handle
             finally:
                 edge.status_feed.close()  # as the edge process does: open pages must not hold the shutdown
+                for client in handle.clients:
+                    await client.close()
     finally:
         await edge.stop()
         await nc.close()
