@@ -60,6 +60,8 @@ POOL_FIELDS = {
     "waiting",
     "running",
     "peak_running",
+    "queue_wait_p50_ms",
+    "queue_wait_p95_ms",
 }
 
 
