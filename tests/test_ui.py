@@ -311,6 +311,9 @@ async def test_ui_lists_the_smoke_deployment(nats_server: EmbeddedNats, page: Pa
         assert await page.field('[data-provider="gpu-a-vllm"]', "breaker") == "closed"
         assert await page.js(_count('[data-route="codex"]')) == 1
         assert await page.js("return document.getElementById('banners').children.length") == 0
+        if getattr(handle.edge, "ledger", None) is None:
+            off = "const p = document.getElementById('ledger-off'); return p.checkVisibility() && p.textContent"
+            assert "ledger not enabled" in await page.js(off)
         await page.screenshot("smoke-deployment")
         # A phone-width screen: everything still there, nothing wider than the screen.
         await page.run(page.driver.set_window_size, 390, 844)

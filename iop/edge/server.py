@@ -262,7 +262,12 @@ def build_app(edge: Edge) -> ASGIApp:
         Route("/usage", usage_endpoint(edge), methods=["GET"]),
         Route("/usage/tail", usage_tail_endpoint(edge), methods=["GET"]),
         Route("/admin/refresh", refresh, methods=["POST"]),
-        *ui_routes(edge, edge.status_feed, keys_on=lambda: bool(edge.keys.clients)),
+        *ui_routes(
+            edge,
+            edge.status_feed,
+            keys_on=lambda: bool(edge.keys.clients),
+            ledger_on=lambda: getattr(edge, "ledger", None) is not None,
+        ),
     ]
     app = Starlette(
         routes=routes,

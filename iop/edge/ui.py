@@ -116,15 +116,21 @@ class StatusFeed:
                 self._put(page, frame)
 
 
-def ui_routes(edge: UiEdge, feed: StatusFeed, *, keys_on: Callable[[], bool]) -> list[Route]:
-    """`/ui`, its files under `/ui/`, and `/status/events`."""
+def ui_routes(
+    edge: UiEdge, feed: StatusFeed, *, keys_on: Callable[[], bool], ledger_on: Callable[[], bool]
+) -> list[Route]:
+    """`/ui`, its files under `/ui/`, and `/status/events`.
+
+    `keys_on`: client keys are required; `ledger_on`: the edge serves `/usage` and `/usage/tail`.
+    """
     page_template = _static("index.html")
     files = {name: (_static(name), media) for name, media in _FILES.items()}
 
     async def page(request: Request) -> Response:
-        # Whether a key is needed is told in the page, so it asks before it requests anything: a
-        # refused request would be a console error and a flash of an empty page.
+        # Whether a key is needed, and whether the ledger's endpoints answer, is told in the page, so it
+        # requests nothing that must fail: a refused request is a console error and a flash of nothing.
         body = page_template.replace(b"{{keys}}", b"required" if keys_on() else b"none")
+        body = body.replace(b"{{ledger}}", b"on" if ledger_on() else b"off")
         return Response(body, media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS)
 
     async def asset(request: Request) -> Response:

@@ -9,6 +9,9 @@
   const SVG = "http://www.w3.org/2000/svg";
   const MANY_PROVIDERS = 40; // above this, nodes start collapsed
   const keysRequired = document.querySelector('meta[name="iop-keys"]').content === "required";
+  const ledgerOn = document.querySelector('meta[name="iop-ledger"]').content === "on";
+  const RECENT = 50; // ledger rows kept in the recent requests table
+  const USAGE_EVERY_MS = 60000; // the 24-hour usage is read again once a minute
 
   const $ = (id) => document.getElementById(id);
   const history = new Map(); // pool alias -> {waiting: number[], running: number[]}
@@ -21,6 +24,10 @@
   let linkProblem = "";
   let lastStatus = null;
   let lastAt = null;
+  let ledgerAbort = null;
+  let usageTimer = null;
+  let tailTimer = null;
+  let recent = [];
 
   // --- small DOM helpers ------------------------------------------------------------------------
 
@@ -100,6 +107,7 @@
     controller = null;
     if (retryTimer) clearTimeout(retryTimer);
     retryTimer = null;
+    stopLedger();
   }
 
   function askKey(problem) {
@@ -137,12 +145,16 @@
     }
     $("login").hidden = true;
     $("forget").hidden = !key;
+    startLedger(headers);
     try {
       await read(response.body);
     } catch (err) {
       // A dropped connection or an abort: handled below.
     }
-    if (!mine.signal.aborted) lost("the edge ended the live stream");
+    if (!mine.signal.aborted) {
+      stopLedger();
+      lost("the edge ended the live stream");
+    }
   }
 
   async function read(body) {
@@ -195,6 +207,9 @@
     nodeViews.clear();
     routeViews.clear();
     history.clear();
+    recent = [];
+    $("recent").tBodies[0].replaceChildren();
+    $("usage").replaceChildren();
     setText($("edge"), "");
     lastStatus = null;
     linkProblem = "";
@@ -582,6 +597,163 @@
     setText(row.route, p.route ? "route " + p.route : "no route");
     row.root.classList.toggle("offline", !connected);
     row.text = [p.id, p.model || "", "cli", p.route || ""].join(" ");
+  }
+
+  // --- the ledger: recent requests and usage per alias -----------------------------------------------
+
+  function startLedger(headers) {
+    $("ledger-off").hidden = ledgerOn;
+    $("recent-wrap").hidden = !ledgerOn;
+    $("usage-section").hidden = !ledgerOn;
+    if (!ledgerOn) return;
+    stopLedger();
+    ledgerAbort = new AbortController();
+    const signal = ledgerAbort.signal;
+    const auth = headers.Authorization ? { Authorization: headers.Authorization } : {};
+    followTail(auth, signal);
+    loadUsage(auth, signal);
+    usageTimer = setInterval(() => loadUsage(auth, signal), USAGE_EVERY_MS);
+  }
+
+  function stopLedger() {
+    if (ledgerAbort) ledgerAbort.abort();
+    ledgerAbort = null;
+    if (usageTimer) clearInterval(usageTimer);
+    usageTimer = null;
+    if (tailTimer) clearTimeout(tailTimer);
+    tailTimer = null;
+  }
+
+  // The ledger's records as they are written (newline-delimited JSON), starting a few minutes back.
+  async function followTail(auth, signal) {
+    try {
+      const response = await fetch("usage/tail?since=5m", { headers: auth, cache: "no-store", signal });
+      if (!response.ok) throw new Error("HTTP " + response.status);
+      const reader = response.body.getReader();
+      const decoder = new TextDecoder();
+      let buffer = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += decoder.decode(value, { stream: true });
+        let cut;
+        let added = false;
+        while ((cut = buffer.indexOf("\n")) >= 0) {
+          const line = buffer.slice(0, cut).trim();
+          buffer = buffer.slice(cut + 1);
+          if (!line) continue;
+          recent.unshift(JSON.parse(line));
+          added = true;
+        }
+        if (added) {
+          recent = recent.slice(0, RECENT);
+          drawRecent();
+        }
+      }
+    } catch (err) {
+      // Stopped, or the edge went away: the status stream shows that; try again a little later.
+    }
+    if (!signal.aborted) tailTimer = setTimeout(() => followTail(auth, signal), 5000);
+  }
+
+  function drawRecent() {
+    const rows = recent.map((r) => {
+      const tr = el("tr");
+      tr.dataset.request = r.id;
+      const when = new Date(r.start * 1000).toLocaleTimeString();
+      const where = r.provider ? (r.node ? r.node + " / " : "") + r.provider : "–";
+      const tokens = r.input_tokens === null || r.input_tokens === undefined
+        ? "–"
+        : r.input_tokens + " / " + (r.output_tokens === null ? "–" : r.output_tokens);
+      const status = String(r.status) + (r.error ? " " + r.error : "");
+      for (const [text, cls] of [[when, ""], [r.alias || "–", "name"], [where, ""], [status, r.status >= 400 ? "bad" : "ok"],
+        [fmtMs(r.duration_ms), "num"], [tokens, "num"]]) {
+        tr.append(el("td", cls, text));
+      }
+      return tr;
+    });
+    $("recent").tBodies[0].replaceChildren(...rows);
+    $("recent-empty").hidden = rows.length > 0;
+  }
+
+  async function loadUsage(auth, signal) {
+    let report;
+    try {
+      const response = await fetch("usage?since=24h&by=model,hour", { headers: auth, cache: "no-store", signal });
+      if (!response.ok) throw new Error("HTTP " + response.status);
+      report = await response.json();
+    } catch (err) {
+      return; // the next minute tries again
+    }
+    drawUsage(report.rows || []);
+  }
+
+  function drawUsage(rows) {
+    const nowHour = Math.floor(Date.now() / 3600000);
+    const byAlias = new Map();
+    for (const r of rows) {
+      const m = /^(\d{4})-(\d{2})-(\d{2})T(\d{2})$/.exec(String(r.hour));
+      if (!m) continue;
+      const hour = Date.UTC(+m[1], +m[2] - 1, +m[3], +m[4]) / 3600000;
+      const slot = 23 - (nowHour - hour);
+      if (slot < 0 || slot > 23) continue;
+      const alias = r.model || "(no model)";
+      let u = byAlias.get(alias);
+      if (!u) {
+        u = { requests: new Array(24).fill(0), tokens: new Array(24).fill(0), errors: 0, input: 0, output: 0 };
+        byAlias.set(alias, u);
+      }
+      u.requests[slot] += r.requests;
+      u.tokens[slot] += (r.input_tokens || 0) + (r.output_tokens || 0);
+      u.errors += r.errors || 0;
+      u.input += r.input_tokens || 0;
+      u.output += r.output_tokens || 0;
+    }
+    const cards = [];
+    for (const alias of [...byAlias.keys()].sort()) cards.push(usageCard(alias, byAlias.get(alias)));
+    $("usage").replaceChildren(...cards);
+    setText($("usage-note"), byAlias.size ? "" : "(no request yet)");
+  }
+
+  function usageCard(alias, u) {
+    const root = el("article", "card usage");
+    root.dataset.usage = alias;
+    const total = u.requests.reduce((a, b) => a + b, 0);
+    const head = el("div", "card-head");
+    head.append(el("span", "name", alias), el("span", "muted", total + " requests · " + u.errors + " errors"));
+    const line = el("div", "muted");
+    line.dataset.field = "tokens";
+    line.textContent = "tokens in " + u.input + " · out " + u.output;
+    const svg = document.createElementNS(SVG, "svg");
+    svg.setAttribute("class", "usage-chart");
+    svg.setAttribute("viewBox", "0 0 240 60");
+    svg.setAttribute("preserveAspectRatio", "none");
+    svg.setAttribute("role", "img");
+    svg.setAttribute("aria-label", "requests (bars) and tokens (line) per hour, last 24 hours, for " + alias);
+    const topRequests = Math.max(1, ...u.requests);
+    const topTokens = Math.max(1, ...u.tokens);
+    u.requests.forEach((n, i) => {
+      const h = (n / topRequests) * 56;
+      const bar = document.createElementNS(SVG, "rect");
+      bar.setAttribute("class", "req");
+      bar.setAttribute("x", String(i * 10 + 1));
+      bar.setAttribute("width", "8");
+      bar.setAttribute("y", (58 - h).toFixed(1));
+      bar.setAttribute("height", h.toFixed(1));
+      const title = document.createElementNS(SVG, "title");
+      title.textContent = (23 - i) + " h ago: " + n + " requests, " + u.tokens[i] + " tokens";
+      bar.append(title);
+      svg.append(bar);
+    });
+    const tokens = document.createElementNS(SVG, "polyline");
+    tokens.setAttribute("class", "tok");
+    tokens.setAttribute("points", u.tokens.map((t, i) => (i * 10 + 5) + "," + (58 - (t / topTokens) * 56).toFixed(1)).join(" "));
+    svg.append(tokens);
+    const legend = el("div", "legend");
+    legend.append(el("span", "key req", "requests / hour (top " + topRequests + ")"),
+      el("span", "key tok", "tokens / hour (top " + topTokens + ")"));
+    root.append(head, line, svg, legend);
+    return root;
   }
 
   // --- many providers: a filter and collapsed nodes ----------------------------------------------
