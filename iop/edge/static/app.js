@@ -246,6 +246,7 @@
             p.candidates.length + " candidates connected";
           if (p.connected_candidates > 0) text += ", every connected one out of rotation (breaker open)";
           if (p.waiting > 0) text += "; " + p.waiting + " requests waiting";
+          if (p.retry_after_s) text += "; new requests are refused, retry after " + p.retry_after_s + " s";
           items.push(["bad", text + "."]);
         }
       }
