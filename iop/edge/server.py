@@ -110,6 +110,8 @@ class Edge:
         self.observer = Observer(self.edge_id, self.metrics, self.ledger)
         self.status_feed = StatusFeed(self)
         """`/status/events`: the live status the `/ui` page reads."""
+        self.closing = asyncio.Event()
+        """Set when the edge starts to stop: open streams (status pages, usage tails) end at once."""
 
     async def start(self) -> None:
         if self.ledger is not None:
@@ -362,7 +364,9 @@ async def run_edge(
         if supervisor is not None:
             supervisor.cancel()
         log.info("iop edge stopping: finishing in-flight requests (up to %gs)", grace_s)
-        edge.status_feed.close()  # open status pages would otherwise hold the shutdown for grace_s
+        # Open streams would otherwise hold the graceful shutdown until grace_s is over.
+        edge.closing.set()
+        edge.status_feed.close()
         server.should_exit = True
         await serve
         await edge.stop()

@@ -54,7 +54,7 @@ _FILES = {
 class UiEdge(Observed, Protocol):
     """What the page's endpoints need beyond the status document: the client-key check."""
 
-    def authorize(self, scope: Scope) -> None: ...
+    def authorize(self, scope: Scope) -> object: ...
 
 
 def _static(name: str) -> bytes:

@@ -64,12 +64,20 @@ def usage_tail_endpoint(edge: Edge) -> Endpoint:
         sub = await follow(edge.js, alias, sink, since)
 
         async def lines() -> AsyncIterator[bytes]:
+            closing = asyncio.ensure_future(edge.closing.wait())
             try:
                 yield b""  # the headers go out at once: the client knows it is following
                 while True:
-                    rec = await queue.get()
-                    yield record_json(rec) + b"\n"
+                    get = asyncio.ensure_future(queue.get())
+                    await asyncio.wait((get, closing), return_when=asyncio.FIRST_COMPLETED)
+                    if not get.done():
+                        # The edge is stopping: end the stream, or its graceful shutdown waits for
+                        # every follower (a status page holds one) until the grace period is over.
+                        get.cancel()
+                        return
+                    yield record_json(get.result()) + b"\n"
             finally:
+                closing.cancel()
                 await sub.unsubscribe()
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
