@@ -30,7 +30,7 @@ from iop.edge.registry import LOST_AFTER_S
 from iop.edge.server import Edge, build_app
 from iop.edge.ui import PERIOD_S
 from tests.fakes import FakeUpstream, fake_upstream, serve_asgi
-from tests.harness import EdgeHandle, deployment, node_process, running_node, until
+from tests.harness import EdgeHandle, deployment, edge_process, eventually, node_process, running_node, until
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -418,6 +418,43 @@ async def test_ui_with_keys_shows_nothing_before_a_key(nats_server: EmbeddedNats
         await page.finish()
 
 
+async def test_ui_shows_recent_requests_and_usage_per_alias(nats_server: EmbeddedNats, page: Page) -> None:
+    async with fake_upstream() as up, smoke_deployment(nats_server.url, up) as handle:
+        assert handle.edge.ledger is not None, "the ledger is on by default"
+        client = handle.client()
+        for _ in range(3):
+            await client.chat.completions.create(model=POOL, messages=[{"role": "user", "content": "hi"}])
+        await client.chat.completions.create(model="codex", messages=[{"role": "user", "content": "echo"}])
+        async with handle.http() as http:
+
+            async def recorded() -> bool:
+                rows = (await http.get("/usage", params={"since": "1h"})).json()["rows"]
+                return bool(sum(r["requests"] for r in rows) == 4)
+
+            await eventually(recorded)
+        await page.open(handle.url + "/ui")
+        await page.until(_count("#recent tbody tr") + " === 4")
+        cells = await page.js(
+            "return [...document.querySelectorAll('#recent tbody tr')].map(r => [...r.cells].map(c => c.textContent))"
+        )
+        assert [c[1] for c in cells].count(POOL) == 3 and [c[1] for c in cells].count("codex") == 1
+        assert all(c[3] == "200" for c in cells)
+        pool_row = next(c for c in cells if c[1] == POOL)
+        assert pool_row[5] == f"5 / {up.tokens}"  # what the upstream reported in `usage`
+        assert next(c for c in cells if c[1] == "codex")[5] == "\u2013"  # a CLI reports no tokens: none shown
+        await page.until(_count("[data-usage]") + " === 2")
+        card = f'[data-usage="{POOL}"]'
+        assert "3 requests" in await page.js(f"return document.querySelector('{card}').textContent")
+        assert await page.field(card, "tokens") == f"tokens in 15 \u00b7 out {3 * up.tokens}"
+        bars = await page.js(
+            f"return [...document.querySelectorAll('{card} rect')].map(r => +r.getAttribute('height'))"
+        )
+        assert len(bars) == 24 and bars[-1] + bars[-2] > 0 and sum(bars[:-2]) == 0  # this hour (or the last)
+        assert await page.js("return document.getElementById('ledger-off').checkVisibility()") is False
+        await page.screenshot("recent-and-usage")
+        await page.finish()
+
+
 MARKUP = "<img/src=x/onerror=window.pwned=1><script>window.pwned=2</script>"
 HOSTILE = f"""\
 models:
@@ -478,6 +515,25 @@ async def test_ui_at_300_providers_collapses_nodes_and_filters(nats_server: Embe
         ) == ["n17-p3"]
         await page.screenshot("300-providers-filtered")
         await page.finish()
+
+
+async def test_open_status_streams_do_not_hold_the_edges_shutdown(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    # A status page holds /status/events and /usage/tail open; SIGTERM must not wait out the 30 s grace for them.
+    config_file = tmp_path / "d.yaml"
+    config_file.write_text(HOSTILE)
+    async with (
+        edge_process(config_file, nats_server.url) as (proc, url),
+        httpx.AsyncClient(base_url=url) as http,
+        http.stream("GET", "/status/events") as events,
+        http.stream("GET", "/usage/tail") as tail,
+    ):
+        assert events.status_code == 200 and tail.status_code == 200
+        lines = events.aiter_lines()
+        assert await anext(lines) == "event: status"
+        t0 = time.monotonic()
+        proc.proc.send_signal(signal.SIGTERM)
+        assert await proc.exit_code(timeout_s=20) == 0
+        assert time.monotonic() - t0 < 10, "the edge waited for its open streams"
 
 
 # --- the archive serves the page --------------------------------------------------------------------

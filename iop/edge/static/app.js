@@ -448,12 +448,13 @@
   function deviceRows(d) {
     const rows = [];
     for (const [k, v] of Object.entries(d)) {
-      if (v === "" || v === 0 || v === null || (Array.isArray(v) && v.length === 0)) continue;
+      if (v === "" || v === 0 || v === null) continue;
       let text;
       if (k === "memory_mb") text = fmtMb(v);
+      else if (k === "accelerators" && v.length === 0) text = "none";
       else if (k === "accelerators") text = v.map((a) => a.name + (a.memory_mb ? " (" + fmtMb(a.memory_mb) + ")" : "")).join(", ");
       else text = typeof v === "object" ? JSON.stringify(v) : String(v);
-      rows.push([k.replace(/_/g, " "), text]);
+      rows.push([k.replace(/_mb$/, "").replace(/_/g, " "), text]);
     }
     return rows;
   }
@@ -721,10 +722,12 @@
     root.dataset.usage = alias;
     const total = u.requests.reduce((a, b) => a + b, 0);
     const head = el("div", "card-head");
-    head.append(el("span", "name", alias), el("span", "muted", total + " requests · " + u.errors + " errors"));
+    const counted = (n, what) => n + " " + what + (n === 1 ? "" : "s");
+    head.append(el("span", "name", alias), el("span", "muted", counted(total, "request") + " · " + counted(u.errors, "error")));
     const line = el("div", "muted");
     line.dataset.field = "tokens";
-    line.textContent = "tokens in " + u.input + " · out " + u.output;
+    // Token counts are what upstreams reported; a CLI resource reports none.
+    line.textContent = u.input + u.output ? "tokens in " + u.input + " · out " + u.output : "no tokens reported";
     const svg = document.createElementNS(SVG, "svg");
     svg.setAttribute("class", "usage-chart");
     svg.setAttribute("viewBox", "0 0 240 60");
