@@ -107,6 +107,8 @@ class Edge:
             else None
         )
         self.metrics = Metrics(self)
+        self.metrics_public = deployment.edge.metrics_public
+        """Read once, like the keys: a refresh reports a change as needing a restart."""
         self.observer = Observer(self.edge_id, self.metrics, self.ledger)
         self.status_feed = StatusFeed(self)
         """`/status/events`: the live status the `/ui` page reads."""
@@ -229,7 +231,7 @@ def build_app(edge: Edge) -> ASGIApp:
         return JSONResponse({"ready": not reasons, "reasons": reasons}, 503 if reasons else 200)
 
     async def metrics(request: Request) -> Response:
-        if not edge.deployment.edge.metrics_public:
+        if not edge.metrics_public:
             edge.authorize(request.scope)
         return Response(edge.metrics.render(), media_type=CONTENT_TYPE)
 
