@@ -761,6 +761,11 @@ def test_node_policy_allows_prefixes_exact_commands_hosts_and_env(tmp_path: Path
         policy.refusal(config.OpenAIAdapter(id="u", base_url="http://evil.example/v1")) == "upstream host not allowed"
     )
     assert policy.refusal(config.MockAdapter(id="m")) is None
+    # The upstream key variable is handed over too: to an allowed host, only a listed variable.
+    ok = config.OpenAIAdapter(id="u", base_url="http://gpu-a.lan/v1", api_key_env="OPENAI_API_KEY")
+    leak = config.OpenAIAdapter(id="u", base_url="http://gpu-a.lan/v1", api_key_env="AWS_SECRET_ACCESS_KEY")
+    assert policy.refusal(ok) is None
+    assert policy.refusal(leak) == "env not allowed: AWS_SECRET_ACCESS_KEY"
     policy_file.write_text("node_policy: {commands: [sh]}\n")
     with pytest.raises(ConfigError, match="node_policy: Expected `array`"):
         node_policy.load(policy_file)

@@ -35,7 +35,8 @@ class NodePolicy(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     upstream_hosts: list[Annotated[str, Meta(min_length=1)]] = msgspec.field(default_factory=list)
     """Hosts an openai adapter's base_url may name (`*`: any)."""
     env: list[config.EnvName] = msgspec.field(default_factory=list)
-    """Environment variables a CLI adapter may pass through to its command."""
+    """Environment variables the catalog may make the node hand over: a CLI adapter's `env`
+    (passed to its command) and an openai adapter's `api_key_env` (sent to its upstream)."""
 
     @classmethod
     def of_node(cls, node: config.Node) -> NodePolicy:
@@ -49,6 +50,8 @@ class NodePolicy(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 host = _host(a.base_url)
                 if host not in policy.upstream_hosts:
                     policy.upstream_hosts.append(host)
+                if a.api_key_env and a.api_key_env not in policy.env:
+                    policy.env.append(a.api_key_env)
         return policy
 
     def refusal(self, adapter: config.Adapter) -> str | None:
@@ -60,12 +63,11 @@ class NodePolicy(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             extra = [e for e in adapter.env if e not in self.env]
             if extra:
                 return f"env not allowed: {', '.join(extra)}"
-        elif (
-            isinstance(adapter, config.OpenAIAdapter)
-            and "*" not in self.upstream_hosts
-            and _host(adapter.base_url) not in self.upstream_hosts
-        ):
-            return "upstream host not allowed"
+        elif isinstance(adapter, config.OpenAIAdapter):
+            if "*" not in self.upstream_hosts and _host(adapter.base_url) not in self.upstream_hosts:
+                return "upstream host not allowed"
+            if adapter.api_key_env and adapter.api_key_env not in self.env:
+                return f"env not allowed: {adapter.api_key_env}"
         return None
 
 
