@@ -445,7 +445,7 @@ async def test_ui_shows_recent_requests_and_usage_per_alias(nats_server: Embedde
         await page.until(_count("[data-usage]") + " === 2")
         card = f'[data-usage="{POOL}"]'
         assert "3 requests" in await page.js(f"return document.querySelector('{card}').textContent")
-        assert await page.field(card, "tokens") == f"tokens in 15 \u00b7 out {3 * up.tokens}"
+        assert await page.field(card, "tokens") == f"tokens in 15 \u00b7 out {3 * up.tokens} \u00b7 cached 0 %"
         bars = await page.js(
             f"return [...document.querySelectorAll('{card} rect')].map(r => +r.getAttribute('height'))"
         )

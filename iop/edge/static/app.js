@@ -562,16 +562,21 @@
     row.text = [p.id, p.model || "", p.type, ...p.pools].join(" ");
   }
 
-  // Qualification results (measured capacity) are shown when the edge reports them.
+  // Qualification results (`iop qualify`, measured capacity) are shown when the edge reports them.
   function verdictText(p) {
+    const parts = [];
+    if (p.qualifying) parts.push("qualifying now (out of its pools)");
     const q = p.qualification;
-    if (!q) return "";
-    if (typeof q === "string") return q;
-    let text = q.verdict || "";
-    if (q.recommended_capacity !== undefined && q.recommended_capacity !== null) {
-      text += (text ? " · " : "") + "recommended " + q.recommended_capacity;
-    }
-    return text;
+    if (q && typeof q === "object") {
+      if (q.verdict) parts.push(q.verdict);
+      if (q.recommended_capacity !== undefined && q.recommended_capacity !== null) {
+        parts.push("recommended " + q.recommended_capacity);
+      }
+      const checks = (q.checks_passed || 0) + (q.checks_failed || 0);
+      if (checks) parts.push(q.checks_passed + "/" + checks + " checks");
+      if (q.date) parts.push(String(q.date).slice(0, 10));
+    } else if (q) parts.push(String(q));
+    return parts.join(" · ");
   }
 
   function makeCli(p) {
@@ -702,7 +707,7 @@
       const alias = r.model || "(no model)";
       let u = byAlias.get(alias);
       if (!u) {
-        u = { requests: new Array(24).fill(0), tokens: new Array(24).fill(0), errors: 0, input: 0, output: 0 };
+        u = { requests: new Array(24).fill(0), tokens: new Array(24).fill(0), errors: 0, input: 0, output: 0, cached: 0 };
         byAlias.set(alias, u);
       }
       u.requests[slot] += r.requests;
@@ -710,6 +715,7 @@
       u.errors += r.errors || 0;
       u.input += r.input_tokens || 0;
       u.output += r.output_tokens || 0;
+      u.cached += r.cached_tokens || 0;
     }
     const cards = [];
     for (const alias of [...byAlias.keys()].sort()) cards.push(usageCard(alias, byAlias.get(alias)));
@@ -728,6 +734,8 @@
     line.dataset.field = "tokens";
     // Token counts are what upstreams reported; a CLI resource reports none.
     line.textContent = u.input + u.output ? "tokens in " + u.input + " · out " + u.output : "no tokens reported";
+    // The prefix-cache hit rate as the upstreams reported it: cached input tokens of all input tokens.
+    if (u.input) line.textContent += " · cached " + Math.round((100 * u.cached) / u.input) + " %";
     const svg = document.createElementNS(SVG, "svg");
     svg.setAttribute("class", "usage-chart");
     svg.setAttribute("viewBox", "0 0 240 60");
