@@ -217,7 +217,13 @@ class OpenAIAdapter(_Strict, tag="openai", tag_field="type"):
     api_key_env: Annotated[EnvName | None, Meta(description="Environment variable holding the upstream's API key.")] = (
         None
     )
-    timeout_s: Annotated[Seconds, Meta(description="Upper bound on one upstream request.")] = 600.0
+    timeout_s: Annotated[
+        Seconds, Meta(description="Upper bound on one upstream request, from sending it to its answer's last byte.")
+    ] = 600.0
+    idle_timeout_s: Annotated[
+        Seconds,
+        Meta(description="Longest silence from the upstream while it answers (before the head or between bytes)."),
+    ] = 300.0
     vision: Annotated[
         bool,
         Meta(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -53,12 +54,23 @@ class OpenAIAdapter:
         headers = {"content-type": "application/json"}
         if cfg.api_key_env and (key := os.environ.get(cfg.api_key_env)):
             headers["authorization"] = f"Bearer {key}"
-        self.pool = HttpPool(cfg.base_url, headers=headers, read_timeout_s=cfg.timeout_s)
+        self.pool = HttpPool(cfg.base_url, headers=headers, read_timeout_s=min(cfg.idle_timeout_s, cfg.timeout_s))
 
     def serves(self, api: str) -> bool:
         return self.cfg.api == "both" or self.cfg.api == api
 
     async def run(self, item: wire.WorkItem, model: str | None, send: Send) -> wire.Usage | None:
+        # `timeout_s` bounds the whole request; the pool's read timeout (`idle_timeout_s`) bounds
+        # each silence within it.
+        try:
+            async with asyncio.timeout(self.cfg.timeout_s):
+                return await self._run(item, model, send)
+        except TimeoutError as exc:
+            raise UpstreamError(
+                f"upstream request took longer than timeout_s ({self.cfg.timeout_s:g} s)", code="upstream_timeout"
+            ) from exc
+
+    async def _run(self, item: wire.WorkItem, model: str | None, send: Send) -> wire.Usage | None:
         if self.serves(item.api):
             body = item.body
             strip: UsageChunkFilter | None = None
@@ -76,7 +88,11 @@ class OpenAIAdapter:
             try:
                 if item.stream:
                     tail = UsageTail()  # the usage is in the stream's last event: no per-chunk parsing
+                    end = _StreamEnd()
                     async for data in response.iter_body():
+                        if not end.started:
+                            end.check_start(data)  # raises before the client got anything: retryable
+                        end.feed(data)
                         tail.feed(data)  # what the upstream sent, before the usage chunk is taken out
                         if strip is not None:
                             data = strip.feed(data)
@@ -84,10 +100,21 @@ class OpenAIAdapter:
                             await send(data)
                     if strip is not None and (rest := strip.close()):
                         await send(rest)
+                    if not end.seen:
+                        # Until-close framing makes a cut connection look like a normal end.
+                        raise UpstreamError(
+                            "upstream stream ended before its final event ([DONE]): the answer was cut short",
+                            code="upstream_truncated",
+                        )
                     return tail.usage()
                 answer = await response.read()
+                usage = usage_of_body(answer)
+                if usage is None and not _is_json_object(answer):
+                    raise UpstreamError(
+                        "upstream answered 200 with a body that is not JSON", code="upstream_bad_answer"
+                    )
                 await send(answer)
-                return usage_of_body(answer)
+                return usage
             except HttpError as exc:
                 raise _mid_answer(exc) from exc
             finally:
@@ -181,6 +208,63 @@ class OpenAIAdapter:
 
     async def close(self) -> None:
         await self.pool.close()
+
+
+_SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")
+_STREAM_ENDS = (b"[DONE]", b"response.completed", b"response.incomplete", b"response.failed")
+"""What the last event of an OpenAI stream carries: chat's [DONE], or a Responses stream's end."""
+
+
+class _AnyObject(msgspec.Struct):
+    pass
+
+
+_object = msgspec.json.Decoder(_AnyObject).decode
+
+
+def _is_json_object(body: bytes) -> bool:
+    try:
+        _object(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    return True
+
+
+class _StreamEnd:
+    """Watches an upstream's stream as it passes: it must start as server-sent events and carry
+    its final event before it ends. Costs a few substring searches per piece, no parsing."""
+
+    __slots__ = ("carry", "seen", "started")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.seen = False
+        self.carry = b""
+
+    def check_start(self, first: bytes) -> None:
+        head = first.lstrip()[:7]
+        if not head:
+            return  # only blank lines so far: the next piece decides
+        self.started = True
+        if any(head.startswith(f) or f.startswith(head) for f in _SSE_FIELDS):
+            return
+        if head.startswith(b"{"):
+            raise UpstreamError(
+                f"upstream answered a stream request with a JSON body: {first[:300].decode(errors='replace')}",
+                code="upstream_bad_answer",
+            )
+        raise UpstreamError(
+            "upstream answered a stream request with bytes that are not server-sent events",
+            code="upstream_bad_answer",
+        )
+
+    def feed(self, data: bytes) -> None:
+        if self.seen:
+            return
+        # The piece itself, then the seam with the previous one (a marker may straddle it).
+        joint = self.carry + data[:24]
+        self.seen = any(end in data or end in joint for end in _STREAM_ENDS)
+        self.carry = data[-24:] if len(data) >= 24 else joint[-24:]
 
 
 def _mid_answer(exc: HttpError) -> UpstreamError:

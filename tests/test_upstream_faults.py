@@ -1,0 +1,175 @@
+"""Broken upstreams: answers that look like success but are not, and the two timeouts of an adapter.
+
+A raw TCP server plays the broken upstream (it must write exactly the bytes under test, framing
+included); a real edge, node and nats-server carry the request. A good fake upstream beside it
+shows that what is detected before the first byte fails over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+
+from iop.bus import EmbeddedNats
+from tests.fakes import fake_upstream
+from tests.harness import deployment, deployment_running, sse_events
+
+Answer = Callable[[asyncio.StreamWriter], Awaitable[None]]
+
+CHUNK = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+
+
+@asynccontextmanager
+async def broken_upstream(answer: Answer) -> AsyncIterator[str]:
+    """An upstream that reads one request per connection and answers with `answer`'s raw bytes."""
+    writers: set[asyncio.StreamWriter] = set()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.add(writer)
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+            await reader.readexactly(length)
+            await answer(writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            writers.discard(writer)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        for w in list(writers):
+            w.close()
+        server.close()
+        await server.wait_closed()
+
+
+def one_provider(url: str, extra: str = "") -> str:
+    return f"""
+models: [{{alias: m, pool: [bad]}}]
+nodes:
+  - id: n
+    adapters: [{{id: up, type: openai, base_url: "{url}", api: both{extra}}}]
+    providers: [{{id: bad, adapter: up, capacity: 2}}]
+"""
+
+
+def bad_and_good(bad_url: str, good_url: str) -> str:
+    # The bad provider has the most free slots, so every request tries it first.
+    return f"""
+models: [{{alias: m, pool: [bad, good]}}]
+nodes:
+  - id: n
+    adapters:
+      - {{id: up-bad, type: openai, base_url: "{bad_url}", api: both}}
+      - {{id: up-good, type: openai, base_url: "{good_url}", api: both}}
+    providers:
+      - {{id: bad, adapter: up-bad, capacity: 4}}
+      - {{id: good, adapter: up-good, capacity: 1}}
+"""
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+
+async def garbage_200(w: asyncio.StreamWriter) -> None:
+    w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n\r\n\x00\xffnot json!!")
+    await w.drain()
+
+
+async def json_200(w: asyncio.StreamWriter) -> None:
+    body = b'{"id":"c","object":"chat.completion","choices":[]}'
+    w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    await w.drain()
+
+
+async def cut_until_close(w: asyncio.StreamWriter) -> None:
+    # No content-length, no chunked coding: the body ends when the connection closes.
+    w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + CHUNK * 3)
+    await w.drain()
+
+
+async def test_garbage_with_200_is_an_error_and_fails_over(nats_server: EmbeddedNats) -> None:
+    async with broken_upstream(garbage_200) as bad, fake_upstream() as good:
+        async with deployment_running(deployment(one_provider(bad)), nats_server.url) as h, h.http() as http:
+            r = await http.post("/v1/chat/completions", json=CHAT)
+            # Before: 200 with the garbage as the body.
+            assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_bad_answer"
+        async with deployment_running(deployment(bad_and_good(bad, good.url)), nats_server.url) as h, h.http() as http:
+            r = await http.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200 and r.headers["x-iop-provider"] == "good"
+
+
+async def test_a_json_body_answering_a_stream_is_an_error_and_fails_over(nats_server: EmbeddedNats) -> None:
+    async with broken_upstream(json_200) as bad, fake_upstream() as good:
+        async with deployment_running(deployment(one_provider(bad)), nats_server.url) as h, h.http() as http:
+            r = await http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+            # Before: 200 text/event-stream carrying the JSON object, taken for a finished stream.
+            assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_bad_answer"
+            assert "JSON body" in r.json()["error"]["message"]
+        async with deployment_running(deployment(bad_and_good(bad, good.url)), nats_server.url) as h, h.http() as http:
+            r = await http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+            assert r.status_code == 200 and r.headers["x-iop-provider"] == "good"
+            assert r.text.rstrip().endswith("data: [DONE]")
+
+
+async def test_a_stream_cut_without_done_under_until_close_framing_ends_with_an_error_event(
+    nats_server: EmbeddedNats,
+) -> None:
+    async with (
+        broken_upstream(cut_until_close) as bad,
+        deployment_running(deployment(one_provider(bad)), nats_server.url) as h,
+        h.http() as http,
+    ):
+        r = await http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert r.status_code == 200  # the chunks had started: the error can only be an event
+        events = sse_events(r.text)
+        # Before: the three chunks and a clean end, as if the answer were whole.
+        assert [e["choices"][0]["delta"]["content"] for e in events[:3]] == ["hi"] * 3
+        assert events[-1]["error"]["code"] == "upstream_truncated"
+
+
+async def test_timeout_s_bounds_the_whole_request_and_idle_timeout_s_each_silence(nats_server: EmbeddedNats) -> None:
+    async def trickle(w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        while True:  # a byte every 50 ms for ever: never silent, never done
+            w.write(b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK))
+            await w.drain()
+            await asyncio.sleep(0.05)
+
+    async def silent(w: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(30)
+
+    async with broken_upstream(trickle) as url:
+        dep = deployment(one_provider(url, ", timeout_s: 1, idle_timeout_s: 5"))
+        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+            t0 = time.monotonic()
+            r = await http.post("/v1/chat/completions", json={**CHAT, "stream": True}, timeout=httpx.Timeout(20))
+            took = time.monotonic() - t0
+            # Before: timeout_s bounded only the silences, so this stream never ended.
+            assert r.status_code == 200 and sse_events(r.text)[-1]["error"]["code"] == "upstream_timeout"
+            assert 1.0 <= took < 5.0
+    async with broken_upstream(silent) as url:
+        dep = deployment(one_provider(url, ", timeout_s: 30, idle_timeout_s: 0.5"))
+        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+            t1 = time.monotonic()
+            r = await http.post("/v1/chat/completions", json=CHAT, timeout=httpx.Timeout(20))
+            idle = time.monotonic() - t1
+            assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_timeout"
+            assert 0.5 <= idle < 5.0
+    print(
+        f"\ntrickling stream ended at timeout_s 1 after {took:.2f}s; "
+        f"silent upstream at idle_timeout_s 0.5 after {idle:.2f}s"
+    )
