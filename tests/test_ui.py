@@ -261,6 +261,7 @@ async def test_ui_files_are_served_with_a_strict_policy_and_no_key(nats_server: 
             assert "<style" not in page and " style=" not in page and "<script>" not in page
             assert "http://" not in page and "https://" not in page
             assert (await http.get("/ui/nothing.js")).status_code == 404
+            assert (await http.get("/ui/", follow_redirects=True)).url.path == "/ui"
             # The data itself asks for the key, as /status does.
             assert (await http.get("/status/events")).status_code == 401
             auth = {"Authorization": "Bearer k-1"}

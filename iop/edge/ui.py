@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Scope
 
@@ -133,6 +133,10 @@ def ui_routes(
         body = body.replace(b"{{ledger}}", b"on" if ledger_on() else b"off")
         return Response(body, media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS)
 
+    async def slash(request: Request) -> Response:
+        # The page's links are relative to `/ui` (so a path prefix added by a proxy keeps working).
+        return RedirectResponse("../ui", status_code=308)
+
     async def asset(request: Request) -> Response:
         name = request.path_params["name"]
         found = files.get(name)
@@ -158,6 +162,7 @@ def ui_routes(
 
     return [
         Route("/ui", page, methods=["GET"]),
+        Route("/ui/", slash, methods=["GET"]),
         Route("/ui/{name}", asset, methods=["GET"]),
         Route("/status/events", events, methods=["GET"]),
     ]
