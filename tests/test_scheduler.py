@@ -615,7 +615,7 @@ async def test_dispatch_client_leaving_during_the_publish_leaves_no_work_behind(
         waited_s = await eventually(withdrawn, timeout_s=5)
         print(f"\nclient left during the publish: work withdrawn from the stream {1000 * waited_s:.1f} ms later")
         [(_, item)] = r.node.items
-        assert item.id in r.node.cancels
+        await until(lambda: item.id in r.node.cancels, r.node.changed, 5)  # the Cancel may still be on its way
 
 
 async def test_relay_cancels_work_a_node_starts_for_a_request_it_no_longer_knows(nats_server: EmbeddedNats) -> None:
@@ -700,3 +700,64 @@ def test_errors_every_class_a_failure_may_name_is_rebuilt_as_itself() -> None:
         failure = failure_of(cls("m"), "r1", 0)
         assert failure.kind == cls.__name__
         assert type(error_of(failure)) is cls
+
+
+def cooled(monkeypatch: pytest.MonkeyPatch, p: ProviderSlots) -> None:
+    """Move the scheduler's clock past `p`'s breaker cooldown: its trial may go now."""
+    ahead = p.open_until - time.monotonic() + 0.001
+    monkeypatch.setattr(scheduler_module, "monotonic", lambda: time.monotonic() + ahead)
+
+
+async def test_dispatch_a_half_open_trial_refused_as_a_4xx_lets_the_next_trial_go(
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(scheduler_module, "BREAKER_COOLDOWN_S", 0.05)
+    refused = UpstreamError("upstream: prompt too long", code="upstream_error", status=400)
+    async with rig(nats_server, {"p": 1}, {"p": fails(refused)}) as r:
+        p = r.scheduler.providers["p"]
+        for _ in range(scheduler_module.BREAKER_FAILURES):
+            r.scheduler.release(await r.scheduler.acquire("m", soon()))
+            r.scheduler.failed(p)
+        cooled(monkeypatch, p)
+        # The trial is refused as the request's own fault.
+        with pytest.raises(UpstreamError):
+            await r.serve(r.dispatch())
+        assert not p.trial and p.in_flight == 0
+        # The provider is not lost to the pool: the next request gets the next trial at once.
+        with pytest.raises(UpstreamError):
+            await r.serve(r.dispatch())
+        assert len(r.node.items) == 2
+
+
+async def test_scheduler_a_trial_whose_client_left_lets_the_next_trial_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler_module, "BREAKER_COOLDOWN_S", 0.05)
+    s = scheduler({"p": 1}, {"m": ["p"]})
+    p = s.providers["p"]
+    for _ in range(scheduler_module.BREAKER_FAILURES):
+        s.release(await s.acquire("m", soon()))
+        s.failed(p)
+    cooled(monkeypatch, p)
+    trial = await granted(asyncio.create_task(s.acquire("m", soon())))
+    assert p.trial
+    s.trial_over(trial)  # what PoolDispatch does when the client leaves mid-trial
+    s.release(trial)
+    assert (await granted(asyncio.create_task(s.acquire("m", soon())))) is p
+
+
+async def test_dispatch_alias_removed_between_grant_and_dispatch_gives_the_slot_back(
+    nats_server: EmbeddedNats,
+) -> None:
+    async with rig(nats_server, {"p": 1, "q": 1}, {"p": answers(b"x"), "q": answers(b"x")}) as r:
+        held = await r.scheduler.acquire("m", soon())  # one slot busy, so the request below waits
+        other = "q" if held.id == "p" else "p"
+        held_too = await r.scheduler.acquire("m", soon(), frozenset({held.id}))
+        assert held_too.id == other
+        task = asyncio.create_task(r.serve(r.dispatch()))
+        await waiting(r.scheduler, "m", 1)
+        r.scheduler.release(held)  # granted to the waiter ...
+        r.scheduler.apply({"p": ("node-p", 1), "q": ("node-q", 1)}, {})  # ... and the alias goes before it runs
+        with pytest.raises(Unavailable) as got:
+            await task
+        assert got.value.code == "model_removed"
+        r.scheduler.release(held_too)
+        assert r.in_flight() == {"p": 0, "q": 0}

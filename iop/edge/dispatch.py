@@ -170,6 +170,11 @@ class PoolDispatch(_Dispatch):
                     if last is not None and unusable.code == "pool_unavailable":
                         raise last from None  # no other provider to fail over to: the client hears why
                     raise
+                if self.alias not in self.scheduler.pools:
+                    # A refresh removed the alias between the grant and now: give the slot back untouched.
+                    self.scheduler.trial_over(slot)
+                    self.scheduler.release(slot)
+                    raise Unavailable(f"model '{self.alias}' was removed by a refresh", code="model_removed")
                 try:
                     await self._attempt(slot, make_item, answer)
                     return
@@ -178,14 +183,19 @@ class PoolDispatch(_Dispatch):
                         # A 4xx is about the request (an upstream's 422 arrives as an UpstreamError
                         # with its status): another provider would refuse it too, and it says
                         # nothing of this provider's health.
+                        self.scheduler.trial_over(slot)
                         raise
                     self.scheduler.failed(slot)
                     tried |= {slot.id}
                     last = err
-                    others = [p for p in self.scheduler.pools[self.alias].providers if p.id not in tried]
+                    pool = self.scheduler.pools.get(self.alias)  # a refresh may have removed it meanwhile
+                    others = [p for p in pool.providers if p.id not in tried] if pool is not None else []
                     if responded() or len(tried) > MAX_RETRIES or not others:
                         raise
                     log.warning("provider %s failed before answering (%s); retrying on another", slot.id, err.code)
+                except BaseException:
+                    self.scheduler.trial_over(slot)  # the client left: nothing learnt of the provider
+                    raise
         except BaseException as err:  # noted for the result (a cancelled client too), then raised on
             exc = err
             raise
@@ -193,7 +203,7 @@ class PoolDispatch(_Dispatch):
             self._finish(exc)
 
     async def _attempt(self, slot: ProviderSlots, make_item: MakeItem, answer: Answer) -> None:
-        # Nothing awaits between the scheduler granting `slot` and this try: the lease always ends.
+        # Nothing awaits between the check in run() and this try: the pool is there, the lease always ends.
         lease = _Lease(self.scheduler, slot, self.scheduler.pools[self.alias])
         ch = self.relay.open(slot.node, on_started=lease.start, on_ended=lease.end)
         self.result.attempts += 1

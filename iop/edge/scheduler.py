@@ -194,7 +194,9 @@ class Scheduler:
             if waiter.future.done() and not waiter.future.cancelled():
                 if waiter.future.exception() is None:
                     # Granted in the same instant as the timeout or the client leaving: give it back.
-                    self.release(waiter.future.result())
+                    granted = waiter.future.result()
+                    self.trial_over(granted)
+                    self.release(granted)
             else:
                 waiter.future.cancel()
                 pool.waiters.remove(waiter)
@@ -322,6 +324,13 @@ class Scheduler:
         if slot.open_until:
             slot.open_until = 0.0
             slot.trips = 0
+            slot.trial = False
+            self._pump(slot.pools)
+
+    def trial_over(self, slot: ProviderSlots) -> None:
+        """A request that held `slot` ended saying nothing of the provider's health (the client left,
+        the request itself was refused): a half-open trial it carried is over, the next one may go."""
+        if slot.trial:
             slot.trial = False
             self._pump(slot.pools)
 
