@@ -191,3 +191,31 @@ async def test_http_trailing_slash_is_a_json_404_not_a_redirect(served: Served) 
         r = await client.post(served.url + "/v1/chat/completions/", json=GOOD)
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "not_found"
+
+
+async def test_http_pages_of_other_sites_are_refused_and_the_edge_s_own_are_not(served: Served) -> None:
+    async with httpx.AsyncClient(base_url=served.url, timeout=10) as client:
+        host = served.url.removeprefix("http://")
+        # What a page elsewhere can make a browser send without asking first: a plain POST.
+        for path, body, kind in [
+            ("/v1/chat/completions", json.dumps(GOOD), "text/plain"),
+            ("/admin/refresh", "models: []", "text/plain"),
+        ]:
+            r = await client.post(path, content=body, headers={"origin": "https://evil.example", "content-type": kind})
+            assert r.status_code == 403, r.text
+            assert error_code(r.content) == "cross_origin"
+        r = await client.get("/status", headers={"origin": "null"})
+        assert r.status_code == 403
+        # The edge's own page (same origin) and programs (no Origin) are served.
+        r = await client.post("/v1/chat/completions", json=GOOD, headers={"origin": f"http://{host}"})
+        assert r.status_code == 200, r.text
+        r = await client.post("/v1/chat/completions", json=GOOD)
+        assert r.status_code == 200, r.text
+
+
+async def test_http_a_body_without_a_content_type_is_415(served: Served) -> None:
+    async with httpx.AsyncClient(base_url=served.url, timeout=10) as client:
+        r = await client.post("/v1/chat/completions", content=json.dumps(GOOD).encode())
+        assert "content-type" not in r.request.headers
+        assert r.status_code == 415
+        assert error_code(r.content) == "unsupported_media_type"

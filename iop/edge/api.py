@@ -428,6 +428,8 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
 
 
 def _check_content_type(scope: Scope) -> None:
+    # Required, not only checked when present: a body of no declared type is what a page on another
+    # site can make a browser send without asking first (see edge/http.py's SameOrigin).
     for name, value in scope["headers"]:
         if name == b"content-type":
             kind = value.split(b";", 1)[0].strip().lower()
@@ -436,6 +438,7 @@ def _check_content_type(scope: Scope) -> None:
                     f"content type {kind.decode(errors='replace')!r} is not supported; send application/json"
                 )
             return
+    raise UnsupportedMediaType("the request has no content type; send application/json")
 
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:

@@ -25,6 +25,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from iop.errors import (
     BadRequest,
+    Forbidden,
     HeadersTooLarge,
     IopError,
     RequestError,
@@ -273,3 +274,52 @@ def raise_fd_limit() -> int:
             return soft
         return hard
     return soft
+
+
+_DEFAULT_PORTS = {b"http": b":80", b"https": b":443"}
+
+
+class SameOrigin:
+    """Refuse (403 `cross_origin`) any request a browser sends on behalf of another site.
+
+    A page on any site can make its visitor's browser POST to `http://127.0.0.1:8080` without a
+    preflight (no custom headers, a body of no declared type): against an edge without keys that
+    would run models and CLI routes, or replace the deployment, for whoever wrote the page. Browsers
+    always say where such a request comes from (`Origin`); iop's own page (/ui) is same-origin, and
+    programs (the SDK, Codex, curl) send no `Origin` at all, so only the cross-site case is refused.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            origin = host = None
+            for name, value in scope["headers"]:
+                if name == b"origin":
+                    origin = value
+                elif name == b"host":
+                    host = value
+            if origin is not None and not _same_origin(origin, host):
+                err = error_response(
+                    Forbidden(
+                        f"cross-origin request from {origin.decode(errors='replace')!r} refused: the edge "
+                        "answers pages it serves itself and programs, not other sites' pages",
+                        code="cross_origin",
+                    )
+                )
+                headers = [(b"content-type", b"application/json")]
+                headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+                await send({"type": "http.response.start", "status": err.status, "headers": headers})
+                await send({"type": "http.response.body", "body": err.body})
+                return
+        await self.app(scope, receive, send)
+
+
+def _same_origin(origin: bytes, host: bytes | None) -> bool:
+    scheme, sep, authority = origin.strip().lower().partition(b"://")
+    if not sep or host is None:
+        return False  # "null" (sandboxed frames, files) or no Host: nothing to match
+    default = _DEFAULT_PORTS.get(scheme, b"")
+    host = host.strip().lower()
+    return authority.removesuffix(default) == host.removesuffix(default)

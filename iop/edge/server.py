@@ -279,7 +279,7 @@ def build_app(edge: Edge) -> ASGIApp:
     )
     # `/v1/models/` is not `/v1/models`: a 307 to another URL confuses clients more than a clear 404.
     app.router.redirect_slashes = False
-    return RequestIds(app)
+    return RequestIds(edge_http.SameOrigin(app))
 
 
 def http_server(edge: Edge, *, host: str = "127.0.0.1", port: int = 0, grace_s: float = 30.0) -> uvicorn.Server:
