@@ -233,28 +233,40 @@ def node_cmd(
 
 @main.command("nats-creds")
 @click.option("--config", "config_file", required=True, type=click.Path(dir_okay=False), help="Deployment file.")
-@click.option("--node", "node_id", required=True, help="The node whose credential to print.")
-def nats_creds_cmd(config_file: str, node_id: str) -> None:
-    """Print node ID's own NATS credential for the edge's embedded server, as VAR=value lines.
+@click.option("--node", "node_id", default=None, help="Print this node's own credential.")
+@click.option("--edge", "for_edge", is_flag=True, help="Print the edge's credential (an external NATS).")
+@click.option(
+    "--server-config",
+    is_flag=True,
+    help="Print the nats-server `authorization` block: the edge and every node with its permissions.",
+)
+def nats_creds_cmd(config_file: str, node_id: str | None, for_edge: bool, server_config: bool) -> None:
+    """Print NATS credentials derived from the deployment's secret (in edge.nats.store_dir).
 
-    Run it on the edge's machine (the secret is in store_dir; made here if the edge never ran), then
-    set those variables on the node's machine: `iop node --config FILE --node ID` reads them from
-    edge.nats user_env/password_env (default names IOP_NATS_USER, IOP_NATS_PASSWORD).
+    --node ID: that node's own user and password as VAR=value lines; set them on the node's machine,
+    where `iop node --config FILE --node ID` reads them from edge.nats user_env/password_env (default
+    IOP_NATS_USER, IOP_NATS_PASSWORD). Run it where the edge runs: the embedded server uses the same
+    secret. For an external NATS, --server-config prints the users and permissions to put in that
+    server's configuration, and --edge the edge's own lines.
     """
     from iop import bus
 
+    if [node_id is not None, for_edge, server_config].count(True) != 1:
+        _fail("give exactly one of --node ID, --edge, --server-config", 2)
     dep = _load_or_exit(config_file, show_warnings=False).deployment
-    if node_id not in {n.id for n in dep.nodes}:
+    if node_id is not None and node_id not in {n.id for n in dep.nodes}:
         known = ", ".join(n.id for n in dep.nodes) or "none"
         _fail(f"node '{node_id}' is not in {config_file} (its nodes: {known})", 2)
     nats = dep.edge.nats
-    if nats.url != "embedded":
-        _fail("edge.nats.url is an external NATS: its own configuration holds the nodes' credentials", 2)
     try:
-        access = bus.Credentials.load(nats.store_dir).node(node_id)
+        creds = bus.Credentials.load(nats.store_dir)
     except (IopError, OSError) as exc:
         _fail(str(exc))
         return
+    if server_config:
+        click.echo(creds.authorization(dep.nodes), nl=False)
+        return
+    access = creds.edge() if for_edge else creds.node(str(node_id))
     click.echo(f"{nats.user_env or 'IOP_NATS_USER'}={access.user}")
     click.echo(f"{nats.password_env or 'IOP_NATS_PASSWORD'}={access.password}")
 

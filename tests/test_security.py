@@ -842,3 +842,48 @@ async def test_a_refresh_gives_new_nodes_their_nats_user_and_takes_it_from_remov
             bus.Credentials.load(bad)
     finally:
         await server.stop()
+
+
+async def test_nats_creds_server_config_gives_an_external_nats_the_same_least_privilege(tmp_path: Path) -> None:
+    path = _write_deployment(tmp_path, {"nats": {"url": "nats://127.0.0.1:1", "store_dir": str(tmp_path / "store")}})
+    async with iop_process("nats-creds", "--config", str(path), "--server-config", cwd=tmp_path) as printed:
+        assert await printed.exit_code() == 0
+    conf = tmp_path / "external.conf"
+    conf.write_text('host: "127.0.0.1"\nport: -1\n' + "\n".join(printed.stdout) + "\n")
+    proc = await asyncio.create_subprocess_exec(
+        nats_server_path(), "-c", str(conf), stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+    )
+    assert proc.stderr is not None
+    drain: asyncio.Task[bytes] | None = None
+    try:
+        port = 0
+        async with asyncio.timeout(15):
+            while b"Server is ready" not in (line := await proc.stderr.readline()):
+                assert line, "nats-server exited: the printed block is not a valid configuration"
+                if m := re.search(rb"client connections on \S+:(\d+)", line):
+                    port = int(m.group(1))
+        drain = asyncio.create_task(proc.stderr.read())
+        url = f"nats://127.0.0.1:{port}"
+        async with iop_process("nats-creds", "--config", str(path), "--node", "n1", cwd=tmp_path) as lines:
+            assert await lines.exit_code() == 0
+        node = dict(line.split("=", 1) for line in lines.stdout)
+        errors: list[str] = []
+        seen = asyncio.Event()
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc).lower())
+            seen.set()
+
+        nc = await nats.connect(url, user=node["IOP_NATS_USER"], password=node["IOP_NATS_PASSWORD"], error_cb=on_error)
+        try:
+            await nc.subscribe("iop.work.>")
+            await until(lambda: any('subscription to "iop.work.>"' in e for e in errors), seen)
+        finally:
+            await nc.close()
+        with pytest.raises(BusError, match="requires credentials"):
+            await bus.connect(url, "intruder", wait_s=10)
+    finally:
+        proc.terminate()
+        await proc.wait()
+        if drain is not None:
+            await asyncio.wait_for(drain, 5)
