@@ -450,6 +450,112 @@ def refresh_cmd(config_file: str, edge_url: str | None, dry_run: bool, api_key: 
         )
 
 
+@main.command("qualify")
+@click.option("--edge", "edge_url", default=None, help=_EDGE_HELP)
+@click.option(
+    "--config", "config_file", default=None, type=click.Path(dir_okay=False), help="Deployment file naming the edge."
+)
+@click.option("--provider", "providers", multiple=True, help="Qualify this provider (repeatable; default: all).")
+@click.option("--pool", default=None, help="Qualify the providers of this pool alias.")
+@click.option(
+    "--exclusive",
+    is_flag=True,
+    help="Drain each provider out of its pools while it is measured and sweep up to twice its capacity.",
+)
+@click.option("--quick", is_flag=True, help="Under a minute per provider: fewer, shorter requests.")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="Write the reports here.")
+@click.option("--show", is_flag=True, help="Print the latest results the edge keeps; measure nothing.")
+@click.option("--apply-capacity", is_flag=True, help="Print the YAML change the recommendations call for.")
+@click.option(
+    "--context", type=click.IntRange(min=1024), default=None, help="Also find the context window, up to N tokens."
+)
+@click.option("--tokens", type=click.IntRange(min=2, max=4096), default=None, help="Output tokens per sweep request.")
+@click.option(
+    "--lease-ttl", type=click.FloatRange(min=1.0, max=60.0), default=6.0, help="Seconds the edge waits for a renewal."
+)
+@click.option(
+    "--admin-key",
+    envvar="IOP_ADMIN_KEY",
+    default=None,
+    help="An admin key of the edge (env IOP_ADMIN_KEY); without admin keys the edge answers only loopback.",
+)
+def qualify_cmd(
+    edge_url: str | None,
+    config_file: str | None,
+    providers: tuple[str, ...],
+    pool: str | None,
+    exclusive: bool,
+    quick: bool,
+    out_dir: str | None,
+    show: bool,
+    apply_capacity: bool,
+    context: int | None,
+    tokens: int | None,
+    lease_ttl: float,
+    admin_key: str | None,
+) -> None:
+    """Measure what each provider really does: protocol, capabilities, throughput and the capacity to set."""
+    from pathlib import Path
+
+    from iop.qualify import runner
+    from iop.qualify.render import markdown
+    from iop.qualify.schema import Report
+
+    opts = runner.Options(
+        edge=_edge_address(edge_url, config_file),
+        admin_key=admin_key,
+        providers=providers,
+        pool=pool,
+        exclusive=exclusive,
+        quick=quick,
+        out=Path(out_dir) if out_dir else None,
+        context=context,
+        output_tokens=tokens,
+        lease_ttl_s=lease_ttl,
+    )
+
+    def echo(line: str) -> None:
+        click.echo(line, err=True)
+
+    try:
+        if show:
+            import asyncio
+
+            reports = asyncio.run(runner.show(opts))
+            if not reports:
+                click.echo("no qualification results kept yet (run iop qualify)")
+            else:
+                click.echo(markdown(reports))
+            if opts.out is not None and reports:
+                runner.write(opts.out, reports)
+        else:
+            found: list[Report] = []
+
+            async def go() -> None:
+                import signal
+
+                task = asyncio.current_task()
+                assert task is not None
+                # SIGTERM ends the run like Ctrl-C: the lease is ended, the provider back in its pools.
+                asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+                found.extend(await runner.run(opts, echo))
+
+            import asyncio
+
+            try:
+                asyncio.run(go())
+            except (KeyboardInterrupt, asyncio.CancelledError):
+                _fail("interrupted: the providers were put back; no report kept for the one being measured", 130)
+            reports = found
+            click.echo(markdown(reports))
+            if opts.out is not None:
+                click.echo(f"reports written to {opts.out}", err=True)
+        if apply_capacity:
+            click.echo(runner.capacity_change(reports))
+    except IopError as exc:
+        _fail(str(exc))
+
+
 @main.command("smoke")
 @click.option(
     "--config",

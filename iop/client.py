@@ -7,8 +7,10 @@ every failure becomes an `IopError` whose message is the one line the command pr
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from types import TracebackType
-from urllib.parse import urlsplit
+from typing import Any
+from urllib.parse import quote, urlsplit
 
 import httpx
 import msgspec
@@ -73,11 +75,25 @@ _refresh_result = msgspec.json.Decoder(RefreshResult).decode
 class EdgeClient:
     """A running edge's own endpoints (`/status`, `/admin/refresh`, `/usage`), used as `async with EdgeClient(url):`."""
 
-    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 5.0, trust_env: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 5.0,
+        trust_env: bool = True,
+        max_connections: int | None = 100,
+    ) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # trust_env=False for an edge known to be on loopback: a proxy from the environment must not stand in between.
-        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s, trust_env=trust_env)
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            headers=headers,
+            timeout=timeout_s,
+            trust_env=trust_env,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
 
     async def __aenter__(self) -> EdgeClient:
         return self
@@ -149,6 +165,87 @@ class EdgeClient:
                         yield line.encode()
         except httpx.HTTPError as exc:
             raise IopError(f"lost the edge at {self.url}: {type(exc).__name__}: {exc}") from exc
+
+    # --- qualification (admin): iop/edge/qualify.py ----------------------------------------
+
+    async def qualify_lease(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Open a qualification lease (`exclusive` drains its providers); the answer's `id` renews it."""
+        return await self._admin_json("POST", "/admin/qualify/leases", body)
+
+    async def qualify_renew(self, lease_id: str) -> dict[str, Any]:
+        return await self._admin_json("PUT", f"/admin/qualify/leases/{quote(lease_id, safe='')}", None)
+
+    async def qualify_end(self, lease_id: str) -> None:
+        await self._admin_json("DELETE", f"/admin/qualify/leases/{quote(lease_id, safe='')}", None)
+
+    async def qualify_keep(self, provider: str, report: bytes) -> None:
+        """Hand a report to the edge, which keeps it as the provider's latest (KV bucket iop_qualify)."""
+        path = f"/admin/qualify/results/{quote(provider, safe='')}"
+        r = await self._send("PUT", path, content=report, headers={"content-type": "application/json"})
+        if r.status_code != 200:
+            raise IopError(f"{self.url}{path} answered {r.status_code}: {_message(r)}")
+
+    async def qualify_status(self) -> Status:
+        """/status read with the admin key (the qualifier holds no client key)."""
+        r = await self._send("GET", "/admin/qualify/status")
+        if r.status_code != 200:
+            raise IopError(f"{self.url}/admin/qualify/status answered {r.status_code}: {_message(r)}")
+        try:
+            return decode_status(r.content)
+        except msgspec.DecodeError as exc:
+            raise IopError(f"{self.url}/admin/qualify/status is not a status document: {exc}") from None
+
+    async def qualify_results(self) -> bytes:
+        """`{"reports": [...]}`: the latest report of every provider the edge keeps one for."""
+        r = await self._send("GET", "/admin/qualify/results")
+        if r.status_code != 200:
+            raise IopError(f"{self.url}/admin/qualify/results answered {r.status_code}: {_message(r)}")
+        return r.content
+
+    def pinned_path(self, provider: str, api: str) -> str:
+        """The admin path serving `api` (chat or responses) by `provider` alone."""
+        tail = "chat/completions" if api == "chat" else "responses"
+        return f"/admin/qualify/providers/{quote(provider, safe='')}/v1/{tail}"
+
+    async def pinned(self, provider: str, api: str, body: bytes, timeout_s: float) -> httpx.Response:
+        """One whole (non-streamed) request served by `provider` alone; any status is returned."""
+        return await self._send(
+            "POST",
+            self.pinned_path(provider, api),
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=timeout_s,
+        )
+
+    @asynccontextmanager
+    async def pinned_stream(
+        self, provider: str, api: str, body: bytes, timeout_s: float
+    ) -> AsyncIterator[httpx.Response]:
+        """A streamed request served by `provider` alone: the response, its body not yet read."""
+        request = self._http.build_request(
+            "POST",
+            self.pinned_path(provider, api),
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=timeout_s,
+        )
+        try:
+            r = await self._http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise IopError(f"cannot reach the edge at {self.url}: {type(exc).__name__}: {exc}") from exc
+        try:
+            yield r
+        finally:
+            await r.aclose()
+
+    async def _admin_json(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        content = msgspec.json.encode(body) if body is not None else None
+        headers = {"content-type": "application/json"} if body is not None else None
+        r = await self._send(method, path, content=content, headers=headers)
+        if r.status_code != 200:
+            raise IopError(f"{self.url}{path} answered {r.status_code}: {_message(r)}")
+        answer: dict[str, Any] = msgspec.json.decode(r.content)
+        return answer
 
     async def _send(
         self,

@@ -56,6 +56,8 @@ def render_status(status: Status) -> str:
                 queued = str(p.queued)
                 if p.breaker in ("open", "half_open"):
                     cap += f" ({p.breaker.replace('_', '-')})"
+                if p.qualifying:
+                    cap += " (qualifying)"
             if p.refused:
                 cap += f" (refused: {p.refused})"
             rows.append(
@@ -77,6 +79,14 @@ def render_status(status: Status) -> str:
     devices = [[n.id, describe_device(n.device)] for n in status.nodes if n.device is not None]
     if devices:
         out += ["", _table([["NODE", "DEVICE"], *devices])]
+    qualified = [
+        [p.id, str(q.configured_capacity or "-"), str(q.recommended_capacity or "-"), q.date, q.verdict]
+        for n in status.nodes
+        for p in n.providers
+        if isinstance(p, PoolProviderStatus) and (q := p.qualification) is not None
+    ]
+    if qualified:
+        out += ["", _table([["QUALIFIED", "CAPACITY", "RECOMMENDED", "DATE", "VERDICT"], *qualified])]
     if status.pools:
         prow = [["POOL", "CANDIDATES", "CONNECTED", "USABLE/TOTAL", "IN FLIGHT", "WAITING"]]
         for pool in status.pools:

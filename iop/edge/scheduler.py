@@ -52,9 +52,11 @@ class ProviderSlots:
     """Half-open: one request is out to see whether it works again."""
     removed: bool = False
     """Taken out by a refresh: takes no new work, finishes what it runs, then disappears."""
+    drained: bool = False
+    """Out of its pools for an exclusive qualification: pinned requests only (iop/edge/qualify.py)."""
 
     def usable(self, now: float) -> bool:
-        if not self.connected or self.removed or self.in_flight >= self.capacity:
+        if not self.connected or self.removed or self.drained or self.in_flight >= self.capacity:
             return False
         if self.open_until:
             return now >= self.open_until and not self.trial
@@ -119,6 +121,21 @@ class PoolQueue:
         return any(p.connected for p in self.providers)
 
 
+@dataclass(eq=False)
+class PinnedQueue(PoolQueue):
+    """Requests pinned to one provider by a qualification: no pool, the breaker and a drain ignored.
+
+    It sits in the provider's `pools` so that a freed slot reaches its waiters in arrival order
+    with everyone else's; the slot is taken and released like any pool request's.
+    """
+
+    def best(self, exclude: frozenset[str] = frozenset()) -> ProviderSlots | None:
+        p = self.providers[0]
+        if p.connected and not p.removed and p.in_flight < p.capacity:
+            return p
+        return None
+
+
 class Scheduler:
     """Admission for pool aliases: take a slot now, or wait in the pool's FIFO until one frees."""
 
@@ -155,7 +172,30 @@ class Scheduler:
         `max_waiting` requests already wait or their bytes would pass `max_waiting_bytes`,
         Unavailable when no provider of the pool can take it or the wait outlasts the deadline.
         """
-        pool = self.pools[alias]
+        return await self._acquire(self.pools[alias], deadline, exclude, size)
+
+    async def acquire_pinned(self, provider: str, deadline: float) -> ProviderSlots:
+        """A slot of `provider` itself, whatever pool it is in (qualification; admin only)."""
+        slot = self.providers.get(provider)
+        if slot is None:
+            raise Unavailable(f"provider '{provider}' has no capacity here", code="no_provider")
+        pinned = next((q for q in slot.pools if isinstance(q, PinnedQueue)), None)
+        if pinned is None:
+            pinned = PinnedQueue(f"pinned:{provider}", [slot])
+            slot.pools.append(pinned)
+        return await self._acquire(pinned, deadline, frozenset())
+
+    def set_drained(self, provider: str, drained: bool) -> None:
+        """Take a provider out of its pools (no new user work) or put it back."""
+        slot = self.providers.get(provider)
+        if slot is None or slot.drained == drained:
+            return
+        slot.drained = drained
+        if not drained:
+            self._pump(slot.pools)
+
+    async def _acquire(self, pool: PoolQueue, deadline: float, exclude: frozenset[str], size: int = 0) -> ProviderSlots:
+        alias = pool.alias
         if not pool.waiters:
             slot = pool.best(exclude)
             if slot is not None:
@@ -164,8 +204,9 @@ class Scheduler:
                 return slot
         if not any(p.seen for p in pool.providers):
             await self._await_connected(pool, deadline)
-            return await self.acquire(alias, deadline, exclude, size)
-        retry_s = self.retry_after(pool, exclude)
+            return await self._acquire(pool, deadline, exclude, size)
+        # A pinned request waits for its provider whatever its breaker says: it measures it.
+        retry_s = None if isinstance(pool, PinnedQueue) else self.retry_after(pool, exclude)
         if retry_s is not None:
             raise _pool_unavailable(alias, retry_s)
         if len(pool.waiters) >= self.max_waiting:
@@ -232,6 +273,8 @@ class Scheduler:
         """Tell the waiters of a pool that just lost its last usable provider, instead of letting
         them wait out the queue timeout for a slot that cannot come."""
         for pool in pools:
+            if isinstance(pool, PinnedQueue):
+                continue  # its provider's breaker does not stop a qualification
             for waiter in list(pool.waiters):
                 if waiter.future.done():
                     continue

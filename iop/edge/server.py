@@ -29,12 +29,13 @@ from iop.edge.keys import EdgeKeys
 from iop.edge.ledger import LedgerWriter, ensure_ledger_stream
 from iop.edge.metrics import CONTENT_TYPE, Metrics
 from iop.edge.observe import Observer
-from iop.edge.refresh import Refresher, publish_catalog
+from iop.edge.qualify import QualifyDesk, qualify_routes
+from iop.edge.refresh import Refresher, RefreshResult, publish_catalog
 from iop.edge.registry import Registry
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
 from iop.edge.status import status_of
-from iop.edge.status_schema import encode_status
+from iop.edge.status_schema import QualificationSummary, encode_status
 from iop.edge.ui import StatusFeed, ui_routes
 from iop.edge.usage import usage_endpoint, usage_tail_endpoint
 from iop.errors import (
@@ -114,6 +115,14 @@ class Edge:
         """`/status/events`: the live status the `/ui` page reads."""
         self.closing = asyncio.Event()
         """Set when the edge starts to stop: open streams (status pages, usage tails) end at once."""
+        self.qualify = QualifyDesk(self)
+
+    @property
+    def qualifications(self) -> dict[str, QualificationSummary]:
+        return self.qualify.summaries
+
+    async def refresh_to(self, new: config.Deployment) -> RefreshResult:
+        return await self.refresher.apply(new)
 
     async def start(self) -> None:
         if self.ledger is not None:
@@ -129,6 +138,7 @@ class Edge:
         await self.registry.start(self.nc)
         # Serving starts once the server has the reply and presence subscriptions.
         await bus.flush(self.nc)
+        await self.qualify.start()
 
     @property
     def drift(self) -> list[str]:
@@ -175,6 +185,7 @@ class Edge:
         return reasons
 
     async def stop(self) -> None:
+        await self.qualify.stop()
         await self.registry.stop()
         if self.ledger is not None:
             await self.ledger.stop()
@@ -272,6 +283,7 @@ def build_app(edge: Edge) -> ASGIApp:
             keys_on=lambda: bool(edge.keys.clients),
             ledger_on=lambda: getattr(edge, "ledger", None) is not None,
         ),
+        *qualify_routes(edge, lambda: edge.qualify, lambda: encode_status(status_of(edge))),
     ]
     app = Starlette(
         routes=routes,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from iop import __version__, config, wire
@@ -17,6 +17,7 @@ from iop.edge.status_schema import (
     PoolProviderStatus,
     PoolStatus,
     ProviderStatus,
+    QualificationSummary,
     RouteStatus,
     Status,
 )
@@ -43,6 +44,8 @@ class Observed(Protocol):
     def registry(self) -> Registry: ...
     @property
     def scheduler(self) -> Scheduler: ...
+    @property
+    def qualifications(self) -> Mapping[str, QualificationSummary]: ...
 
 
 def status_of(edge: Observed) -> Status:
@@ -85,6 +88,8 @@ def status_of(edge: Observed) -> Status:
                         breaker_open_for_s=round(slots.open_until - mono, 1) if slots.open_until > mono else None,
                         consecutive_failures=slots.failures,
                         refused=(live.refused or None) if live else None,
+                        qualifying=slots.drained,
+                        qualification=edge.qualifications.get(p.id),
                     )
                 )
             else:

@@ -26,6 +26,22 @@ class EdgeInfo(msgspec.Struct, kw_only=True):
     from another file); a restart or SIGHUP would undo these."""
 
 
+class QualificationSummary(msgspec.Struct, kw_only=True):
+    """The latest `iop qualify` result of a provider, as the edge keeps it (KV bucket `iop_qualify`)."""
+
+    date: str
+    """When the run finished, ISO 8601 UTC."""
+    verdict: str
+    """One line: the recommendation against the configured capacity, or why there is none."""
+    recommended_capacity: int | None = None
+    configured_capacity: int | None = None
+    checks_passed: int = 0
+    checks_failed: int = 0
+    device: str | None = None
+    """The node's machine as its hello described it, when known."""
+    model: str | None = None
+
+
 class PoolProviderStatus(msgspec.Struct, kw_only=True, tag="pool", tag_field="kind", omit_defaults=True):
     """A provider with a capacity, serving pools: the node's live counts and this edge's view of it."""
 
@@ -56,6 +72,10 @@ class PoolProviderStatus(msgspec.Struct, kw_only=True, tag="pool", tag_field="ki
     """Seconds until the breaker lets a trial through; only present while it is open."""
     refused: str | None = None
     """Why the node's own policy refuses to run it (`command not allowed`, ...); absent when it runs."""
+    qualifying: bool = False
+    """Drained out of its pools by an exclusive `iop qualify` run (no user work until it ends)."""
+    qualification: QualificationSummary | None = None
+    """The latest `iop qualify` result, if one was recorded."""
 
 
 class CliResourceStatus(msgspec.Struct, kw_only=True, tag="cli", tag_field="kind", omit_defaults=True):

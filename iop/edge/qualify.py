@@ -1,0 +1,441 @@
+"""Qualification at the edge: requests pinned to one provider, exclusive leases, and the results kept.
+
+Everything here is an admin action (`/admin/qualify/...`, an admin key or, without admin keys,
+loopback): a client key never pins a request to a provider, drains one or writes a result.
+
+- `POST /admin/qualify/providers/{provider}/v1/chat/completions` (and `/v1/responses`): the
+  request is served by that provider only. It still takes one of the provider's slots through the
+  scheduler (`Scheduler.acquire_pinned`), so this edge's counts and the broker's cap stay exact.
+- `POST /admin/qualify/leases` opens a session; `exclusive` drains the providers out of their
+  pools (no new user work) and may raise their capacity to a `ceiling` for the sweep (applied as a
+  refresh: consumers, node catalogs and the scheduler move together). The qualifier renews the
+  lease (`PUT .../leases/{id}`) every few seconds; when it ends (`DELETE`) or is not renewed in
+  time (the qualifier was killed), the edge puts everything back.
+- `GET /admin/qualify/status` is /status for the admin key the qualifier holds.
+- `PUT /admin/qualify/results/{provider}` keeps a report in the KV bucket `iop_qualify` (history
+  kept); `/status` shows its summary and `GET /admin/qualify/results` returns the latest reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from iop import config
+from iop.edge.api import (
+    ApiEndpoint,
+    Serving,
+    _check_content_type,
+    _read_body,
+    _send_error,
+    _TrackedSend,
+    _watch_disconnect,
+    parse_head,
+)
+from iop.edge.dispatch import Answer, DispatchResult, MakeItem, _Dispatch, _Lease
+from iop.edge.keys import EdgeKeys
+from iop.edge.observe import Trace, new_request_id
+from iop.edge.refresh import RefreshResult
+from iop.edge.relay import Channel, Relay
+from iop.edge.scheduler import PinnedQueue, Scheduler
+from iop.edge.status_schema import QualificationSummary
+from iop.errors import BadRequest, MethodNotAllowed, NotFound, RequestError, Unavailable, error_response
+
+log = logging.getLogger("iop.edge")
+
+RESULTS_BUCKET = "iop_qualify"
+"""KV bucket of qualification reports, key = provider id; written by the edge only (nodes have no right)."""
+RESULTS_HISTORY = 16
+"""Reports kept per provider (the latest is the one shown)."""
+LEASE_TTL_S = 6.0
+"""A lease not renewed within this is over: the qualifier renews every third of it."""
+LEASE_TTL_MAX_S = 60.0
+CEILING_FACTOR = 2
+"""An exclusive sweep may raise a provider's capacity to at most this many times the configured one."""
+
+_json = msgspec.json.Encoder().encode
+
+
+class LeaseRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    providers: list[str]
+    exclusive: bool = False
+    ceiling: int | None = None
+    """Exclusive only: the capacity each provider runs at during the lease (at most twice the configured one)."""
+    ttl_s: float = LEASE_TTL_S
+
+
+class LeaseGrant(msgspec.Struct, kw_only=True):
+    id: str
+    providers: list[str]
+    exclusive: bool
+    ttl_s: float
+    capacity: dict[str, int]
+    """The capacity in force per provider while the lease lasts."""
+    configured: dict[str, int]
+    """The capacity each provider has outside the lease."""
+
+
+class _Uploaded(msgspec.Struct):
+    """What the edge reads of a report it keeps: who it is about and its summary (the rest is kept as sent)."""
+
+    provider: str
+    summary: QualificationSummary
+
+
+_lease_request = msgspec.json.Decoder(LeaseRequest).decode
+_uploaded = msgspec.json.Decoder(_Uploaded).decode
+
+
+class Qualified(Serving, Protocol):
+    """What qualification needs from the edge beyond what a request needs."""
+
+    @property
+    def keys(self) -> EdgeKeys: ...
+    @property
+    def deployment(self) -> config.Deployment: ...
+    @property
+    def js(self) -> JetStreamContext: ...
+
+    async def refresh_to(self, new: config.Deployment) -> RefreshResult: ...
+
+
+@dataclass(eq=False)
+class _Session:
+    id: str
+    providers: list[str]
+    exclusive: bool
+    ttl_s: float
+    configured: dict[str, int]
+    capacity: dict[str, int]
+    timer: asyncio.TimerHandle | None = None
+    ended: bool = False
+
+
+@dataclass(eq=False)
+class QualifyDesk:
+    """The edge's side of `iop qualify`: leases, drains, raised capacities, and the kept reports."""
+
+    edge: Qualified
+    sessions: dict[str, _Session] = field(default_factory=dict)
+    summaries: dict[str, QualificationSummary] = field(default_factory=dict)
+    reports: dict[str, bytes] = field(default_factory=dict)
+    _kv: Any = None
+    _tasks: set[asyncio.Task[bool]] = field(default_factory=set)
+
+    async def start(self) -> None:
+        """Open (or create) the results bucket and load the latest report of every provider."""
+        js = self.edge.js
+        try:
+            self._kv = await js.key_value(RESULTS_BUCKET)
+        except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
+            self._kv = await js.create_key_value(js_api.KeyValueConfig(bucket=RESULTS_BUCKET, history=RESULTS_HISTORY))
+        await self._load()
+
+    async def _load(self) -> None:
+        try:
+            keys = await self._kv.keys()
+        except nats.js.errors.NoKeysError:
+            return
+        for key in keys:
+            try:
+                entry = await self._kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                continue
+            if entry.value:
+                self._keep(key, entry.value)
+
+    def _keep(self, provider: str, raw: bytes) -> None:
+        try:
+            self.summaries[provider] = _uploaded(raw).summary
+            self.reports[provider] = raw
+        except msgspec.DecodeError as exc:
+            log.warning("qualification report of %s in %s is unreadable: %s", provider, RESULTS_BUCKET, exc)
+
+    async def stop(self) -> None:
+        for s in list(self.sessions.values()):
+            await self.end(s.id)
+
+    # --- leases -----------------------------------------------------------------------------
+
+    async def grant(self, req: LeaseRequest, who: str) -> LeaseGrant:
+        sched = self.edge.scheduler
+        if not req.providers:
+            raise BadRequest("a lease names at least one provider", param="providers")
+        if not 1.0 <= req.ttl_s <= LEASE_TTL_MAX_S:
+            raise BadRequest(f"ttl_s must be between 1 and {LEASE_TTL_MAX_S:g}", param="ttl_s")
+        configured: dict[str, int] = {}
+        for pid in req.providers:
+            ref = self.edge.catalog.providers.get(pid)
+            if ref is None or ref.provider.capacity is None or pid not in sched.providers:
+                raise NotFound(f"provider '{pid}' does not exist or has no capacity", param="providers")
+            configured[pid] = ref.provider.capacity
+            if req.exclusive and any(pid in s.providers and s.exclusive for s in self.sessions.values()):
+                raise BadRequest(f"provider '{pid}' is already qualified exclusively", code="provider_busy", status=409)
+        capacity = dict(configured)
+        if req.exclusive and req.ceiling is not None:
+            for pid, cap in configured.items():
+                if not cap <= req.ceiling <= CEILING_FACTOR * cap:
+                    raise BadRequest(
+                        f"ceiling {req.ceiling} for '{pid}' must lie between its capacity {cap} "
+                        f"and {CEILING_FACTOR * cap}",
+                        param="ceiling",
+                    )
+                capacity[pid] = req.ceiling
+        elif req.ceiling is not None:
+            raise BadRequest("a ceiling above the capacity needs an exclusive lease", param="ceiling")
+        session = _Session(secrets.token_hex(8), list(req.providers), req.exclusive, req.ttl_s, configured, capacity)
+        self.sessions[session.id] = session
+        if req.exclusive:
+            for pid in session.providers:
+                sched.set_drained(pid, True)
+            if capacity != configured:
+                result = await self.edge.refresh_to(_with_capacities(self.edge.deployment, capacity))
+                if result.error:
+                    await self.end(session.id)
+                    raise Unavailable(f"could not raise the capacity for the sweep: {result.error}")
+        self._arm(session)
+        log.info(
+            "qualify lease %s by %s: %s%s",
+            session.id,
+            who,
+            ", ".join(f"{p} at {capacity[p]}" for p in session.providers),
+            " (exclusive: drained out of their pools)" if req.exclusive else "",
+        )
+        return self._grant_of(session)
+
+    def _grant_of(self, s: _Session) -> LeaseGrant:
+        return LeaseGrant(
+            id=s.id,
+            providers=s.providers,
+            exclusive=s.exclusive,
+            ttl_s=s.ttl_s,
+            capacity=s.capacity,
+            configured=s.configured,
+        )
+
+    def _arm(self, s: _Session) -> None:
+        if s.timer is not None:
+            s.timer.cancel()
+        s.timer = asyncio.get_running_loop().call_later(s.ttl_s, self._expire, s.id)
+
+    def _expire(self, sid: str) -> None:
+        log.warning("qualify lease %s was not renewed within its ttl: putting its providers back", sid)
+        task = asyncio.get_running_loop().create_task(self.end(sid))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def renew(self, sid: str) -> LeaseGrant:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise NotFound(f"qualify lease '{sid}' is over (ended or expired)", code="lease_over")
+        self._arm(s)
+        return self._grant_of(s)
+
+    async def end(self, sid: str) -> bool:
+        """Put the lease's providers back: their configured capacity, then their pools. False if already over."""
+        s = self.sessions.pop(sid, None)
+        if s is None or s.ended:
+            return False
+        s.ended = True
+        if s.timer is not None:
+            s.timer.cancel()
+        if s.capacity != s.configured:
+            # Only what this lease raised, and only if nobody changed it since (a refresh wins).
+            current = self.edge.catalog.providers
+            back = {
+                pid: cap
+                for pid, cap in s.configured.items()
+                if pid in current and current[pid].provider.capacity == s.capacity[pid]
+            }
+            if back:
+                result = await self.edge.refresh_to(_with_capacities(self.edge.deployment, back))
+                if result.error:
+                    log.error("qualify lease %s: could not restore the capacity: %s", sid, result.error)
+        if s.exclusive:
+            for pid in s.providers:
+                self.edge.scheduler.set_drained(pid, False)
+        log.info("qualify lease %s over: %s back in their pools", sid, ", ".join(s.providers))
+        return True
+
+    # --- results ----------------------------------------------------------------------------
+
+    async def store(self, provider: str, raw: bytes) -> None:
+        try:
+            up = _uploaded(raw)
+        except msgspec.DecodeError as exc:
+            raise BadRequest(f"not a qualification report: {exc}", code="invalid_report") from None
+        if up.provider != provider:
+            raise BadRequest(f"the report is about '{up.provider}', not '{provider}'", code="invalid_report")
+        if provider not in self.edge.catalog.providers:
+            raise NotFound(f"provider '{provider}' does not exist")
+        try:
+            await self._kv.put(provider, raw)
+        except (nats.errors.Error, OSError) as exc:
+            raise Unavailable(f"could not keep the report in {RESULTS_BUCKET}: {exc}") from exc
+        self._keep(provider, raw)
+
+    async def latest(self) -> bytes:
+        await self._load()  # another edge may have written since
+        return b'{"reports":[' + b",".join(self.reports[p] for p in sorted(self.reports)) + b"]}"
+
+
+def _with_capacities(dep: config.Deployment, capacity: dict[str, int]) -> config.Deployment:
+    nodes = [
+        msgspec.structs.replace(
+            n,
+            providers=[
+                msgspec.structs.replace(p, capacity=capacity[p.id]) if p.id in capacity else p for p in n.providers
+            ],
+        )
+        for n in dep.nodes
+    ]
+    return msgspec.structs.replace(dep, nodes=nodes)
+
+
+class PinnedDispatch(_Dispatch):
+    """A request pinned to one provider: a slot of that provider through the scheduler, no failover."""
+
+    def __init__(self, scheduler: Scheduler, relay: Relay, alias: str, provider: str, deadline: float) -> None:
+        super().__init__(relay, DispatchResult(alias, "pool", provider=provider), None)
+        self.scheduler = scheduler
+        self.provider = provider
+        self.deadline = deadline
+
+    async def run(self, make_item: MakeItem, answer: Answer) -> None:
+        exc: BaseException | None = None
+        try:
+            slot = await self.scheduler.acquire_pinned(self.provider, self.deadline)
+            pinned = next(q for q in slot.pools if isinstance(q, PinnedQueue))
+            lease = _Lease(self.scheduler, slot, pinned)
+            ch = self.relay.open(slot.node, on_started=lease.start, on_ended=lease.end)
+            self.result.attempts = 1
+            try:
+                await self.relay.dispatch_pool(ch, slot.id, make_item(ch))
+                self.result.error = await answer(ch, slot.id)
+            finally:
+                self._observe(ch)
+                self.relay.close(ch)
+                lease.end()
+        except BaseException as err:  # noted for the result (a cancelled client too), then raised on
+            exc = err
+            raise
+        finally:
+            self._finish(exc)
+
+
+class PinnedEndpoint(ApiEndpoint):
+    """`/admin/qualify/providers/{provider}/v1/...`: the OpenAI endpoint, served by one provider."""
+
+    def __init__(self, edge: Qualified, api: Any) -> None:
+        super().__init__(edge, api)
+        self.qualified = edge
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The trace is never finished: a measurement is not usage, so it leaves no ledger record.
+        out = _TrackedSend(send, Trace(scope.get("iop.request_id") or new_request_id(), self.api))
+        try:
+            if scope["method"] != "POST":
+                raise MethodNotAllowed("use POST")
+            self.qualified.keys.admin(scope)
+            provider = scope["path_params"]["provider"]
+            alias = self._alias_of(provider)
+            _check_content_type(scope)
+            body = await _read_body(scope, receive, self.edge.max_body_bytes)
+            _, stream = parse_head(self.api, body)
+            await self._serve_pinned(body, alias, provider, stream, receive, out)
+        except RequestError as exc:
+            if not out.started:
+                await _send_error(send, error_response(exc))
+
+    def _alias_of(self, provider: str) -> str:
+        """The first pool alias of the provider: what its node sees as the work item's alias."""
+        if provider not in self.edge.scheduler.providers:
+            raise NotFound(f"provider '{provider}' does not exist or has no capacity", code="unknown_provider")
+        for alias, members in self.edge.catalog.pools.items():
+            if provider in members:
+                return alias
+        return provider
+
+    async def _serve_pinned(
+        self, body: bytes, alias: str, provider: str, stream: bool, receive: Receive, out: _TrackedSend
+    ) -> None:
+        edge = self.edge
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.create_task(_watch_disconnect(receive, task))
+        arrived = asyncio.get_running_loop().time()
+        deadline = arrived + edge.queue_timeout_s
+        dispatch = PinnedDispatch(edge.scheduler, edge.relay, alias, provider, deadline)
+
+        async def answer(ch: Channel, prov: str) -> RequestError | None:
+            return await self._answer(ch, prov, stream, out, arrived, deadline)
+
+        try:
+            await dispatch.run(lambda ch: self._item(ch, body, alias, stream, out.trace.id), answer)
+        except asyncio.CancelledError:
+            if task.cancelling():
+                task.uncancel()
+        finally:
+            watcher.cancel()
+
+
+def qualify_routes(edge: Qualified, desk: Callable[[], QualifyDesk], status: Callable[[], bytes]) -> list[Route]:
+    """The admin routes of qualification (`desk()` is read per request: the edge owns it).
+
+    `status()` is the /status document: the qualifier reads it here with its admin key, which
+    /status itself (a client endpoint) does not take.
+    """
+
+    async def targets(request: Request) -> Response:
+        edge.keys.admin(request.scope)
+        return Response(status(), media_type="application/json")
+
+    async def leases(request: Request) -> Response:
+        who = edge.keys.admin(request.scope)
+        try:
+            req = _lease_request(await request.body())
+        except msgspec.DecodeError as exc:
+            raise BadRequest(f"invalid lease request: {exc}", code="invalid_json") from None
+        return Response(_json(await desk().grant(req, who)), media_type="application/json")
+
+    async def lease(request: Request) -> Response:
+        edge.keys.admin(request.scope)
+        sid = request.path_params["sid"]
+        if request.method == "DELETE":
+            ended = await desk().end(sid)
+            return Response(_json({"ended": ended}), media_type="application/json")
+        return Response(_json(desk().renew(sid)), media_type="application/json")
+
+    async def result(request: Request) -> Response:
+        edge.keys.admin(request.scope)
+        await desk().store(request.path_params["provider"], await request.body())
+        return Response(_json({"kept": True, "at": time.time()}), media_type="application/json")
+
+    async def results(request: Request) -> Response:
+        edge.keys.admin(request.scope)
+        return Response(await desk().latest(), media_type="application/json")
+
+    return [
+        Route("/admin/qualify/providers/{provider}/v1/chat/completions", PinnedEndpoint(edge, "chat")),
+        Route("/admin/qualify/providers/{provider}/v1/responses", PinnedEndpoint(edge, "responses")),
+        Route("/admin/qualify/status", targets, methods=["GET"]),
+        Route("/admin/qualify/leases", leases, methods=["POST"]),
+        Route("/admin/qualify/leases/{sid}", lease, methods=["PUT", "DELETE"]),
+        Route("/admin/qualify/results", results, methods=["GET"]),
+        Route("/admin/qualify/results/{provider}", result, methods=["PUT"]),
+    ]
