@@ -24,12 +24,13 @@ from iop import bus, wire
 from iop.bus import EmbeddedNats
 from iop.client import EdgeClient
 from iop.edge.keys import EdgeKeys, Key
+from iop.edge.scheduler import Scheduler
 from iop.edge.status_schema import PoolProviderStatus, QualificationSummary
 from iop.qualify import runner
 from iop.qualify.probes import Target, run_checks
 from iop.qualify.schema import Check, Recommendation, Report, decode_report, encode_report
 from tests.fakes import serve_asgi
-from tests.harness import EdgeHandle, deployment, deployment_running, eventually, iop_process
+from tests.harness import EdgeHandle, deployment, deployment_running, eventually, iop_process, until
 from tests.qualify_upstream import Flaw, LimitedUpstream
 
 ONE = """
@@ -372,3 +373,34 @@ async def test_a_node_credential_cannot_write_qualification_results(nats_server:
                 await nc.close()
             entry = await h.edge.qualify._kv.get("q")
             assert b"edge's own" in (entry.value or b"")
+
+
+async def test_pinned_slots_ignore_drain_and_breaker_and_are_never_a_breaker_trial() -> None:
+    s = Scheduler(100)
+    for pid in ("q", "o"):
+        s.add_provider(pid, "n1", 1)
+        s.set_connected(pid, True)
+    s.add_pool("m", ["q", "o"])
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    s.set_drained("q", True)
+    # Users get the other provider, then wait: the drained one takes no pool work.
+    assert (await s.acquire("m", deadline)).id == "o"
+    user = asyncio.create_task(s.acquire("m", deadline))
+    await until(lambda: s.waiting("m") == 1, s.changed)
+    # A pinned request takes q's slot although q is drained, and its breaker is open.
+    q = s.providers["q"]
+    for _ in range(3):
+        s.failed(q)
+    assert q.open_until
+    pinned = await s.acquire_pinned("q", deadline)
+    assert pinned is q and q.in_flight == 1 and not q.trial
+    # Its slot is capacity like any other: a second pinned request waits for the first.
+    second = asyncio.create_task(s.acquire_pinned("q", deadline))
+    await until(lambda: any(len(p.waiters) for p in q.pools), s.changed)
+    s.release(q)
+    assert await second is q and not user.done()
+    s.release(q)
+    s.set_drained("q", False)
+    s.release(s.providers["o"])
+    assert (await user).id == "o"

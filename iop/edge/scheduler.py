@@ -199,7 +199,7 @@ class Scheduler:
         if not pool.waiters:
             slot = pool.best(exclude)
             if slot is not None:
-                self._take(slot)
+                self._take(slot, pool)
                 pool.waits_s.append(0.0)
                 return slot
         if not any(p.seen for p in pool.providers):
@@ -290,10 +290,11 @@ class Scheduler:
         self.waiting_bytes -= waiter.size
         waiter.size = 0
 
-    def _take(self, slot: ProviderSlots) -> None:
+    def _take(self, slot: ProviderSlots, pool: PoolQueue) -> None:
         slot.in_flight += 1
         slot.dispatched += 1
-        if slot.open_until:
+        # A pinned request (qualification) says nothing to the breaker, so it is never its trial.
+        if slot.open_until and not isinstance(pool, PinnedQueue):
             slot.trial = True
 
     async def _await_connected(self, pool: PoolQueue, deadline: float) -> None:
@@ -435,7 +436,7 @@ class Scheduler:
             pool, waiter, slot = chosen
             pool.waiters.remove(waiter)
             self._left(waiter)
-            self._take(slot)
+            self._take(slot, pool)
             waiter.future.set_result(slot)
             self.changed.set()
 
