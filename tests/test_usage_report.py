@@ -174,3 +174,30 @@ async def test_request_ids_are_returned_generated_and_refused_when_unsafe(nats_s
         assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id"
         r = await http.post("/v1/chat/completions", json=BODY, headers={"x-request-id": "x" * 129})
         assert r.status_code == 400
+
+
+async def test_a_client_reads_only_its_own_usage_and_an_admin_reads_all(
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IOP_TEST_KEYS", "alice:k-alice,bob:k-bob")
+    monkeypatch.setenv("IOP_TEST_ADMIN", "ops:k-ops")
+    dep = deployment("edge: {api_keys_env: IOP_TEST_KEYS, admin_keys_env: IOP_TEST_ADMIN}\n" + MOCK)
+    async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+        for key in ("k-alice", "k-bob", "k-bob"):
+            r = await http.post("/v1/chat/completions", json=BODY, headers={"authorization": f"Bearer {key}"})
+            assert r.status_code == 200
+        # Without a key nothing is learnt, not even which methods exist, and nothing is recorded.
+        for _ in range(3):
+            assert (await http.get("/v1/chat/completions")).status_code == 401
+        await written(h, 3)
+        assert sorted(r.key for r in await all_records(h)) == ["alice", "bob", "bob"]
+
+        def by_key(r: object) -> dict[str, int]:
+            assert hasattr(r, "json")
+            return {row["key"]: row["requests"] for row in r.json()["rows"]}
+
+        as_alice = await http.get("/usage?by=key", headers={"authorization": "Bearer k-alice"})
+        assert as_alice.status_code == 200 and by_key(as_alice) == {"alice": 1}
+        as_ops = await http.get("/usage?by=key", headers={"authorization": "Bearer k-ops"})
+        assert as_ops.status_code == 200 and by_key(as_ops) == {"alice": 1, "bob": 2}
+        assert (await http.get("/usage")).status_code == 401

@@ -160,9 +160,10 @@ class ApiEndpoint:
         trace = Trace(scope.get("iop.request_id") or new_request_id(), self.api)
         out = _TrackedSend(send, trace)
         try:
+            # The key first: a caller without one learns nothing, and leaves no ledger record.
+            trace.key = self.edge.authorize(scope)
             if scope["method"] != "POST":
                 raise MethodNotAllowed("use POST")
-            trace.key = self.edge.authorize(scope)
             _check_content_type(scope)
             body = await _read_body(scope, receive, self.edge.max_body_bytes)
             trace.bytes_in = len(body)

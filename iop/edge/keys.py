@@ -80,6 +80,10 @@ class EdgeKeys:
             raise Unauthorized("missing or invalid API key (send Authorization: Bearer <key>)")
         return key
 
+    def holds_admin_key(self, scope: Scope) -> bool:
+        """The request carries one of the admin keys (never true without admin keys: no loopback rule)."""
+        return bool(self.admins) and _match(_bearer(scope), self.admins) is not None
+
     def admin(self, scope: Scope) -> str:
         """Who is asking for an admin action, as logs may say it; Forbidden/Unauthorized otherwise.
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Scope
 
 from iop.edge.ledger import RequestRecord
 from iop.edge.report import Aggregate, follow, parse_query, parse_time, read_records, record_json, to_csv
@@ -18,13 +19,33 @@ if TYPE_CHECKING:
     from iop.edge.server import Edge
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+Sink = Callable[[list[RequestRecord]], None]
 TAIL_BUFFER = 10_000
 """Records a slow `--tail` reader may fall behind by before the oldest are skipped."""
 
 
+def _reader(edge: Edge, scope: Scope) -> str | None:
+    """Whose records the caller may read: None for everyone's (an admin key, or an edge without
+    client keys), else the name of its own client key (Unauthorized without one).
+
+    The ledger names every client's keys, models and traffic: a client sees only its own. Unlike
+    /admin/*, being on the edge's machine is no admin key here: with client keys on, a caller
+    without a key reads nothing.
+    """
+    if edge.keys.holds_admin_key(scope):
+        return None
+    return edge.authorize(scope) or None
+
+
+def _only(who: str | None, sink: Sink) -> Sink:
+    if who is None:
+        return sink
+    return lambda records: sink([r for r in records if r.key == who])
+
+
 def usage_endpoint(edge: Edge) -> Endpoint:
     async def usage(request: Request) -> Response:
-        edge.authorize(request.scope)
+        who = _reader(edge, request.scope)
         q = request.query_params
         fmt = q.get("format", "json")
         if fmt not in ("json", "csv"):
@@ -33,7 +54,7 @@ def usage_endpoint(edge: Edge) -> Endpoint:
         if edge.ledger is None:
             raise Unavailable("the ledger is off on this edge (edge.ledger.enabled: false)", code="ledger_disabled")
         agg = Aggregate(query)
-        await read_records(edge.js, query, agg.add)
+        await read_records(edge.js, query, _only(who, agg.add))
         report = agg.report()
         report["records"] = agg.records
         if fmt == "csv":
@@ -45,7 +66,7 @@ def usage_endpoint(edge: Edge) -> Endpoint:
 
 def usage_tail_endpoint(edge: Edge) -> Endpoint:
     async def tail(request: Request) -> Response:
-        edge.authorize(request.scope)
+        who = _reader(edge, request.scope)
         if edge.ledger is None:
             raise Unavailable("the ledger is off on this edge (edge.ledger.enabled: false)", code="ledger_disabled")
         alias = request.query_params.get("model") or None
@@ -61,7 +82,7 @@ def usage_tail_endpoint(edge: Edge) -> Endpoint:
                     queue.get_nowait()  # a reader that cannot keep up sees the newest records
                 queue.put_nowait(r)
 
-        sub = await follow(edge.js, alias, sink, since)
+        sub = await follow(edge.js, alias, _only(who, sink), since)
 
         async def lines() -> AsyncIterator[bytes]:
             closing = asyncio.ensure_future(edge.closing.wait())
