@@ -155,7 +155,16 @@ class RunningRequests:
         except RequestError as exc:
             r.failed += 1
             # The operator's view of an upstream failure, under the id the client and the edge know.
-            log.warning("%s %s: request %s failed: %s: %s", r.kind, r.cfg.id, item.request_id or item.id, exc.code, exc)
+            # Its code and status only: the message may quote the upstream's error text or a
+            # command's stderr, which can repeat the prompt (only the client is told those).
+            log.warning(
+                "%s %s: request %s failed: %s (status %d)",
+                r.kind,
+                r.cfg.id,
+                item.request_id or item.id,
+                exc.code,
+                exc.status,
+            )
             if msg is not None:
                 await _quietly(msg.term())
             await _quietly(self.publish(item, failure(exc)))
