@@ -183,6 +183,13 @@ class ModelAlias(_Strict):
         Meta(description="Provider ids whose capacity serves this alias (a provider pool)."),
     ] = None
     route: Annotated[str | None, Meta(description="`node/provider`: a direct route to one CLI resource.")] = None
+    affinity_wait_ms: Annotated[
+        Millis,
+        Meta(
+            description="Pools: how long a request with a session key may wait for the provider that "
+            "served its session last while another is free (prefix-cache affinity). 0: never waits."
+        ),
+    ] = 0.0
 
 
 class CliAdapter(_Strict, tag="cli", tag_field="type"):
@@ -328,6 +335,8 @@ class Catalog:
     providers: dict[str, ProviderRef] = field(default_factory=dict)
     pools: dict[str, list[str]] = field(default_factory=dict)
     routes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    affinity_wait_s: dict[str, float] = field(default_factory=dict)
+    """Pools whose `affinity_wait_ms` is not 0, in seconds."""
 
     @classmethod
     def of(cls, dep: Deployment) -> Catalog:
@@ -336,13 +345,16 @@ class Catalog:
         }
         pools: dict[str, list[str]] = {}
         routes: dict[str, tuple[str, str]] = {}
+        waits: dict[str, float] = {}
         for m in dep.models:
             if m.pool is not None:
                 pools[m.alias] = list(m.pool)
+                if m.affinity_wait_ms:
+                    waits[m.alias] = m.affinity_wait_ms / 1000
             elif m.route is not None:
                 node_id, _, prov = m.route.partition("/")
                 routes[m.alias] = (node_id, prov)
-        return cls(providers=providers, pools=pools, routes=routes)
+        return cls(providers=providers, pools=pools, routes=routes, affinity_wait_s=waits)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import contextlib
 import hmac
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -69,6 +69,9 @@ class ChatHead(msgspec.Struct):
     messages: list[_Message]
     stream: bool = False
     tools: list[_Object] | None = None
+    prompt_cache_key: str | None = None
+    user: str | None = None
+    """Chat clients without a `prompt_cache_key` often name the session's user: a session key too."""
 
 
 class ResponsesHead(msgspec.Struct):
@@ -77,6 +80,7 @@ class ResponsesHead(msgspec.Struct):
     stream: bool = False
     tools: list[_Object] | None = None
     include: list[str] | None = None
+    prompt_cache_key: str | None = None
 
 
 _chat_head = msgspec.json.Decoder(ChatHead).decode
@@ -84,8 +88,17 @@ _responses_head = msgspec.json.Decoder(ResponsesHead).decode
 _decode_json = msgspec.json.Decoder().decode
 
 
-def parse_head(api: wire.Api, body: bytes) -> tuple[str, bool]:
-    """The model and stream flag, after checking the body is a request of this API at all."""
+class Head(NamedTuple):
+    model: str
+    stream: bool
+    cache_key: str | None
+    """`prompt_cache_key`: the client's session key (prefix-cache affinity)."""
+    user: str | None
+    """Chat's `user`: the session key of last resort (after the session-id headers)."""
+
+
+def parse_head(api: wire.Api, body: bytes) -> Head:
+    """The model, stream flag and session key, after checking the body is a request of this API at all."""
     if not body.isascii():
         # The edge skips most of the body; make sure what it forwards is UTF-8 all through.
         try:
@@ -97,9 +110,9 @@ def parse_head(api: wire.Api, body: bytes) -> tuple[str, bool]:
             chat = _chat_head(body)
             if not chat.messages:
                 raise BadRequest("'messages' must not be empty", param="messages")
-            return chat.model, chat.stream
+            return Head(chat.model, chat.stream, chat.prompt_cache_key, chat.user)
         resp = _responses_head(body)
-        return resp.model, resp.stream
+        return Head(resp.model, resp.stream, resp.prompt_cache_key, None)
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid request body: {_path_message(exc)}", param=_param(exc)) from None
     except msgspec.DecodeError as exc:
@@ -167,9 +180,10 @@ class ApiEndpoint:
             _check_content_type(scope)
             body = await _read_body(scope, receive, self.edge.max_body_bytes)
             trace.bytes_in = len(body)
-            model, stream = parse_head(self.api, body)
+            model, stream, cache_key, user = parse_head(self.api, body)
             trace.stream = stream
-            await self._serve(body, model, stream, receive, out)
+            session = cache_key or _session_header(scope) or user
+            await self._serve(body, model, stream, receive, out, session)
         except RequestError as exc:
             trace.error = exc.code
             if not out.started:
@@ -192,7 +206,9 @@ class ApiEndpoint:
             trace.error = trace.error or "client_cancelled"
         self.edge.observer.finish(trace)
 
-    async def _serve(self, body: bytes, model: str, stream: bool, receive: Receive, out: _TrackedSend) -> None:
+    async def _serve(
+        self, body: bytes, model: str, stream: bool, receive: Receive, out: _TrackedSend, session: str | None
+    ) -> None:
         edge = self.edge
         if model not in edge.catalog.pools and model not in edge.catalog.routes:
             raise NotFound(f"model '{model}' does not exist; GET /v1/models lists the models", param="model")
@@ -204,7 +220,7 @@ class ApiEndpoint:
         watcher = asyncio.create_task(_watch_disconnect(receive, task))
         try:
             if model in edge.catalog.pools:
-                await self._serve_pool(body, model, stream, out)
+                await self._serve_pool(body, model, stream, out, session)
             else:
                 await self._serve_direct(body, model, stream, out)
         except asyncio.CancelledError:
@@ -229,14 +245,22 @@ class ApiEndpoint:
             edge=edge.edge_id,
         )
 
-    async def _serve_pool(self, body: bytes, model: str, stream: bool, out: _TrackedSend) -> None:
+    async def _serve_pool(self, body: bytes, model: str, stream: bool, out: _TrackedSend, session: str | None) -> None:
         """Queue for a slot, dispatch, relay; the dispatch owns the slot and fails over."""
         edge = self.edge
         arrived = asyncio.get_running_loop().time()
         deadline = arrived + edge.queue_timeout_s
         trace = out.trace
         dispatch = PoolDispatch(
-            edge.scheduler, edge.relay, model, deadline, on_finished=self._on_finished(trace), size=len(body)
+            edge.scheduler,
+            edge.relay,
+            model,
+            deadline,
+            on_finished=self._on_finished(trace),
+            sessions=edge.scheduler.sessions,
+            session=session,
+            affinity_wait_s=edge.catalog.affinity_wait_s.get(model, 0.0),
+            size=len(body),
         )
 
         async def answer(ch: Channel, provider: str) -> RequestError | None:
@@ -426,6 +450,14 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
         if message["type"] == "http.disconnect":
             task.cancel()
             return
+
+
+def _session_header(scope: Scope) -> str | None:
+    """The `session-id` / `x-session-id` header (Codex sends one per session), if any."""
+    for name, value in scope["headers"]:
+        if name == b"session-id" or name == b"x-session-id":
+            return value.decode("latin-1") or None
+    return None
 
 
 def _check_content_type(scope: Scope) -> None:

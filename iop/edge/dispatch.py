@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from iop import wire
+from iop.edge.affinity import Sessions
 from iop.edge.relay import Channel, Relay
 from iop.edge.scheduler import PoolQueue, ProviderSlots, Scheduler
 from iop.errors import RequestError, Unavailable
@@ -66,6 +67,8 @@ class DispatchResult:
     duration_ms: float = 0.0
     report: wire.Done | wire.Failure | None = None
     """The node's last word on the last attempt: what only it knows (tokens, upstream status, exit code)."""
+    affinity: bool = False
+    """The last attempt went to the provider its session used last (prefix-cache affinity)."""
 
 
 Finished = Callable[[DispatchResult], None]
@@ -144,6 +147,9 @@ class PoolDispatch(_Dispatch):
         *,
         on_finished: Finished | None = None,
         size: int = 0,
+        sessions: Sessions | None = None,
+        session: str | None = None,
+        affinity_wait_s: float = 0.0,
     ) -> None:
         super().__init__(relay, DispatchResult(alias, "pool"), on_finished)
         self.size = size
@@ -152,6 +158,10 @@ class PoolDispatch(_Dispatch):
         self.alias = alias
         self.deadline = deadline
         """Loop clock: the latest a slot may be granted or the node may start the work."""
+        self.sessions = sessions if session else None
+        self.session = session or ""
+        """The request's session key (prefix-cache affinity); "" without one."""
+        self.affinity_wait_s = affinity_wait_s
 
     async def run(self, make_item: MakeItem, answer: Answer, responded: Callable[[], bool]) -> None:
         """Serve the request; raises the RequestError the client must get as an HTTP error.
@@ -163,9 +173,13 @@ class PoolDispatch(_Dispatch):
         last: RequestError | None = None
         exc: BaseException | None = None
         try:
+            sessions = self.sessions
+            prefer = sessions.preferred(self.alias, self.session) if sessions is not None else None
             while True:
                 try:
-                    slot = await self.scheduler.acquire(self.alias, self.deadline, tried, self.size)
+                    slot = await self.scheduler.acquire(
+                        self.alias, self.deadline, tried, self.size, prefer=prefer, prefer_wait_s=self.affinity_wait_s
+                    )
                 except Unavailable as unusable:
                     if last is not None and unusable.code == "pool_unavailable":
                         raise last from None  # no other provider to fail over to: the client hears why
@@ -175,6 +189,9 @@ class PoolDispatch(_Dispatch):
                     self.scheduler.trial_over(slot)
                     self.scheduler.release(slot)
                     raise Unavailable(f"model '{self.alias}' was removed by a refresh", code="model_removed")
+                if sessions is not None:
+                    self.result.affinity = sessions.served(self.alias, self.session, slot.id, prefer)
+                prefer = None  # a failover goes wherever is free; the provider that answers is remembered
                 try:
                     await self._attempt(slot, make_item, answer)
                     return

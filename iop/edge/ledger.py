@@ -93,6 +93,8 @@ class RequestRecord(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     """How long the node ran it (CLI: the process's run time)."""
     node_ttfb_ms: float | None = None
     """From the node's start until it sent the first answer byte: the gateway's own share is ttfb_ms minus this."""
+    affinity: bool = False
+    """Routed by prefix-cache affinity: the provider its session (session key) used last."""
 
 
 encode_batch = msgspec.msgpack.Encoder().encode

@@ -106,6 +106,7 @@ class Trace:
             exit_code=out.exit_code if out is not None else None,
             run_ms=(out.run_ms or None) if out is not None else None,
             node_ttfb_ms=(out.ttfb_ms or None) if out is not None else None,
+            affinity=res.affinity if res is not None else False,
         )
 
 

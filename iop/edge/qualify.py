@@ -356,7 +356,7 @@ class PinnedEndpoint(ApiEndpoint):
             alias = self._alias_of(provider)
             _check_content_type(scope)
             body = await _read_body(scope, receive, self.edge.max_body_bytes)
-            _, stream = parse_head(self.api, body)
+            stream = parse_head(self.api, body).stream
             await self._serve_pinned(body, alias, provider, stream, receive, out)
         except RequestError as exc:
             if not out.started:

@@ -31,7 +31,7 @@ class Change(msgspec.Struct, kw_only=True, omit_defaults=True):
     kind: str
     """node_added, node_removed, legacy_concurrency (metadata only), provider_added,
     provider_removed, provider_moved, capacity, model, provider_adapter, adapter_added,
-    adapter_removed, adapter_changed, pool_added, pool_removed, pool_members, route_added,
+    adapter_removed, adapter_changed, pool_added, pool_removed, pool_members, affinity_wait, route_added,
     route_removed, route_changed, max_body, queue, restart_needed."""
     target: str
     before: str | None = None
@@ -121,6 +121,11 @@ def diff(old: config.Deployment, new: config.Deployment) -> list[Change]:
                     after=", ".join(new_cat.pools[alias]),
                 )
             )
+    for alias in sorted(old_cat.pools.keys() & new_cat.pools.keys()):
+        a_wait, b_wait = old_cat.affinity_wait_s.get(alias, 0.0), new_cat.affinity_wait_s.get(alias, 0.0)
+        if a_wait != b_wait:
+            before, after = f"{a_wait * 1000:g} ms", f"{b_wait * 1000:g} ms"
+            changes.append(Change(kind="affinity_wait", target=alias, before=before, after=after))
     for alias in sorted(new_cat.routes.keys() - old_cat.routes.keys()):
         changes.append(Change(kind="route_added", target=alias, after="/".join(new_cat.routes[alias])))
     for alias in sorted(old_cat.routes.keys() - new_cat.routes.keys()):

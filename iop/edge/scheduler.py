@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from time import monotonic
 
+from iop.edge.affinity import Sessions
 from iop.errors import QueueFull, Unavailable
 
 CONNECT_GRACE_S = 2.5
@@ -79,6 +80,10 @@ class Waiter:
     exclude: frozenset[str]
     size: int = 0
     """Bytes of the request body it holds while it waits (counted in Scheduler.waiting_bytes)."""
+    prefer: str | None = None
+    """The provider its session used last (prefix-cache affinity): taken whenever it is free."""
+    holding: bool = False
+    """Waits for `prefer` even while another provider is free, until its `affinity_wait_ms` is over."""
 
 
 @dataclass(eq=False)
@@ -150,6 +155,8 @@ class Scheduler:
         self._connected = asyncio.Event()
         self.changed = asyncio.Event()
         """Set whenever a request starts or stops waiting (observers clear it, then wait)."""
+        self.sessions = Sessions()
+        """Prefix-cache affinity: the provider each session used last (the dispatch reads and feeds it)."""
 
     def add_provider(self, provider: str, node: str, capacity: int) -> ProviderSlots:
         slots = self.providers.get(provider)
@@ -164,15 +171,26 @@ class Scheduler:
             p.pools.append(pool)
 
     async def acquire(
-        self, alias: str, deadline: float, exclude: frozenset[str] = frozenset(), size: int = 0
+        self,
+        alias: str,
+        deadline: float,
+        exclude: frozenset[str] = frozenset(),
+        size: int = 0,
+        *,
+        prefer: str | None = None,
+        prefer_wait_s: float = 0.0,
     ) -> ProviderSlots:
         """A slot of a provider of `alias` (none of `exclude`); `deadline` is on the loop's clock.
+
+        `prefer` (prefix-cache affinity) is taken over the others whenever it has a free slot when
+        this request's turn comes; with `prefer_wait_s` the request waits up to that long for it
+        while others are free. FIFO order and the caps are the same with or without it.
 
         `size` is the bytes the request holds while it waits (its body). Raises QueueFull when
         `max_waiting` requests already wait or their bytes would pass `max_waiting_bytes`,
         Unavailable when no provider of the pool can take it or the wait outlasts the deadline.
         """
-        return await self._acquire(self.pools[alias], deadline, exclude, size)
+        return await self._acquire(self.pools[alias], deadline, exclude, size, prefer, prefer_wait_s)
 
     async def acquire_pinned(self, provider: str, deadline: float) -> ProviderSlots:
         """A slot of `provider` itself, whatever pool it is in (qualification; admin only)."""
@@ -194,17 +212,26 @@ class Scheduler:
         if not drained:
             self._pump(slot.pools)
 
-    async def _acquire(self, pool: PoolQueue, deadline: float, exclude: frozenset[str], size: int = 0) -> ProviderSlots:
+    async def _acquire(
+        self,
+        pool: PoolQueue,
+        deadline: float,
+        exclude: frozenset[str],
+        size: int = 0,
+        prefer: str | None = None,
+        prefer_wait_s: float = 0.0,
+    ) -> ProviderSlots:
         alias = pool.alias
+        hold = prefer_wait_s > 0 and self._holdable(pool, prefer, exclude)
         if not pool.waiters:
-            slot = pool.best(exclude)
+            slot = self._choice(pool, exclude, prefer, hold)
             if slot is not None:
                 self._take(slot, pool)
                 pool.waits_s.append(0.0)
                 return slot
         if not any(p.seen for p in pool.providers):
             await self._await_connected(pool, deadline)
-            return await self._acquire(pool, deadline, exclude, size)
+            return await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s)
         # A pinned request waits for its provider whatever its breaker says: it measures it.
         retry_s = None if isinstance(pool, PinnedQueue) else self.retry_after(pool, exclude)
         if retry_s is not None:
@@ -223,11 +250,16 @@ class Scheduler:
                 headers={"Retry-After": "1"},
             )
         loop = asyncio.get_running_loop()
-        waiter = Waiter(loop.create_future(), next(self._order), exclude, size)
+        waiter = Waiter(loop.create_future(), next(self._order), exclude, size, prefer, hold)
         queued_at = loop.time()
         pool.waiters.append(waiter)
         self.waiting_bytes += size
         self.changed.set()
+        hold_over = loop.call_later(prefer_wait_s, self._hold_over, pool, waiter) if hold else None
+        if len(pool.waiters) > 1:
+            # Someone ahead may hold out for its preferred provider while another is free: a request
+            # behind it takes that one now rather than waiting for the next release.
+            self._pump([pool])
         try:
             async with asyncio.timeout_at(deadline):
                 slot = await waiter.future
@@ -248,8 +280,40 @@ class Scheduler:
                     f"model '{alias}': no slot became free within the queue timeout", code="queue_timeout"
                 ) from None
             raise
+        finally:
+            if hold_over is not None:
+                hold_over.cancel()
         pool.waits_s.append(loop.time() - queued_at)
         return slot
+
+    def _holdable(self, pool: PoolQueue, prefer: str | None, exclude: frozenset[str]) -> bool:
+        """Whether `prefer` is a provider of the pool worth waiting for: in rotation and connected."""
+        p = self.providers.get(prefer) if prefer is not None else None
+        return (
+            p is not None
+            and pool in p.pools
+            and p.id not in exclude
+            and p.connected
+            and not p.removed
+            and not p.drained
+            and not p.open_until
+        )
+
+    def _choice(self, pool: PoolQueue, exclude: frozenset[str], prefer: str | None, hold: bool) -> ProviderSlots | None:
+        """The slot a request gets now: its preferred provider when free, else the pool's best
+        (None while it holds out for its preferred provider, which stays worth waiting for)."""
+        if prefer is not None:
+            p = self.providers.get(prefer)
+            if p is not None and pool in p.pools and p.id not in exclude and p.usable(monotonic()):
+                return p
+            if hold and self._holdable(pool, prefer, exclude):
+                return None
+        return pool.best(exclude)
+
+    def _hold_over(self, pool: PoolQueue, waiter: Waiter) -> None:
+        """A waiter's `affinity_wait_ms` is over: from now on any provider of its pool will do."""
+        waiter.holding = False
+        self._pump([pool])
 
     def retry_after(self, pool: PoolQueue, exclude: frozenset[str] = frozenset()) -> float | None:
         """None while a provider of the pool can take work now or once a running request ends;
@@ -425,11 +489,11 @@ class Scheduler:
                         break
                     if waiter.future.done():
                         continue
-                    slot = pool.best(waiter.exclude)
+                    slot = self._choice(pool, waiter.exclude, waiter.prefer, waiter.holding)
                     if slot is not None:
                         chosen = (pool, waiter, slot)
                         break
-                    if not waiter.exclude:
+                    if not waiter.exclude and not waiter.holding:
                         break  # nothing free for anyone here; later waiters can't do better
             if chosen is None:
                 return

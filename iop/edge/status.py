@@ -123,6 +123,7 @@ def status_of(edge: Observed) -> Status:
             )
         )
     pools = []
+    affinity = edge.scheduler.sessions.counts
     for alias, members in edge.catalog.pools.items():
         members_slots = [edge.scheduler.providers[m] for m in members]
         p50_ms, p95_ms = _wait_quantiles_ms(edge.scheduler.pools[alias].waits_s)
@@ -144,6 +145,9 @@ def status_of(edge: Observed) -> Status:
                 peak_running=edge.scheduler.pools[alias].peak_running,
                 queue_wait_p50_ms=p50_ms,
                 queue_wait_p95_ms=p95_ms,
+                affinity_wait_ms=round(edge.catalog.affinity_wait_s.get(alias, 0.0) * 1000, 3),
+                affinity_hits=affinity[alias].hits if alias in affinity else 0,
+                affinity_misses=affinity[alias].misses if alias in affinity else 0,
             )
         )
     routes = [

@@ -144,6 +144,13 @@ class PoolStatus(msgspec.Struct, kw_only=True):
     queue_wait_p50_ms: float | None = None
     """Median time the pool's recent admissions (up to 512) waited for a slot; None: none yet."""
     queue_wait_p95_ms: float | None = None
+    affinity_wait_ms: float = 0.0
+    """The pool's `affinity_wait_ms`: how long a session's request may wait for its last provider."""
+    affinity_hits: int = 0
+    """Requests this edge sent to the provider their session used last (prefix-cache affinity)."""
+    affinity_misses: int = 0
+    """Requests of a session this edge remembered that went to another provider (that one was busy,
+    out of rotation or gone)."""
 
 
 class RouteStatus(msgspec.Struct, kw_only=True):

@@ -1,0 +1,67 @@
+"""Prefix-cache affinity: which provider served a session last, so its next turn can go there again.
+
+A local model server answers a conversation's next turn far faster while the conversation's prefix
+is still in its cache. The edge remembers, per pool and session key, the provider that took the
+session's last request, and the scheduler prefers that provider when it has a free slot (or within
+the pool's `affinity_wait_ms`). Sessions live in one bounded LRU per edge: the oldest session is
+forgotten first, and a forgotten session costs one cache miss, nothing else.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+MAX_SESSIONS = 65_536
+"""Sessions one edge remembers (about 10 MB at most with long keys); the least recently used go first."""
+MAX_KEY_CHARS = 256
+"""Longer session keys are cut: a key is an identifier, never a payload to keep."""
+
+
+@dataclass
+class AffinityCounts:
+    """One pool's affinity decisions since this edge started."""
+
+    hits: int = 0
+    """Requests that went to the provider their session used last."""
+    misses: int = 0
+    """Requests of a known session that went elsewhere (that provider busy, gone or failed)."""
+
+
+class Sessions:
+    """The bounded LRU of (pool alias, session key) → provider id, and the per-pool counts."""
+
+    def __init__(self, max_sessions: int = MAX_SESSIONS) -> None:
+        self.max_sessions = max_sessions
+        self._last: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self.counts: dict[str, AffinityCounts] = {}
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def preferred(self, alias: str, session: str) -> str | None:
+        """The provider that served this session of `alias` last, if it is remembered."""
+        key = (alias, session[:MAX_KEY_CHARS])
+        provider = self._last.get(key)
+        if provider is not None:
+            self._last.move_to_end(key)
+        return provider
+
+    def served(self, alias: str, session: str, provider: str, preferred: str | None) -> bool:
+        """A slot of `provider` was granted to this session; returns whether affinity routed it."""
+        key = (alias, session[:MAX_KEY_CHARS])
+        self._last[key] = provider
+        self._last.move_to_end(key)
+        if len(self._last) > self.max_sessions:
+            self._last.popitem(last=False)
+        if preferred is None:
+            return False
+        counts = self.counts.get(alias)
+        if counts is None:
+            counts = self.counts[alias] = AffinityCounts()
+        hit = provider == preferred
+        if hit:
+            counts.hits += 1
+        else:
+            counts.misses += 1
+        return hit
