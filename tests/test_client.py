@@ -62,6 +62,9 @@ POOL_FIELDS = {
     "peak_running",
     "queue_wait_p50_ms",
     "queue_wait_p95_ms",
+    "affinity_wait_ms",
+    "affinity_hits",
+    "affinity_misses",
 }
 
 
