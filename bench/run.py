@@ -1,7 +1,7 @@
 """iop's benchmarks, one command: python -m bench [--quick] [--rounds N] [--only ...] [--out FILE]
 
 Starts the bench upstream, the edge and the nodes as processes of its own (from this source tree
-with `python -m iop`, or from an archive with --archive), runs the scenarios of issue #7 — each
+with `python -m iop`, or from an archive with --archive), runs the scenarios of issues #7 and #19 — each
 one DIRECT vs VIA IOP where that comparison exists, alternating the order every round — prints a
 table with medians [min..max] and every target with PASS/MISS and its gap, and writes the JSON.
 
@@ -11,6 +11,8 @@ table with medians [min..max] and every target with PASS/MISS and its gap, and w
     capacity    10,000 requests on a pool of capacities 2, 4, 4: over-cap, utilisation, queue wait
     scale       dispatch and /status at 3, 30, 300 providers; edge memory per waiting request
     startup     the archive's first and warm start to a served request
+    affinity    prefix-cache affinity: 16 sessions x 20 growing turns on a pool 2/4/4 whose providers
+                simulate a prefix cache; warm-turn rate and time to first token with and without
 
 Everything listens on 127.0.0.1; every load is bounded in count and time; only processes started
 here are ended, by PID, also on Ctrl-C.
@@ -30,13 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.abtest import AbOptions, run_ab
+from bench.affinity import AffinityOptions, run_affinity
 from bench.capacity import CapacityOptions, run_capacity
 from bench.procs import REPO, Owned, git_state, install_signal_handlers, loadavg, log, machine
 from bench.report import judge, render
 from bench.scale import ScaleOptions, run_memory, run_scale
 from bench.startup import StartupOptions, run_startup
 
-SCENARIOS = ("latency", "throughput", "relay", "capacity", "scale", "startup")
+SCENARIOS = ("latency", "throughput", "relay", "capacity", "scale", "startup", "affinity")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         if "startup" in only:
             st = StartupOptions(rounds=1 if a.quick else 3, archive=a.archive)
             attempt("startup", lambda: run_startup(owned, workdir, st))
+        if "affinity" in only:
+            af = AffinityOptions(storage=a.storage, archive=a.archive)
+            if a.quick:
+                af.turns = 10
+            attempt("affinity", lambda: run_affinity(owned, workdir, af))
     except KeyboardInterrupt:
         log("interrupted: stopping our processes")
         result["meta"]["interrupted"] = True
