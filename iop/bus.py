@@ -16,6 +16,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import ssl
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import unquote, urlsplit
 
 import nats
 import nats.errors
@@ -42,6 +44,26 @@ MAX_PAYLOAD = 8 * 1024 * 1024
 """The embedded server's max_payload: room for large prompts (Codex sends whole conversations)."""
 
 _LISTEN_RE = re.compile(rb"Listening for client connections on (\S+):(\d+)")
+_ROUTE_PROBLEM_RE = re.compile(
+    rb"(Error trying to connect to route.*|cluster name .* does not match .*|.*[Aa]uthorization.*)$"
+)
+
+_CLUSTER_CHATTER = (
+    b"Waiting for routing to be established",
+    b"has not established contact with a meta leader",
+    b"Metalayer blocking snapshot",
+    b"detected consumer remapping",
+)
+"""Warnings a cluster member logs on every start and stop: not news to an operator."""
+
+ROUTE_USER = "iop-route"
+"""The user cluster members present to each other's route port (password derived like every other)."""
+
+CLUSTER_WAIT_S = 30.0
+"""How long an edge waits at start for its NATS cluster to elect a JetStream leader before it gives up."""
+
+default_replicas: contextvars.ContextVar[int] = contextvars.ContextVar("default_replicas", default=1)
+"""Replicas of every stream and KV bucket iop creates (`edge.nats.replicas`): set once by the edge."""
 
 
 @dataclass(frozen=True)
@@ -208,10 +230,19 @@ class EmbeddedNats:
     """
 
     def __init__(
-        self, listen: str, store_dir: str | Path, *, lock: bool = True, nodes: Iterable[config.Node] = ()
+        self,
+        listen: str,
+        store_dir: str | Path,
+        *,
+        lock: bool = True,
+        nodes: Iterable[config.Node] = (),
+        cluster: config.ClusterSettings | None = None,
     ) -> None:
         self.host, _, port = listen.rpartition(":")
         self.port = int(port)
+        self.cluster = cluster
+        self.route_problems: list[str] = []
+        """The server's last complaints about its routes (refused, unreachable, wrong cluster name)."""
         self.store_dir = Path(store_dir)
         self.lock = lock
         self.nodes = list(nodes)
@@ -303,7 +334,7 @@ class EmbeddedNats:
         except BusError:
             await self.stop()
             raise
-        self._drain = asyncio.create_task(_drain_log(self.proc.stderr, self._reloaded))
+        self._drain = asyncio.create_task(_drain_log(self.proc.stderr, self._reloaded, self.route_problems))
         log.info(
             "embedded nats-server (pid %d) ready on %s (store %s, credentials in %s)",
             self.proc.pid,
@@ -330,8 +361,35 @@ class EmbeddedNats:
         return (
             f"host: {_quote(self.host)}\nport: {port}\n"
             f"max_payload: {MAX_PAYLOAD}\n"
-            f"jetstream {{ store_dir: {_quote(str(self.store_dir.resolve()))} }}\n"
+            f"jetstream {{ store_dir: {_quote(str(self.store_dir.resolve()))} }}\n" + self._cluster_conf()
         ) + self.credentials.authorization(self.nodes)
+
+    @property
+    def server_name(self) -> str | None:
+        """This member's name in the cluster (JetStream needs one per server), None when alone."""
+        c = self.cluster
+        if c is None:
+            return None
+        return c.server_name or f"{socket.gethostname()}-{c.listen.rpartition(':')[2]}"
+
+    def _cluster_conf(self) -> str:
+        """`server_name` and the `cluster` block; routes carry the route user's credential.
+
+        Every member derives the route password from the same secret, which is why the members
+        share `iop-nats-secret` (docs/scale-out.md): the nodes' passwords must work on any of them.
+        """
+        c = self.cluster
+        if c is None:
+            return ""
+        assert self.credentials is not None
+        password = self.credentials.password(ROUTE_USER)
+        routes = [f"nats-route://{ROUTE_USER}:{password}@{r}" for r in c.routes]
+        return (
+            f"server_name: {_quote(self.server_name or '')}\n"
+            f"cluster {{\n  name: {_quote(c.name)}\n  listen: {_quote(c.listen)}\n"
+            f"  authorization {{ user: {_quote(ROUTE_USER)}, password: {_quote(password)} }}\n"
+            f"  routes: [{', '.join(_quote(r) for r in routes)}]\n}}\n"
+        )
 
     async def authorize(self, nodes: Iterable[config.Node], timeout_s: float = 10.0) -> None:
         """Give the running server the users and permissions of `nodes` (a refreshed deployment).
@@ -400,12 +458,21 @@ AUTH_ERROR_EVERY_S = 60.0
 """The server's "authentication error" for one user is passed on once in this long (a removed node retries)."""
 
 
-async def _drain_log(stderr: asyncio.StreamReader, reloaded: asyncio.Event) -> None:
+async def _drain_log(stderr: asyncio.StreamReader, reloaded: asyncio.Event, route_problems: list[str]) -> None:
     # Keep reading so the pipe never fills and blocks the server; surface warnings and errors.
     said: dict[str, float] = {}
     while line := await stderr.readline():
         if b"Reloaded server configuration" in line:
             reloaded.set()
+        elif (b"[ERR]" in line) and (m := _ROUTE_PROBLEM_RE.search(line.strip())):
+            problem = re.sub(r" \(attempt \d+\)", "", m.group(1).decode(errors="replace"))
+            if problem in route_problems:
+                route_problems.remove(problem)
+            route_problems.append(problem)  # the latest last; only said when the cluster never forms
+            del route_problems[:-3]
+            log.debug("nats-server: %s", line.decode(errors="replace").strip())
+        elif any(benign in line for benign in _CLUSTER_CHATTER):
+            log.debug("nats-server: %s", line.decode(errors="replace").strip())
         elif b"[ERR]" in line or b"[WRN]" in line:
             text = line.decode(errors="replace").strip()
             if m := re.search(r'authentication error - User "([^"]*)"', text):
@@ -456,6 +523,8 @@ async def connect(
     """
     if access is None:
         access = default_access.get() or NatsAccess()
+    if not access.has_credentials:
+        access = url_access(url, access)
     tls = access.ssl_context()
     shown = _redact(url)
     loop = asyncio.get_running_loop()
@@ -548,6 +617,26 @@ async def connect(
     raise BusError(f"cannot connect to NATS at {shown} within {wait_s:g}s: {why}")
 
 
+def url_access(url: str, access: NatsAccess) -> NatsAccess:
+    """The credential written into the URL(s), given to nats-py explicitly.
+
+    nats-py sends a URL's user:password only to that URL; the servers a cluster advertises (and a
+    client fails over to) get only the explicit credential, and would refuse the connection.
+    """
+    for server in servers_of(url):
+        parts = urlsplit(server)
+        if parts.username and parts.password:
+            return dataclasses.replace(
+                access,
+                user=unquote(parts.username),
+                password=unquote(parts.password),
+                where="the credentials in the NATS URL",
+            )
+        if parts.username:
+            return dataclasses.replace(access, token=unquote(parts.username), where="the token in the NATS URL")
+    return access
+
+
 def _refusal(exc: BaseException, access: NatsAccess, url: str) -> str | None:
     """The one-line explanation of an error retrying cannot fix, or None for one it may."""
     if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower():
@@ -572,7 +661,117 @@ def _redact(url: str) -> str:
     return re.sub(r"//[^/@,]*@", "//***@", url)
 
 
-async def ensure_work_stream(js: JetStreamContext, *, memory: bool = False) -> None:
+async def wait_jetstream(nc: NATS, timeout_s: float = CLUSTER_WAIT_S, embedded: EmbeddedNats | None = None) -> float:
+    """Until JetStream answers (a cluster has elected its meta leader); seconds waited.
+
+    A single server answers at once; a cluster takes about 5 s after its members meet. Past
+    `timeout_s` one BusError line says why, from the embedded server's route complaints when it
+    has any (unreachable route, wrong cluster name, refused route credential).
+    """
+    js = nc.jetstream()
+    t0 = time.monotonic()
+    last = ""
+    while True:
+        try:
+            await js.account_info()
+            return time.monotonic() - t0
+        except (nats.errors.Error, TimeoutError) as exc:
+            last = str(exc) or type(exc).__name__
+        if time.monotonic() - t0 > timeout_s:
+            break
+        await asyncio.sleep(0.25)  # the cluster's election happens elsewhere; nothing here to wait on
+    why = "; ".join(dict.fromkeys(embedded.route_problems)) if embedded and embedded.route_problems else last
+    raise BusError(f"NATS JetStream not available within {timeout_s:g}s (no cluster quorum?): {why}")
+
+
+def _replicas(replicas: int | None) -> int:
+    return replicas if replicas is not None else default_replicas.get()
+
+
+def _replica_problem(what: str, replicas: int, exc: nats.js.errors.APIError) -> str:
+    return (
+        f"{what}: cannot keep {replicas} replicas ({exc.description or exc}); edge.nats.replicas must not exceed "
+        "the number of JetStream servers in the NATS cluster (1 without a cluster)"
+    )
+
+
+async def _until_led(js: JetStreamContext, stream: str, timeout_s: float = 10.0) -> None:
+    """Until a new stream has a leader: on a cluster its raft group forms after the create returns,
+    and reads (a KV direct get) before that find no responder."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        info = await js.stream_info(stream)
+        if info.cluster is None or info.cluster.leader:
+            return
+        await asyncio.sleep(0.05)  # the election happens in the servers; nothing here to wait on
+
+
+async def ensure_stream(
+    js: JetStreamContext, cfg: js_api.StreamConfig, *, replicas: int | None = None, scale: bool = True
+) -> None:
+    """Create stream `cfg` if missing, with the deployment's replicas; scale an existing one in place.
+
+    Idempotent and safe from several edges. `replicas` None: `default_replicas`. NATS moves a
+    live stream between R1 and R3 by itself (its consumers follow); when it cannot, one BusError
+    line names the stream and why. `scale` False (a node): never change an existing stream.
+    """
+    n = _replicas(replicas)
+    name = cfg.name
+    assert name is not None
+    cfg = dataclasses.replace(cfg, num_replicas=n)
+    try:
+        info = await js.stream_info(name)
+    except NotFoundError:
+        try:
+            await js.add_stream(cfg)
+            await _until_led(js, name)
+            return
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != 10058:  # 10058: the name is in use (another edge created it meanwhile)
+                raise BusError(_replica_problem(f"stream {cfg.name}", n, exc)) from exc
+        except nats.js.errors.APIError as exc:
+            raise BusError(_replica_problem(f"stream {cfg.name}", n, exc)) from exc
+        info = await js.stream_info(name)
+    have = info.config.num_replicas or 1
+    if have != n and scale:
+        try:
+            await js.update_stream(dataclasses.replace(info.config, num_replicas=n))
+        except nats.js.errors.APIError as exc:
+            raise BusError(_replica_problem(f"stream {cfg.name} (now {have} replicas)", n, exc)) from exc
+        log.warning("stream %s: replicas %d → %d (NATS copies it in place)", cfg.name, have, n)
+
+
+async def ensure_bucket(js: JetStreamContext, cfg: js_api.KeyValueConfig, *, replicas: int | None = None) -> Any:
+    """The KV bucket `cfg`, created if missing with the deployment's replicas, scaled in place if not."""
+    n = _replicas(replicas)
+    try:
+        kv = await js.key_value(cfg.bucket)
+    except (NotFoundError, nats.js.errors.BucketNotFoundError):
+        try:
+            kv = await js.create_key_value(dataclasses.replace(cfg, replicas=n))
+            await _until_led(js, f"KV_{cfg.bucket}")
+            return kv
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != 10058:
+                raise BusError(_replica_problem(f"KV bucket {cfg.bucket}", n, exc)) from exc
+        except nats.js.errors.APIError as exc:
+            raise BusError(_replica_problem(f"KV bucket {cfg.bucket}", n, exc)) from exc
+        kv = await js.key_value(cfg.bucket)
+    stream = f"KV_{cfg.bucket}"
+    info = await js.stream_info(stream)
+    have = info.config.num_replicas or 1
+    if have != n:
+        try:
+            await js.update_stream(dataclasses.replace(info.config, num_replicas=n))
+        except nats.js.errors.APIError as exc:
+            raise BusError(_replica_problem(f"KV bucket {cfg.bucket} (now {have} replicas)", n, exc)) from exc
+        log.warning("KV bucket %s: replicas %d → %d (NATS copies it in place)", cfg.bucket, have, n)
+    return kv
+
+
+async def ensure_work_stream(
+    js: JetStreamContext, *, memory: bool = False, replicas: int | None = None, scale: bool = True
+) -> None:
     """Create the work-queue stream if it does not exist (idempotent, safe from several edges)."""
     cfg = js_api.StreamConfig(
         name=wire.WORK_STREAM,
@@ -582,13 +781,7 @@ async def ensure_work_stream(js: JetStreamContext, *, memory: bool = False) -> N
         max_msg_size=MAX_PAYLOAD,
         duplicate_window=120.0,
     )
-    try:
-        await js.stream_info(wire.WORK_STREAM)
-    except NotFoundError:
-        try:
-            await js.add_stream(cfg)
-        except nats.js.errors.BadRequestError:
-            await js.stream_info(wire.WORK_STREAM)  # another edge created it meanwhile
+    await ensure_stream(js, cfg, replicas=replicas, scale=scale)
 
 
 def _consumer_config(provider: str, capacity: int) -> js_api.ConsumerConfig:
@@ -616,7 +809,7 @@ async def ensure_provider_consumer(js: JetStreamContext, provider: str, capacity
     except NotFoundError:
         await js.add_consumer(wire.WORK_STREAM, cfg)
         return
-    if update and info.config.max_ack_pending != capacity:
+    if update and (info.config.max_ack_pending != capacity or info.config.ack_wait != wire.ACK_WAIT_S):
         log.info("provider %s: capacity %s → %s", provider, info.config.max_ack_pending, capacity)
         await js.add_consumer(wire.WORK_STREAM, cfg)  # create-or-update with the same durable name
 
@@ -631,16 +824,15 @@ CATALOG_BUCKET = "iop_catalog"
 """KV bucket holding each node's section of the deployment (key: node id), written by the edge."""
 
 
-async def catalog_bucket(js: JetStreamContext) -> Any:
+async def catalog_bucket(js: JetStreamContext, *, replicas: int | None = None) -> Any:
     """The catalog bucket, created if missing (idempotent, safe from several edges).
 
     Direct gets are allowed on it: a node reads its key with `$JS.API.DIRECT.GET.<stream>.<subject>`,
     a subject NATS permissions can pin to that one key (the classic MSG.GET names it in the payload).
     """
-    try:
-        kv = await js.key_value(CATALOG_BUCKET)
-    except (NotFoundError, nats.js.errors.BucketNotFoundError):
-        return await js.create_key_value(js_api.KeyValueConfig(bucket=CATALOG_BUCKET, history=1, direct=True))
+    kv = await ensure_bucket(
+        js, js_api.KeyValueConfig(bucket=CATALOG_BUCKET, history=1, direct=True), replicas=replicas
+    )
     if not kv._direct:  # a bucket made before nodes had their own permissions
         info = await js.stream_info(natsauth.CATALOG_STREAM)
         await js.update_stream(dataclasses.replace(info.config, allow_direct=True))

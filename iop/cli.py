@@ -114,15 +114,29 @@ def _log_options(f: Any) -> Any:
 @click.option("--config", "config_file", required=True, type=click.Path(dir_okay=False), help="Deployment file.")
 @click.option("--listen", default=None, help="HOST:PORT for the HTTP API (overrides edge.listen).")
 @click.option("--nats", "nats_url", default=None, help="Use this NATS instead of edge.nats.url.")
+@click.option(
+    "--check-cluster",
+    is_flag=True,
+    help="Print each NATS server's health and each stream's replica state, then exit (non-zero if any is unwell).",
+)
 @click.option("-v", "--verbose", is_flag=True)
 @_log_options
 def edge_cmd(
-    config_file: str, listen: str | None, nats_url: str | None, verbose: bool, log_level: str, log_format: str
+    config_file: str,
+    listen: str | None,
+    nats_url: str | None,
+    check_cluster: bool,
+    verbose: bool,
+    log_level: str,
+    log_format: str,
 ) -> None:
     """Serve the OpenAI API for the deployment in FILE (starts the bundled nats-server by default)."""
     from iop.edge.server import run_edge
 
     loaded = _load_or_exit(config_file, show_warnings=False)
+    if check_cluster:
+        _check_cluster(loaded.deployment, nats_url)
+        return
     _logging(verbose, log_level, log_format)
     _log_warnings(loaded)
     try:
@@ -133,6 +147,23 @@ def edge_cmd(
         _fail(str(exc))
     except OSError as exc:
         _fail(f"cannot serve: {exc.strerror or exc}")
+
+
+def _check_cluster(dep: config_mod.Deployment, nats_url: str | None) -> None:
+    import asyncio
+
+    from iop import cluster
+
+    try:
+        url, access = cluster.target(dep, nats_url)
+        report = asyncio.run(cluster.check(url, access))
+    except IopError as exc:
+        _fail(str(exc))
+        return
+    for line in report.lines:
+        click.echo(line)
+    if not report.healthy:
+        sys.exit(1)
 
 
 @main.command("node")

@@ -31,6 +31,27 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
+class ClusterSettings(_Strict):
+    """The embedded nats-server as one member of a NATS cluster (one per edge machine)."""
+
+    name: Annotated[
+        Id, Meta(description="The cluster's name: the same on every member (a member with another is refused).")
+    ]
+    listen: Annotated[Address, Meta(description="host:port this member accepts routes from the others on.")]
+    routes: Annotated[
+        list[Address],
+        Meta(description="host:port of the other members' cluster listen addresses (this one may be listed too)."),
+    ] = msgspec.field(default_factory=list)
+    server_name: Annotated[
+        Id | None,
+        Meta(description="This member's JetStream name, unique in the cluster (default: host name and route port)."),
+    ] = None
+    start_wait_s: Annotated[
+        Seconds,
+        Meta(description="How long the edge waits at start for the other members and a JetStream leader."),
+    ] = 30.0
+
+
 class NatsSettings(_Strict):
     """How the edge and the nodes reach NATS."""
 
@@ -67,6 +88,19 @@ class NatsSettings(_Strict):
         FilePath | None, Meta(description="Client certificate (PEM) for NATS servers that verify clients.")
     ] = None
     tls_key: Annotated[FilePath | None, Meta(description="The private key (PEM) of tls_cert.")] = None
+    replicas: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=5,
+            description="Copies of the work stream, the KV buckets and the ledger kept by a NATS cluster "
+            "(1: one server; 3 on a 3-server cluster survives losing one). Changed in place on restart.",
+        ),
+    ] = 1
+    cluster: Annotated[
+        ClusterSettings | None,
+        Meta(description="Make the embedded server a member of a NATS cluster (url: embedded only)."),
+    ] = None
 
     def has_credentials(self) -> bool:
         return bool(self.token_env or (self.user_env and self.password_env))

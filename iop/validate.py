@@ -403,6 +403,13 @@ def _is_open_address(listen: object) -> bool:
     return not is_loopback(listen.rpartition(":")[0])
 
 
+def _cluster_members(cluster: dict[Any, Any]) -> int:
+    """Servers in an embedded cluster as the file names them: this member and its distinct routes."""
+    routes = cluster.get("routes") or []
+    names = {str(r) for r in routes if isinstance(r, str)} | {str(cluster.get("listen"))}
+    return len(names)
+
+
 def _entries(parent: object, key: str) -> list[tuple[int, dict[Any, Any]]]:
     """The mapping items of `parent[key]`, skipping whatever the structural check already rejected."""
     items = parent.get(key) if isinstance(parent, dict) else None
@@ -504,7 +511,20 @@ class CrossCheck:
             self.bad((*at, "tls_key"), "missing: tls_cert is set, so its private key tls_key is needed too")
         elif key and not cert:
             self.bad((*at, "tls_cert"), "missing: tls_key is set, so the certificate tls_cert is needed too")
-        if nats.get("url", self.defaults.nats_url) != "embedded":
+        replicas, cluster = nats.get("replicas", 1), nats.get("cluster")
+        embedded = nats.get("url", self.defaults.nats_url) == "embedded"
+        if cluster is not None and not embedded:
+            self.bad((*at, "cluster"), "applies to the embedded server (url: embedded); an external cluster is its own")
+        elif isinstance(replicas, int) and not isinstance(replicas, bool) and replicas > 1 and embedded:
+            members = _cluster_members(cluster) if isinstance(cluster, dict) else 1
+            if members < replicas:
+                where = f"a cluster of {members} servers (cluster.listen and routes)" if cluster else "one server"
+                self.bad(
+                    (*at, "replicas"),
+                    f"{replicas} replicas need at least {replicas} JetStream servers, and the embedded NATS is {where}"
+                    + ("" if cluster else ": add edge.nats.cluster, or set replicas: 1"),
+                )
+        if not embedded:
             return
         for name in ("tls_ca", "tls_cert", "tls_key"):
             if nats.get(name) is not None:

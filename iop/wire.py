@@ -16,8 +16,12 @@ HEARTBEAT_INTERVAL_S = 1.0
 """How often a node publishes its heartbeat; the edge marks it lost after `HEARTBEATS_MISSED`."""
 HEARTBEATS_MISSED = 3
 
-ACK_WAIT_S = 30.0
-"""JetStream ack wait for work; a running item is kept with `in_progress()` every third of it."""
+ACK_WAIT_S = 10.0
+"""JetStream ack wait for work; a running item is kept with `in_progress()` every third of it.
+
+It also bounds how long a message stays lost when it was delivered to a node's pull request just as
+the node's NATS server died (a cluster member lost): the broker redelivers it after this, the node
+claims it from its edge, and it runs once."""
 
 # Flow control of one answer: the node may have at most WINDOW_CHUNKS chunks and WINDOW_BYTES bytes
 # that the edge has not yet handed to its HTTP client. The edge grants credit each time its client

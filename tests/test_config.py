@@ -747,3 +747,29 @@ def test_cli_config_check_as_a_real_process() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("3 nodes, 4 providers (3 in pools, total capacity 10)")
     assert done.stderr == ""
+
+
+# --- clustering ---------------------------------------------------------------------------------
+
+
+def test_cluster_settings_what_the_file_can_tell() -> None:
+    three = ["10.0.0.1:6222", "10.0.0.2:6222", "10.0.0.3:6222"]
+    good = base()
+    good["edge"]["nats"] = {"replicas": 3, "cluster": {"name": "iop", "listen": three[0], "routes": three}}
+    nats = config.parse(yaml.safe_dump(good)).deployment.edge.nats
+    assert nats.replicas == 3 and nats.cluster is not None and nats.cluster.routes == three
+
+    two = base()
+    two["edge"]["nats"] = {"replicas": 3, "cluster": {"name": "iop", "listen": three[0], "routes": three[:2]}}
+    assert "3 replicas need at least 3 JetStream servers" in only_problem(two)
+
+    alone = base()
+    alone["edge"]["nats"] = {"replicas": 3}
+    assert "add edge.nats.cluster" in only_problem(alone)
+
+    external = base()
+    external["edge"]["nats"] = {"url": "nats://a:4222", "replicas": 3, "cluster": {"name": "iop", "listen": three[0]}}
+    assert "applies to the embedded server" in only_problem(external)
+
+    external["edge"]["nats"].pop("cluster")
+    assert config.parse(yaml.safe_dump(external)).deployment.edge.nats.replicas == 3  # the cluster is its own

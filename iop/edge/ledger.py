@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 import time
@@ -22,6 +23,8 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as js_api
+
+from iop import bus
 
 log = logging.getLogger("iop.edge")
 
@@ -113,17 +116,11 @@ async def ensure_ledger_stream(js: JetStreamContext, max_age_s: float, max_bytes
         max_bytes=max_bytes,
         duplicate_window=120.0,
     )
-    try:
-        info = await js.stream_info(LEDGER_STREAM)
-    except nats.js.errors.NotFoundError:
-        try:
-            await js.add_stream(cfg)
-            return
-        except nats.js.errors.BadRequestError:
-            info = await js.stream_info(LEDGER_STREAM)  # another edge created it meanwhile
-    have = info.config
+    # Created with edge.nats.replicas (bus.default_replicas), or scaled in place to them.
+    await bus.ensure_stream(js, cfg)
+    have = (await js.stream_info(LEDGER_STREAM)).config
     if have.max_bytes != max_bytes or abs((have.max_age or 0) - max_age_s) > 1e-3:
-        await js.update_stream(cfg)
+        await js.update_stream(dataclasses.replace(cfg, num_replicas=have.num_replicas))
 
 
 class LedgerWriter:

@@ -204,7 +204,7 @@ _BROKER_ERRORS = (nats.errors.Error, OSError)
 
 async def publish_catalog(nc: NATS, js: JetStreamContext, dep: config.Deployment, removed: Iterable[str] = ()) -> None:
     """Each node's section of the deployment, one KV key per node, for nodes run without a file."""
-    kv = await bus.catalog_bucket(js)
+    kv = await bus.catalog_bucket(js, replicas=dep.edge.nats.replicas)
     for node in dep.nodes:
         section = node_section(dep, node.id)
         try:

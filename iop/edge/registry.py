@@ -49,6 +49,8 @@ class Registry:
         self.scheduler = scheduler
         self.edge_id = edge_id
         self.on_node_lost = on_node_lost
+        self.on_reconnected: Callable[[], None] | None = None
+        """Called when the edge's NATS connection is back (the relay looks for answers lost meanwhile)."""
         self._refused_logged: dict[tuple[str, str], float] = {}
         self._nc: NATS | None = None
         self._task: asyncio.Task[None] | None = None
@@ -108,6 +110,8 @@ class Registry:
         now = time.monotonic()
         for st in self.nodes.values():
             st.last_seen_mono = max(st.last_seen_mono, now)
+        if self.on_reconnected is not None:
+            self.on_reconnected()
 
     def _admit(self, node_id: str, instance: str) -> tuple[NodeState | None, str, wire.Refusal]:
         st = self.nodes.get(node_id)

@@ -21,6 +21,15 @@ from nats.js.api import PubAck
 from iop import bus, wire
 from iop.errors import NodeLost, RelayGap, Unavailable, error_of, failure_of
 
+PUBLISH_TIMEOUT_S = 2.0
+"""One publish attempt to the work stream; a lost stream leader makes it time out (then retried)."""
+PUBLISH_RETRY_FIRST_S = 0.1
+PUBLISH_RETRY_MAX_S = 1.0
+LOST_ANSWER_CHECK_S = 2 * wire.PROBE_INTERVAL_S + 1.0
+"""After a reconnect, how long a request's node may stay silent before its answer counts as lost."""
+PUBLISH_GRACE_S = 1.0
+"""Retries go on this long past the item's deadline: a node's Started sent just before it still arrives."""
+
 log = logging.getLogger("iop.edge")
 
 HEADER_ROOM = 1024
@@ -67,6 +76,8 @@ class Channel:
     """The work's publish, when the request ended before its ack told the stream sequence."""
     outcome: wire.Done | wire.Failure | None = None
     """The node's last message: what only it knows (tokens, upstream status, exit code)."""
+    last_heard: float = 0.0
+    """Monotonic time of the node's last message about this request (a reply or a Probe)."""
 
     def start(self) -> None:
         if not self.started and not self.ended:
@@ -170,6 +181,7 @@ class Relay:
                 node = msg.subject.rsplit(".", 2)[-2]
                 self._spawn(self._abandon(Channel(reply.id, node)))
             return
+        ch.last_heard = time.monotonic()
         if isinstance(reply, wire.Chunk):
             if not ch.first_chunk_mono:
                 ch.first_chunk_mono = time.monotonic()
@@ -189,6 +201,8 @@ class Relay:
 
     def _credit_of(self, rid: str, subject: str) -> wire.Credit:
         ch = self._channel(rid, subject)
+        if ch is not None:
+            ch.last_heard = time.monotonic()
         if ch is None or ch.ended:
             # Unknown here (client gone, failed at the edge): the node stops the work.
             return wire.Credit(rid, 0, 0, known=False)
@@ -233,25 +247,41 @@ class Relay:
         """Publish the work to the provider's JetStream subject (the broker enforces its capacity)."""
         # The work stream refuses messages over bus.MAX_PAYLOAD even where the server allows more.
         data = self._framed(ch, item, min(self.nc.max_payload, bus.MAX_PAYLOAD))
-        publishing = asyncio.ensure_future(
-            self.js.publish(
-                wire.work_subject(provider),
-                data,
-                headers={"Nats-Msg-Id": item.id},  # a retried publish is not queued twice
-                timeout=5.0,
+        delay = PUBLISH_RETRY_FIRST_S
+        while True:
+            publishing = asyncio.ensure_future(
+                self.js.publish(
+                    wire.work_subject(provider),
+                    data,
+                    headers={"Nats-Msg-Id": item.id},  # a retried publish is not queued twice
+                    timeout=PUBLISH_TIMEOUT_S,
+                )
             )
-        )
-        try:
-            # Shielded: a client that leaves now must not cancel the publish half-way, since the
-            # stream may hold the work already and only the ack tells where (`close` withdraws it).
-            ack = await asyncio.shield(publishing)
-        except asyncio.CancelledError:
-            ch.publishing = publishing
-            raise
-        except (nats.errors.Error, TimeoutError) as exc:
-            ch.end()  # nothing reached a node: there is nothing to cancel
-            reason = str(exc) or type(exc).__name__
-            raise Unavailable(f"cannot queue the request on NATS: {reason}", code="bus_error") from exc
+            try:
+                # Shielded: a client that leaves now must not cancel the publish half-way, since the
+                # stream may hold the work already and only the ack tells where (`close` withdraws it).
+                ack = await asyncio.shield(publishing)
+                break
+            except asyncio.CancelledError:
+                ch.publishing = publishing
+                raise
+            except (nats.errors.Error, TimeoutError) as exc:
+                # The stream may be electing a new leader (a cluster lost a server), or have stored
+                # the message and lost only its ack. The same Msg-Id again is stored at most once
+                # (the stream's duplicate window), so retry until the item's deadline: past it a
+                # node terminates the message unrun, so giving up then cannot leave a second run.
+                if ch.started:
+                    return  # stored after all: a node runs it and this channel has its answer
+                late = time.time() + delay >= item.deadline + PUBLISH_GRACE_S
+                if late or isinstance(exc, nats.errors.ConnectionClosedError):
+                    ch.end()
+                    reason = str(exc) or type(exc).__name__
+                    raise Unavailable(f"cannot queue the request on NATS: {reason}", code="bus_error") from exc
+                log.info(
+                    "request %s: publish failed (%s); retrying in %.2fs", item.id, exc or type(exc).__name__, delay
+                )
+                await asyncio.sleep(delay)  # backoff while the broker recovers, not a synchronisation
+                delay = min(delay * 2, PUBLISH_RETRY_MAX_S)
         ch.stream_seq = ack.seq
 
     async def dispatch_direct(self, ch: Channel, node: str, resource: str, item: wire.WorkItem) -> None:
@@ -313,6 +343,40 @@ class Relay:
                 err = error_of(reply)
                 err.ended_stream = reply.ended and reply.chunks == expected
                 raise err
+
+    def bus_reconnected(self) -> None:
+        """Replies sent to this edge while it was cut off from NATS are lost (core NATS).
+
+        A node probes every request it runs each PROBE_INTERVAL_S, so a request it still runs is
+        heard from soon. One that stays silent after the reconnect, and has left the work stream
+        (acked: it finished), ran with its answer lost: it fails with relay_gap (not retried, it
+        ran) instead of its client waiting for ever. One still in the stream is queued or will be
+        redelivered, and runs.
+        """
+        since = time.monotonic()
+        waiting = [ch for ch in self.channels.values() if not ch.ended and ch.stream_seq]
+        if waiting:
+            self._spawn(self._answers_lost(waiting, since))
+
+    async def _answers_lost(self, channels: list[Channel], since: float) -> None:
+        await asyncio.sleep(LOST_ANSWER_CHECK_S)  # the nodes' probe period: what they would have said by now
+        for ch in channels:
+            if ch.ended or ch.last_heard >= since:
+                continue
+            if not ch.started:
+                try:
+                    await self.js.get_msg(wire.WORK_STREAM, ch.stream_seq)
+                    continue  # still in the stream: queued, or to be redelivered
+                except nats.js.errors.NotFoundError:
+                    pass
+                except (nats.errors.Error, TimeoutError):
+                    continue  # cannot tell: let it wait for its deadline
+            if ch.ended:
+                continue
+            log.warning("request %s: its answer was lost while this edge reconnected to NATS", ch.id)
+            ch.end()
+            lost = RelayGap("the answer was lost while the edge reconnected to NATS")
+            ch.queue.put_nowait(failure_of(lost, ch.id, -1))
 
     def close(self, ch: Channel) -> None:
         """Forget the request; if the node may still work on it, cancel it there."""

@@ -86,6 +86,8 @@ class Edge:
             max_connections=h.max_connections,
         )
         self.started_at = time.time()
+        # Every stream and bucket made in this edge's tasks (ledger, qualification) gets this many copies.
+        bus.default_replicas.set(deployment.edge.nats.replicas)
         self.scheduler = Scheduler(
             deployment.edge.queue.max_waiting, int(deployment.edge.queue.max_waiting_mb * 1024 * 1024)
         )
@@ -98,6 +100,7 @@ class Edge:
         self.on_request_finished: Finished | None = None
         """Called once with every served request's `DispatchResult` (pool and direct routes alike)."""
         self.registry = Registry(deployment, self.scheduler, self.edge_id, self.relay.node_lost)
+        self.registry.on_reconnected = self.relay.bus_reconnected
         self.refresher = Refresher(self, nc, self.js)
         self.refresher.tell_removed = self.registry.tell_removed
         self.keys = keys if keys is not None else EdgeKeys.from_settings(deployment.edge)
@@ -129,7 +132,7 @@ class Edge:
             cfg = self.deployment.edge.ledger
             await ensure_ledger_stream(self.js, cfg.max_age, cfg.max_bytes)
             self.ledger.start()
-        await bus.ensure_work_stream(self.js)
+        await bus.ensure_work_stream(self.js, replicas=self.deployment.edge.nats.replicas)
         for pid, ref in self.catalog.providers.items():
             if ref.provider.capacity is not None:
                 await bus.ensure_provider_consumer(self.js, pid, ref.provider.capacity)
@@ -343,11 +346,23 @@ async def run_edge(
     try:
         if url == "embedded":
             # A relative store_dir is relative to the working directory, like any path on a command line.
-            embedded = bus.EmbeddedNats(settings.nats.listen, Path(settings.nats.store_dir), nodes=dep.nodes)
+            embedded = bus.EmbeddedNats(
+                settings.nats.listen, Path(settings.nats.store_dir), nodes=dep.nodes, cluster=settings.nats.cluster
+            )
             await embedded.start()
             url = embedded.address
             access = embedded.access
         nc = await bus.connect(url, "iop-edge", access=access, wait_s=15.0)
+        try:
+            # A cluster (embedded member or external) needs its members and a JetStream leader
+            # before any stream can be made: a bounded wait, then one line saying why not.
+            cluster = settings.nats.cluster
+            waited = await bus.wait_jetstream(nc, cluster.start_wait_s if cluster else bus.CLUSTER_WAIT_S, embedded)
+        except BusError:
+            await nc.close()
+            raise
+        if waited > 0.5:
+            log.info("NATS JetStream ready after %.1fs", waited)
         edge = Edge(dep, nc, nats_url=url, keys=keys)
         if embedded is not None:
             edge.refresher.authorize_nodes = embedded.authorize  # users follow the deployment's nodes

@@ -224,7 +224,7 @@ class NodeRuntime:
             return
         assert r.cfg.capacity is not None
         try:
-            await bus.ensure_work_stream(js)
+            await bus.ensure_work_stream(js, scale=False)  # replicas are the edge's to set
             await bus.ensure_provider_consumer(js, r.cfg.id, r.cfg.capacity, update=False)
         except (nats.errors.Error, TimeoutError) as exc:
             # A node's own NATS user may read its consumer but not create it: the edge does, at
