@@ -464,8 +464,8 @@ async def _drain_log(stderr: asyncio.StreamReader, reloaded: asyncio.Event, rout
     while line := await stderr.readline():
         if b"Reloaded server configuration" in line:
             reloaded.set()
-        elif (b"[ERR]" in line) and (m := _ROUTE_PROBLEM_RE.search(line.strip())):
-            problem = re.sub(r" \(attempt \d+\)", "", m.group(1).decode(errors="replace"))
+        elif (b"[ERR]" in line) and (route := _ROUTE_PROBLEM_RE.search(line.strip())):
+            problem = re.sub(r" \(attempt \d+\)", "", route.group(1).decode(errors="replace"))
             if problem in route_problems:
                 route_problems.remove(problem)
             route_problems.append(problem)  # the latest last; only said when the cluster never forms
