@@ -65,7 +65,9 @@ async def test_qualify_recommends_the_knee_of_a_server_with_k_parallel_slots(
     async with limited(parallel=k, token_s=0.01, tokens_per_chunk=4) as (up, url):
         dep = deployment(ONE.format(up=url, cap=cap))
         async with deployment_running(dep, nats_server.url) as h:
-            opts = runner.Options(edge=h.url, exclusive=True, quick=True, output_tokens=16, out=tmp_path)
+            # 32 tokens: each level lasts ~1 s, long enough that a scheduling hiccup of a loaded
+            # machine does not move the knee.
+            opts = runner.Options(edge=h.url, exclusive=True, quick=True, output_tokens=32, out=tmp_path)
             lines: list[str] = []
             (report,) = await runner.run(opts, lines.append)
             rec = report.recommendation
