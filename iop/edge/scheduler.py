@@ -256,9 +256,11 @@ class Scheduler:
         self.waiting_bytes += size
         self.changed.set()
         hold_over = loop.call_later(prefer_wait_s, self._hold_over, pool, waiter) if hold else None
-        if len(pool.waiters) > 1:
-            # Someone ahead may hold out for its preferred provider while another is free: a request
-            # behind it takes that one now rather than waiting for the next release.
+        head = pool.waiters[0]
+        if head is not waiter and (head.holding or head.exclude):
+            # The oldest may be holding out for its preferred provider (or may not take one it failed
+            # on) while another is free: a request behind it takes that one now, not at the next
+            # release. With an ordinary oldest waiter nothing is free for anyone: skip the scan.
             self._pump([pool])
         try:
             async with asyncio.timeout_at(deadline):
