@@ -34,6 +34,8 @@ def _pool_capacity(pool: PoolStatus) -> str:
 def render_status(status: Status) -> str:
     edge = status.edge
     out = [f"edge {edge.id} v{edge.version} up {edge.uptime_s:.0f}s nats={edge.nats}"]
+    if edge.storage_error:
+        out.append(f"error: pool requests cannot be queued: {edge.storage_error}")
     if edge.drift:
         out.append(
             f"warning: the running deployment differs from the edge's file ({len(edge.drift)} changes, "

@@ -137,7 +137,7 @@ async def test_status_keeps_its_field_names_and_decodes_into_the_schema(
     async with deployment_running(deployment(MIXED), nats_server.url) as h, h.http() as http:
         raw = (await http.get("/status")).json()
         assert set(raw) == {"edge", "nodes", "pools", "routes"}
-        assert set(raw["edge"]) == {"id", "version", "uptime_s", "nats", "nats_connected", "drift"}
+        assert set(raw["edge"]) == {"id", "version", "uptime_s", "nats", "nats_connected", "drift", "storage_error"}
         (node,) = raw["nodes"]
         assert set(node) == NODE_FIELDS | {"providers"}
         cli, pool_provider = node["providers"]

@@ -19,6 +19,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
 from iop import bus, wire
+from iop.edge.storage import WorkStream
 from iop.errors import NodeLost, RelayGap, Unavailable, error_of, failure_of
 
 PUBLISH_TIMEOUT_S = 2.0
@@ -110,6 +111,8 @@ class Relay:
         """Replies dropped because they came from another node than the one a request was sent to."""
         self.bodies_by_reference = 0
         """Requests whose body was too large for one message and was fetched by the node in parts."""
+        self.work_stream: WorkStream | None = None
+        """Re-makes the work stream when a publish finds it gone (the edge sets it)."""
 
     async def start(self) -> None:
         await self.nc.subscribe(
@@ -248,6 +251,7 @@ class Relay:
         # The work stream refuses messages over bus.MAX_PAYLOAD even where the server allows more.
         data = self._framed(ch, item, min(self.nc.max_payload, bus.MAX_PAYLOAD))
         delay = PUBLISH_RETRY_FIRST_S
+        repaired = False
         while True:
             publishing = asyncio.ensure_future(
                 self.js.publish(
@@ -273,15 +277,31 @@ class Relay:
                 if ch.started:
                     return  # stored after all: a node runs it and this channel has its answer
                 late = time.time() + delay >= item.deadline + PUBLISH_GRACE_S
+                if (
+                    self.work_stream is not None
+                    and not repaired
+                    and isinstance(exc, nats.js.errors.NoStreamResponseError)
+                ):
+                    # Nothing stores the subject: the stream may be gone (deleted, lost with a failed
+                    # store). Make it and the consumers again, once per request, and publish at once.
+                    made = await self.work_stream.repair(exc)
+                    repaired = made is not None  # skipped (it failed a moment ago): try again later
+                    if made:
+                        continue
                 if late or isinstance(exc, nats.errors.ConnectionClosedError):
                     ch.end()
                     reason = str(exc) or type(exc).__name__
+                    if self.work_stream is not None:
+                        self.work_stream.failed(exc)
+                        reason = self.work_stream.error or reason
                     raise Unavailable(f"cannot queue the request on NATS: {reason}", code="bus_error") from exc
                 log.info(
                     "request %s: publish failed (%s); retrying in %.2fs", item.id, exc or type(exc).__name__, delay
                 )
                 await asyncio.sleep(delay)  # backoff while the broker recovers, not a synchronisation
                 delay = min(delay * 2, PUBLISH_RETRY_MAX_S)
+        if self.work_stream is not None:
+            self.work_stream.ok()
         ch.stream_seq = ack.seq
 
     async def dispatch_direct(self, ch: Channel, node: str, resource: str, item: wire.WorkItem) -> None:

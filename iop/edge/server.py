@@ -36,6 +36,7 @@ from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
 from iop.edge.status import status_of
 from iop.edge.status_schema import QualificationSummary, encode_status
+from iop.edge.storage import WorkStream
 from iop.edge.ui import StatusFeed, ui_routes
 from iop.edge.usage import usage_endpoint, usage_tail_endpoint
 from iop.errors import (
@@ -97,6 +98,8 @@ class Edge:
         for alias, members in self.catalog.pools.items():
             self.scheduler.add_pool(alias, members)
         self.relay = Relay(nc, self.js, self.edge_id)
+        self.work_stream = WorkStream(self.js, self._capacities)
+        self.relay.work_stream = self.work_stream
         self.on_request_finished: Finished | None = None
         """Called once with every served request's `DispatchResult` (pool and direct routes alike)."""
         self.registry = Registry(deployment, self.scheduler, self.edge_id, self.relay.node_lost)
@@ -176,11 +179,25 @@ class Edge:
         key = self.keys.client(scope)
         return key.name if key is not None else ""
 
+    def _capacities(self) -> dict[str, int]:
+        return {
+            pid: ref.provider.capacity
+            for pid, ref in self.catalog.providers.items()
+            if ref.provider.capacity is not None
+        }
+
+    @property
+    def storage_error(self) -> str | None:
+        """Why the work stream cannot take pool requests now (None while it can)."""
+        return self.work_stream.error
+
     def readiness(self) -> list[str]:
         """Why this edge should not get traffic now; empty when ready."""
         reasons = []
         if not self.nc.is_connected or self.nats_down:
             reasons.append(self.nats_down or "not connected to NATS")
+        if self.storage_error:
+            reasons.append(self.storage_error)
         mono = time.monotonic()
         for alias, pool in self.scheduler.pools.items():
             if not any(p.connected and p.breaker(mono) != "open" for p in pool.providers):
@@ -234,11 +251,18 @@ def build_app(edge: Edge) -> ASGIApp:
 
     async def healthz(request: Request) -> Response:
         # Liveness: an edge cut off from NATS can serve nothing; say so, so a supervisor can act.
+        # Storage too: an edge whose work stream cannot take work fails every pool request.
         connected = edge.nc.is_connected and not edge.nats_down
-        body: dict[str, Any] = {"ok": connected, "nats": connected}
+        if connected:
+            await edge.work_stream.recheck()
+        storage = edge.storage_error
+        ok = connected and storage is None
+        body: dict[str, Any] = {"ok": ok, "nats": connected, "storage": storage is None}
         if not connected:
             body["reason"] = edge.nats_down or "not connected to NATS"
-        return JSONResponse(body, 200 if connected else 503)
+        elif storage is not None:
+            body["reason"] = storage
+        return JSONResponse(body, 200 if ok else 503)
 
     async def readyz(request: Request) -> Response:
         reasons = edge.readiness()

@@ -37,6 +37,8 @@ class Observed(Protocol):
     @property
     def drift(self) -> list[str]: ...
     @property
+    def storage_error(self) -> str | None: ...
+    @property
     def deployment(self) -> config.Deployment: ...
     @property
     def catalog(self) -> config.Catalog: ...
@@ -162,6 +164,7 @@ def status_of(edge: Observed) -> Status:
             nats=edge.nats_url,
             nats_connected=edge.nats_connected,
             drift=edge.drift,
+            storage_error=edge.storage_error,
         ),
         nodes=nodes,
         pools=pools,

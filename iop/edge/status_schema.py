@@ -24,6 +24,8 @@ class EdgeInfo(msgspec.Struct, kw_only=True):
     drift: list[str] = msgspec.field(default_factory=list)
     """How the running deployment differs from the file the edge was started from (refreshes applied
     from another file); a restart or SIGHUP would undo these."""
+    storage_error: str | None = None
+    """Why the work stream cannot take pool requests now (every pool request fails with 503 bus_error)."""
 
 
 class QualificationSummary(msgspec.Struct, kw_only=True):
