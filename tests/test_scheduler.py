@@ -347,6 +347,18 @@ async def test_scheduler_refresh_fails_the_waiters_of_a_removed_pool() -> None:
     assert s.providers["p"].in_flight == 0
 
 
+async def test_scheduler_refresh_to_providers_not_yet_connected_lets_waiters_wait() -> None:
+    s = scheduler({"old": 1}, {"m": ["old"]})
+    held = await s.acquire("m", soon())
+    waiter = asyncio.create_task(s.acquire("m", soon()))
+    await waiting(s, "m", 1)
+    s.apply({"new": ("node-new", 1)}, {"m": ["new"]})  # its node has not connected yet
+    assert s.waiting("m") == 1 and not waiter.done()
+    s.set_connected("new", True)
+    assert (await granted(waiter)).id == "new"
+    s.release(held)
+
+
 async def test_scheduler_refresh_hands_new_capacity_to_waiters() -> None:
     s = scheduler({"p": 1}, {"m": ["p"]})
     await s.acquire("m", soon())

@@ -341,6 +341,8 @@ class Scheduler:
         for pool in pools:
             if isinstance(pool, PinnedQueue):
                 continue  # its provider's breaker does not stop a qualification
+            if not any(p.seen for p in pool.providers):
+                continue  # none connected yet (edge start, a refresh's new providers): they wait a grace
             for waiter in list(pool.waiters):
                 if waiter.future.done():
                     continue
