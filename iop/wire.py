@@ -93,6 +93,11 @@ def reply_prefix(edge: str) -> str:
     return f"{REPLY_ROOT}.{edge}"
 
 
+def edge_of(reply_to: str) -> str:
+    """The edge id in a reply subject (`reply_subject`)."""
+    return reply_to.removeprefix(REPLY_ROOT + ".").split(".", 1)[0]
+
+
 def reply_subject(edge: str, node: str, request: str) -> str:
     """Where node `node` answers `request`: NATS lets a node publish only under its own id here,
     and the edge takes a reply only from the node it sent the request to."""
@@ -263,6 +268,9 @@ class ProviderLive(msgspec.Struct, kw_only=True, omit_defaults=True):
     peak_in_flight: int = 0
     served: int = 0
     failed: int = 0
+    by_edge: dict[str, int] = msgspec.field(default_factory=dict)
+    """Of `in_flight`, how many each edge sent (edge id → count): lets every edge see the slots the
+    others hold, so it dispatches to a provider with a slot free whichever edge holds the rest."""
     refused: str = ""
     """Not served: the node's own policy refused it (`command not allowed`, ...)."""
 

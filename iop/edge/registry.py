@@ -183,6 +183,9 @@ class Registry:
         for p in st.cfg.providers:
             if p.capacity is not None:
                 live = st.live.get(p.id)
+                # Slots other edges hold there: this edge dispatches only where one is free for it.
+                held = sum(n for edge, n in live.by_edge.items() if edge != self.edge_id) if live else 0
+                self.scheduler.set_elsewhere(p.id, held)
                 # A provider the node's own policy refused is not served there: not connected.
                 self.scheduler.set_connected(p.id, live is not None and not live.refused)
         self.changed.set()
@@ -192,6 +195,7 @@ class Registry:
         log.warning("node %s lost: %s", st.cfg.id, reason)
         for p in st.cfg.providers:
             self.scheduler.set_connected(p.id, False)
+            self.scheduler.set_elsewhere(p.id, 0)  # its slots, everyone's, are gone with it
         self.on_node_lost(st.cfg.id, reason)
         self.changed.set()
 

@@ -39,6 +39,8 @@ class ProviderSlots:
     capacity: int
     pools: list[PoolQueue] = field(default_factory=list)
     in_flight: int = 0
+    elsewhere: int = 0
+    """Slots other edges hold, from the node's last heartbeat (at most one interval old)."""
     connected: bool = False
     seen: bool = False
     """Connected at least once since this edge started (before that, requests wait a grace period)."""
@@ -57,7 +59,7 @@ class ProviderSlots:
     """Out of its pools for an exclusive qualification: pinned requests only (iop/edge/qualify.py)."""
 
     def usable(self, now: float) -> bool:
-        if not self.connected or self.removed or self.drained or self.in_flight >= self.capacity:
+        if not self.connected or self.removed or self.drained or self.in_flight + self.elsewhere >= self.capacity:
             return False
         if self.open_until:
             return now >= self.open_until and not self.trial
@@ -65,7 +67,7 @@ class ProviderSlots:
 
     @property
     def free(self) -> int:
-        return self.capacity - self.in_flight if self.connected else 0
+        return self.capacity - self.in_flight - self.elsewhere if self.connected else 0
 
     def breaker(self, now: float) -> str:
         if not self.open_until:
@@ -136,7 +138,7 @@ class PinnedQueue(PoolQueue):
 
     def best(self, exclude: frozenset[str] = frozenset()) -> ProviderSlots | None:
         p = self.providers[0]
-        if p.connected and not p.removed and p.in_flight < p.capacity:
+        if p.connected and not p.removed and p.in_flight + p.elsewhere < p.capacity:
             return p
         return None
 
@@ -468,6 +470,16 @@ class Scheduler:
             asyncio.get_running_loop().call_later(slot.open_until - now + 0.001, self._cooled, slot)
             return
         self._pump(slot.pools)
+
+    def set_elsewhere(self, provider: str, held: int) -> None:
+        """Slots of `provider` other edges hold (its node's heartbeat); fewer than before: serve waiters."""
+        slot = self.providers.get(provider)
+        if slot is None or slot.elsewhere == held:
+            return
+        fewer = held < slot.elsewhere
+        slot.elsewhere = held
+        if fewer:
+            self._pump(slot.pools)
 
     def set_connected(self, provider: str, connected: bool) -> None:
         slot = self.providers.get(provider)

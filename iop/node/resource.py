@@ -20,6 +20,8 @@ class Resource:
     kind: str  # "pool" or "cli"
     in_flight: int = 0
     peak_in_flight: int = 0
+    by_edge: dict[str, int] = field(default_factory=dict)
+    """Of `in_flight`, per edge that sent it (heartbeats carry it to every edge)."""
     served: int = 0
     failed: int = 0
     workers: list[asyncio.Task[None]] = field(default_factory=list)
@@ -36,6 +38,7 @@ class Resource:
             peak_in_flight=self.peak_in_flight,
             served=self.served,
             failed=self.failed,
+            by_edge=dict(self.by_edge),
         )
 
 

@@ -91,6 +91,8 @@ class RunningRequests:
         r.in_flight += 1
         if r.in_flight > r.peak_in_flight:
             r.peak_in_flight = r.in_flight
+        edge = wire.edge_of(item.reply_to)
+        r.by_edge[edge] = r.by_edge.get(edge, 0) + 1
         # What the adapter learns (upstream status, exit code) travels back in Done/Failure.
         outcome = adapters.Outcome()
         adapters.outcome.set(outcome)  # this task's own context: no other item sees it
@@ -179,6 +181,10 @@ class RunningRequests:
             )
         finally:
             r.in_flight -= 1
+            if r.by_edge.get(edge, 0) <= 1:
+                r.by_edge.pop(edge, None)
+            else:
+                r.by_edge[edge] -= 1
             self.by_id.pop(item.id, None)
             self.changed.set()
 
