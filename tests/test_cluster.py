@@ -212,7 +212,7 @@ async def test_stream_leader_killed_mid_load_nothing_lost_nothing_twice(cluster:
             recover_s = max(gaps)
             new_leader = await stream_leader(js)
 
-            # Answered, or (an answer sent while its edge's own server died is lost in core NATS)
+            # Answered, or (an answer in flight through the server that died is lost in core NATS)
             # failed with relay_gap after it ran once, never retried by the edge.
             unanswered = {n: s for n, s in load.statuses.items() if s[-1] != 200}
             assert all(s == [502] and load.codes[n] == "relay_gap" for n, s in unanswered.items()), (

@@ -50,7 +50,9 @@ class Registry:
         self.edge_id = edge_id
         self.on_node_lost = on_node_lost
         self.on_reconnected: Callable[[], None] | None = None
-        """Called when the edge's NATS connection is back (the relay looks for answers lost meanwhile)."""
+        """Called when the edge's NATS connection is back (the relay restarts its silence clocks)."""
+        self.on_tick: Callable[[], None] | None = None
+        """Called every watch tick (the relay looks for requests whose answer was lost)."""
         self._refused_logged: dict[tuple[str, str], float] = {}
         self._nc: NATS | None = None
         self._task: asyncio.Task[None] | None = None
@@ -211,6 +213,8 @@ class Registry:
                 if self._nc.stats["reconnects"] != reconnects:
                     reconnects = self._nc.stats["reconnects"]
                     self.bus_reconnected()
+            if self.on_tick is not None:
+                self.on_tick()
             now = time.monotonic()
             for st in self.nodes.values():
                 if st.connected and now - st.last_seen_mono > LOST_AFTER_S:

@@ -26,8 +26,8 @@ PUBLISH_TIMEOUT_S = 2.0
 """One publish attempt to the work stream; a lost stream leader makes it time out (then retried)."""
 PUBLISH_RETRY_FIRST_S = 0.1
 PUBLISH_RETRY_MAX_S = 1.0
-LOST_ANSWER_CHECK_S = 2 * wire.PROBE_INTERVAL_S + 1.0
-"""After a reconnect, how long a request's node may stay silent before its answer counts as lost."""
+SILENT_S = 3 * wire.PROBE_INTERVAL_S + 2.0
+"""How long a running request's node may stay silent (no reply, no probe) before its answer counts as lost."""
 PUBLISH_GRACE_S = 1.0
 """Retries go on this long past the item's deadline: a node's Started sent just before it still arrives."""
 
@@ -79,6 +79,10 @@ class Channel:
     """The node's last message: what only it knows (tokens, upstream status, exit code)."""
     last_heard: float = 0.0
     """Monotonic time of the node's last message about this request (a reply or a Probe)."""
+    published_mono: float = 0.0
+    """When the work message was stored in the stream."""
+    checked: bool = False
+    """Whether the sweep has asked the stream about this request once already."""
 
     def start(self) -> None:
         if not self.started and not self.ended:
@@ -104,6 +108,7 @@ class Relay:
         self.prefix = wire.reply_prefix(edge_id)
         self.channels: dict[str, Channel] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._swept = 0.0
         self.peak_buffered_bytes = 0
         """The most answer bytes one request ever had waiting here for its HTTP client."""
         self.credits_sent = 0
@@ -303,6 +308,7 @@ class Relay:
         if self.work_stream is not None:
             self.work_stream.ok()
         ch.stream_seq = ack.seq
+        ch.published_mono = time.monotonic()
 
     async def dispatch_direct(self, ch: Channel, node: str, resource: str, item: wire.WorkItem) -> None:
         """Hand the request to a CLI resource by core request-reply (no queue, no capacity)."""
@@ -365,38 +371,48 @@ class Relay:
                 raise err
 
     def bus_reconnected(self) -> None:
-        """Replies sent to this edge while it was cut off from NATS are lost (core NATS).
+        """While this edge was cut off it heard nobody: every open request's silence starts now."""
+        now = time.monotonic()
+        for ch in self.channels.values():
+            ch.last_heard = max(ch.last_heard, now)
 
-        A node probes every request it runs each PROBE_INTERVAL_S, so a request it still runs is
-        heard from soon. One that stays silent after the reconnect, and has left the work stream
-        (acked: it finished), ran with its answer lost: it fails with relay_gap (not retried, it
-        ran) instead of its client waiting for ever. One still in the stream is queued or will be
-        redelivered, and runs.
+    def sweep(self) -> None:
+        """Fail, with relay_gap, requests whose answer was lost on the way (called every tick).
+
+        Replies are core NATS: those in flight when a server of the cluster dies (the node's or
+        this edge's) are lost. A node probes each request it runs every PROBE_INTERVAL_S, so one
+        silent for SILENT_S while started (or once heard from) is no longer running: its answer,
+        or its end, was lost. One never heard from whose work message has left the stream ran
+        with everything lost. Either way it ran once; relay_gap is not retried by the edge.
         """
-        since = time.monotonic()
-        waiting = [ch for ch in self.channels.values() if not ch.ended and ch.stream_seq]
-        if waiting:
-            self._spawn(self._answers_lost(waiting, since))
+        now = time.monotonic()
+        if now - self._swept < 1.0 or not self.nc.is_connected:
+            return
+        self._swept = now
+        for ch in list(self.channels.values()):
+            if ch.ended or now - max(ch.last_heard, ch.started_mono, ch.published_mono) < SILENT_S:
+                continue
+            if ch.started or ch.last_heard:
+                self._answer_lost(ch)
+            elif ch.stream_seq and not ch.checked:
+                ch.checked = True  # once: a request may wait in the broker for long, legitimately
+                self._spawn(self._check_gone(ch))
 
-    async def _answers_lost(self, channels: list[Channel], since: float) -> None:
-        await asyncio.sleep(LOST_ANSWER_CHECK_S)  # the nodes' probe period: what they would have said by now
-        for ch in channels:
-            if ch.ended or ch.last_heard >= since:
-                continue
-            if not ch.started:
-                try:
-                    await self.js.get_msg(wire.WORK_STREAM, ch.stream_seq)
-                    continue  # still in the stream: queued, or to be redelivered
-                except nats.js.errors.NotFoundError:
-                    pass
-                except (nats.errors.Error, TimeoutError):
-                    continue  # cannot tell: let it wait for its deadline
-            if ch.ended:
-                continue
-            log.warning("request %s: its answer was lost while this edge reconnected to NATS", ch.id)
-            ch.end()
-            lost = RelayGap("the answer was lost while the edge reconnected to NATS")
-            ch.queue.put_nowait(failure_of(lost, ch.id, -1))
+    async def _check_gone(self, ch: Channel) -> None:
+        try:
+            await self.js.get_msg(wire.WORK_STREAM, ch.stream_seq)
+            return  # still in the stream: queued, or to be redelivered after ack_wait
+        except nats.js.errors.NotFoundError:
+            pass
+        except (nats.errors.Error, TimeoutError):
+            return  # cannot tell: it waits for its deadline
+        if not ch.ended and not ch.last_heard:
+            self._answer_lost(ch)
+
+    def _answer_lost(self, ch: Channel) -> None:
+        log.warning("request %s: its node went silent; the answer was lost on the way (NATS)", ch.id)
+        ch.end()
+        ch.queue.put_nowait(failure_of(RelayGap("the answer was lost between node and edge"), ch.id, -1))
 
     def close(self, ch: Channel) -> None:
         """Forget the request; if the node may still work on it, cancel it there."""

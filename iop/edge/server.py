@@ -104,6 +104,7 @@ class Edge:
         """Called once with every served request's `DispatchResult` (pool and direct routes alike)."""
         self.registry = Registry(deployment, self.scheduler, self.edge_id, self.relay.node_lost)
         self.registry.on_reconnected = self.relay.bus_reconnected
+        self.registry.on_tick = self.relay.sweep
         self.refresher = Refresher(self, nc, self.js)
         self.refresher.tell_removed = self.registry.tell_removed
         self.keys = keys if keys is not None else EdgeKeys.from_settings(deployment.edge)
