@@ -109,6 +109,7 @@ class Relay:
         self.channels: dict[str, Channel] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._swept = 0.0
+        self._reconnected = 0.0
         self.peak_buffered_bytes = 0
         """The most answer bytes one request ever had waiting here for its HTTP client."""
         self.credits_sent = 0
@@ -372,9 +373,7 @@ class Relay:
 
     def bus_reconnected(self) -> None:
         """While this edge was cut off it heard nobody: every open request's silence starts now."""
-        now = time.monotonic()
-        for ch in self.channels.values():
-            ch.last_heard = max(ch.last_heard, now)
+        self._reconnected = time.monotonic()
 
     def sweep(self) -> None:
         """Fail, with relay_gap, requests whose answer was lost on the way (called every tick).
@@ -390,7 +389,8 @@ class Relay:
             return
         self._swept = now
         for ch in list(self.channels.values()):
-            if ch.ended or now - max(ch.last_heard, ch.started_mono, ch.published_mono) < SILENT_S:
+            quiet = now - max(ch.last_heard, ch.started_mono, ch.published_mono, self._reconnected)
+            if ch.ended or quiet < SILENT_S:
                 continue
             if ch.started or ch.last_heard:
                 self._answer_lost(ch)
