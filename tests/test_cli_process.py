@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import secrets
+import time
 from pathlib import Path
 
 import openai
 import pytest
 
+from iop import bus, wire
 from iop.bus import EmbeddedNats
-from tests.harness import deployment, node_process, running_edge
+from tests.harness import deployment, eventually, node_process, running_edge, running_node
 
 DEPLOYMENT = """
 models: [{alias: quick, route: n/quick-cli}]
@@ -59,3 +62,37 @@ async def test_a_failing_command_s_stderr_reaches_the_client_but_not_the_log(
         assert secret in str(failed.value)  # the client hears why
         await node.wait_line(r"request \S+ failed: cli_failed \(status 502\)")
     assert not [line for line in node.lines if secret in line]
+
+
+async def test_a_cli_request_whose_cancel_overtook_it_is_accepted_but_never_run(nats_server: EmbeddedNats) -> None:
+    # The Cancel and the request travel on different subjects, so a node may see the Cancel first
+    # (a client that left at once). Accepted, so the edge is not left waiting, but never run.
+    nc = await bus.connect(nats_server.url, "test-edge", wait_s=5)
+    try:
+        async with running_node(deployment(DEPLOYMENT), "n", nats_server.url) as node:
+            assert node._running is not None
+            running = node._running
+            rid = secrets.token_hex(12)
+            await nc.publish(wire.cancel_subject("n"), wire.encode(wire.Cancel(rid)))
+            await bus.flush(nc)
+
+            async def seen() -> bool:
+                return running.was_cancelled(rid)
+
+            await eventually(seen)
+            item = wire.WorkItem(
+                id=rid,
+                api="chat",
+                stream=False,
+                alias="quick",
+                body=b'{"model": "quick", "messages": [{"role": "user", "content": "hi"}]}',
+                reply_to=wire.reply_subject("test-edge", "n", rid),
+                deadline=time.time() + 30,
+            )
+            reply = await nc.request(wire.cli_subject("n", "quick-cli"), wire.encode(item), timeout=5)
+            assert isinstance(wire.decode_reply(reply.data), wire.Accepted)
+            # Started synchronously after the Accepted is queued, before it reaches the wire: by
+            # now a run would be there.
+            assert node.requests() == []
+    finally:
+        await nc.close()

@@ -31,6 +31,10 @@ async def subscribe(running: RunningRequests, r: Resource) -> Subscription:
             return
         if msg.reply:
             await running.nc.publish(msg.reply, wire.encode(wire.Accepted(item.id)))
+        if running.was_cancelled(item.id):
+            # Its client left and the Cancel overtook the request (they travel on different
+            # subjects): accepted, so the edge is not left waiting, but never run.
+            return
         running.start(r, item, None)
 
     return await running.nc.subscribe(
