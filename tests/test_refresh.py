@@ -336,3 +336,27 @@ async def test_a_refresh_from_another_file_is_shown_as_drift_until_sighup_reads_
             os.kill(edge.pid, signal.SIGHUP)
             await edge.wait_line(r"SIGHUP: capacity node-a/prov-a: 3 → 2")
             assert (await client.status()).edge.drift == []
+
+
+async def test_a_new_capacity_starts_a_new_peak_on_the_node(nats_server: EmbeddedNats) -> None:
+    # `iop smoke --edge` judges each provider's peak against its capacity: after a lowered
+    # capacity, the peak the old one allowed must not count against the new one.
+    gate = asyncio.Event()
+    async with fake_upstream(gate=gate) as a:
+        text = pool_yaml(a.url, "", 3, None)
+        dep = deployment(text)
+        async with running_edge(dep, nats_server.url) as h, running_node(dep, "node-a", nats_server.url) as node:
+            await h.edge.registry.wait_connected(["node-a"], timeout_s=10)
+            async with h.http() as http:
+                running = [asyncio.create_task(http.post("/v1/chat/completions", json=BODY)) for _ in range(3)]
+                await a.wait_for(lambda u: u.in_flight == 3)
+                gate.set()
+                assert all(x.status_code == 200 for x in await asyncio.gather(*running))
+                prov = node.resources["prov-a"]
+                assert prov.peak_in_flight == 3
+                r = await http.post("/admin/refresh", content=pool_yaml(a.url, "", 1, None))
+                assert r.json()["changes"] == ["capacity node-a/prov-a: 3 → 1"]
+                await until(lambda: prov.cfg.capacity == 1, node.changed)
+                assert prov.peak_in_flight == 0  # nothing runs now; the next requests set it again
+                assert (await http.post("/v1/chat/completions", json=BODY)).status_code == 200
+                assert prov.peak_in_flight == 1

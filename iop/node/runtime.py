@@ -212,6 +212,10 @@ class NodeRuntime:
                 continue
             r = existing
             before = r.cfg.capacity or 0
+            if p.capacity != r.cfg.capacity:
+                # The peak is measured against a capacity: a new capacity starts a new peak (from
+                # what runs now), so a lowered one is not judged by what the old one allowed.
+                r.peak_in_flight = r.in_flight
             r.cfg, r.adapter = p, adapter
             if r.kind == "pool" and (p.capacity or 0) > before:
                 # One fetch loop per slot: more slots, more loops (fewer: the extra loops end).

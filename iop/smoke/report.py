@@ -179,7 +179,7 @@ def judge(report: Report, settle_gaps: list[str], edge_log: list[str] | None = N
         rows.append(f"{pid} {p.peak_in_flight}/{p.capacity}")
         if p.peak_in_flight > p.capacity:
             over.append(f"{pid} reached {p.peak_in_flight} with capacity {p.capacity}")
-    measured = "measured on the nodes since they started"
+    measured = "measured on the nodes since they started or their capacity last changed"
     if over:
         checks.append(Check("provider peaks", False, "above capacity: " + "; ".join(over) + f" ({measured})"))
     else:
@@ -359,7 +359,7 @@ def to_json(report: Report) -> dict[str, Any]:
         "direct": plan.direct if plan else None,
         "requests_sent": plan.requests if plan else 0,
         "providers": provider_rows(report),
-        "peak_in_flight_since": "node start",
+        "peak_in_flight_since": "node start or the last capacity change",
         "pool": None
         if pool is None
         else {
