@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 from iop import __version__, config, wire
 from iop.edge.registry import Registry
@@ -50,6 +50,22 @@ class Observed(Protocol):
     def qualifications(self) -> Mapping[str, QualificationSummary]: ...
 
 
+class _Common(TypedDict):
+    """The fields of `ResourceStatus`, shared by both kinds of catalog entry."""
+
+    id: str
+    adapter: str
+    type: str
+    model: str | None
+    capacity: int | None
+    unlimited: bool
+    in_flight: int
+    peak_in_flight: int
+    served: int
+    failed: int
+    refused: str | None
+
+
 def status_of(edge: Observed) -> Status:
     """Every node once, every provider once under its node, then pools and direct routes."""
     now = time.time()
@@ -68,19 +84,23 @@ def status_of(edge: Observed) -> Status:
             live = st.live.get(p.id) if st.connected else None
             in_flight = live.in_flight if live else 0
             slots = edge.scheduler.providers.get(p.id)
+            common: _Common = {
+                "id": p.id,
+                "adapter": p.adapter,
+                "type": _type_of(adapter),
+                "model": p.model,
+                "capacity": p.capacity,
+                "unlimited": p.capacity is None,
+                "in_flight": in_flight,
+                "peak_in_flight": live.peak_in_flight if live else 0,
+                "served": live.served if live else 0,
+                "failed": live.failed if live else 0,
+                "refused": (live.refused or None) if live else None,
+            }
             if slots is not None:
                 providers.append(
                     PoolProviderStatus(
-                        id=p.id,
-                        adapter=p.adapter,
-                        type=_type_of(adapter),
-                        model=p.model,
-                        capacity=p.capacity,
-                        unlimited=p.capacity is None,
-                        in_flight=in_flight,
-                        peak_in_flight=live.peak_in_flight if live else 0,
-                        served=live.served if live else 0,
-                        failed=live.failed if live else 0,
+                        **common,
                         pools=pools_of.get(p.id, []),
                         dispatched_in_flight=slots.in_flight,
                         # Late binding: waiting requests belong to the pool, not to a provider. What
@@ -89,28 +109,12 @@ def status_of(edge: Observed) -> Status:
                         breaker=slots.breaker(mono),
                         breaker_open_for_s=round(slots.open_until - mono, 1) if slots.open_until > mono else None,
                         consecutive_failures=slots.failures,
-                        refused=(live.refused or None) if live else None,
                         qualifying=slots.drained,
                         qualification=edge.qualifications.get(p.id),
                     )
                 )
             else:
-                providers.append(
-                    CliResourceStatus(
-                        id=p.id,
-                        adapter=p.adapter,
-                        type=_type_of(adapter),
-                        model=p.model,
-                        capacity=p.capacity,
-                        unlimited=p.capacity is None,
-                        in_flight=in_flight,
-                        peak_in_flight=live.peak_in_flight if live else 0,
-                        served=live.served if live else 0,
-                        failed=live.failed if live else 0,
-                        route=routes_of.get(f"{node.id}/{p.id}"),
-                        refused=(live.refused or None) if live else None,
-                    )
-                )
+                providers.append(CliResourceStatus(**common, route=routes_of.get(f"{node.id}/{p.id}")))
         nodes.append(
             NodeStatus(
                 id=node.id,

@@ -44,23 +44,31 @@ class QualificationSummary(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
-class PoolProviderStatus(msgspec.Struct, kw_only=True, tag="pool", tag_field="kind", omit_defaults=True):
-    """A provider with a capacity, serving pools: the node's live counts and this edge's view of it."""
+class ResourceStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What every catalog entry shows, provider or CLI resource: its configuration and the node's counts."""
 
     id: str
     adapter: str
     type: str
-    """Adapter type: openai or mock."""
+    """Adapter type: openai or mock for a provider, cli for a CLI resource."""
     model: str | None
     """The model name sent upstream; None: the client's alias."""
     capacity: int | None
+    """None for a CLI resource: it has no capacity."""
     unlimited: bool
     in_flight: int
     """Running on the node, from its last heartbeat (0 while the node is not connected)."""
     peak_in_flight: int
-    """Most ever running at once on the node since the node started."""
+    """Most ever running at once on the node since the node started or the capacity last changed."""
     served: int
     failed: int
+    refused: str | None = None
+    """Why the node's own policy refuses to run it (`command not allowed`, ...); absent when it runs."""
+
+
+class PoolProviderStatus(ResourceStatus, tag="pool", tag_field="kind"):
+    """A provider with a capacity, serving pools: the node's live counts and this edge's view of it."""
+
     pools: list[str]
     """Pool aliases this provider serves."""
     dispatched_in_flight: int
@@ -72,33 +80,17 @@ class PoolProviderStatus(msgspec.Struct, kw_only=True, tag="pool", tag_field="ki
     consecutive_failures: int
     breaker_open_for_s: float | None = None
     """Seconds until the breaker lets a trial through; only present while it is open."""
-    refused: str | None = None
-    """Why the node's own policy refuses to run it (`command not allowed`, ...); absent when it runs."""
     qualifying: bool = False
     """Drained out of its pools by an exclusive `iop qualify` run (no user work until it ends)."""
     qualification: QualificationSummary | None = None
     """The latest `iop qualify` result, if one was recorded."""
 
 
-class CliResourceStatus(msgspec.Struct, kw_only=True, tag="cli", tag_field="kind", omit_defaults=True):
+class CliResourceStatus(ResourceStatus, tag="cli", tag_field="kind"):
     """A CLI resource: unlimited, never queued, reached by at most one direct route."""
 
-    id: str
-    adapter: str
-    type: str
-    """Adapter type: always cli."""
-    model: str | None
-    capacity: int | None
-    """Always None: a CLI resource has no capacity."""
-    unlimited: bool
-    in_flight: int
-    peak_in_flight: int
-    served: int
-    failed: int
     route: str | None
     """The alias routed to it, if any."""
-    refused: str | None = None
-    """Why the node's own policy refuses to run it (`command not allowed`, ...); absent when it runs."""
 
 
 ProviderStatus = PoolProviderStatus | CliResourceStatus
