@@ -152,6 +152,9 @@ class Started(msgspec.Struct, tag="s", array_like=True):
     instance: str
     ack: str = ""
     """The work message's JetStream ack subject: lets the edge free the slot if the node dies."""
+    held_ms: float = 0.0
+    """How long the node held this message back to send it with the answer's first bytes (see
+    `Replies`): the node began that much earlier than the edge hears of it."""
 
 
 class Chunk(msgspec.Struct, tag="c", array_like=True):
@@ -202,6 +205,21 @@ class Failure(msgspec.Struct, tag="f", array_like=True):
     ttfb_ms: float = 0.0
 
 
+class Replies(msgspec.Struct, tag="m", array_like=True):
+    """Several replies about one request in one NATS message, in order.
+
+    A node sends Started together with the answer's first bytes when they follow within
+    `STARTED_HOLD_S`, and a non-streamed answer's last chunk together with its Done: one message
+    instead of three for a short answer, one fewer for every answer.
+    """
+
+    items: list[Started | Chunk | Done | Failure]
+
+
+STARTED_HOLD_S = 0.002
+"""How long a node holds Started back waiting for the first answer bytes to travel with."""
+
+
 class Accepted(msgspec.Struct, tag="a", array_like=True):
     """A CLI resource took a direct request (the reply to the core NATS request)."""
 
@@ -236,7 +254,7 @@ class BodyPart(msgspec.Struct, tag="b", array_like=True):
     offset: int
 
 
-Reply = Started | Chunk | Done | Failure | Accepted | Claim | Probe | BodyPart
+Reply = Started | Chunk | Done | Failure | Replies | Accepted | Claim | Probe | BodyPart
 
 
 class Credit(msgspec.Struct, array_like=True):

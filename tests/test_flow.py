@@ -148,13 +148,15 @@ class PlayedEdge:
     async def on_message(self, msg: Msg) -> None:
         self.changed.set()
         reply = wire.decode_reply(msg.data)
-        if isinstance(reply, wire.Chunk):
-            self.chunks += 1
-            self.nbytes += len(reply.data)
-        elif isinstance(reply, wire.Failure):
-            self.failure = reply
-            self.failed.set()
-        elif isinstance(reply, wire.Probe):
+        # A node sends Started with the first chunk, and a Failure with what it held, as one Replies.
+        for one in reply.items if isinstance(reply, wire.Replies) else [reply]:
+            if isinstance(one, wire.Chunk):
+                self.chunks += 1
+                self.nbytes += len(one.data)
+            elif isinstance(one, wire.Failure):
+                self.failure = one
+                self.failed.set()
+        if isinstance(reply, wire.Probe):
             self.probed += 1
             if self.probes == "received":
                 credit = wire.Credit(self.request_id, self.chunks, self.nbytes)

@@ -712,10 +712,13 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                     # was sent to b.
                     forged = wire.encode(wire.Done(rid, 0))
                     await a.nc.publish(wire.reply_subject(edge_id, "a", rid), forged)
+                    # Each piece of a Replies is checked on its own: two pieces, two drops.
+                    bundle = wire.Replies([wire.Started(rid, "b", "i"), wire.Done(rid, 0)])
+                    await a.nc.publish(wire.reply_subject(edge_id, "a", rid), wire.encode(bundle))
                     await bus.flush(a.nc)
 
                     async def dropped() -> bool:
-                        return h.edge.relay.forged == 1
+                        return h.edge.relay.forged == 3
 
                     await eventually(dropped)
                     kv = await a.nc.jetstream().key_value("iop_catalog")

@@ -84,10 +84,11 @@ class Channel:
     checked: bool = False
     """Whether the sweep has asked the stream about this request once already."""
 
-    def start(self) -> None:
+    def start(self, at: float | None = None) -> None:
+        """The node began running the request (`at`: when, on the monotonic clock; default now)."""
         if not self.started and not self.ended:
             self.started = True
-            self.started_mono = time.monotonic()
+            self.started_mono = time.monotonic() if at is None else at
             if self.on_started is not None:
                 self.on_started()
 
@@ -182,18 +183,27 @@ class Relay:
             return
         if isinstance(reply, wire.Accepted):
             return
-        ch = self._channel(reply.id, msg.subject)
+        if isinstance(reply, wire.Replies):
+            for item in reply.items:
+                self._on_answer(item, msg.subject)
+        else:
+            self._on_answer(reply, msg.subject)
+
+    def _on_answer(self, reply: wire.Started | wire.Chunk | wire.Done | wire.Failure, subject: str) -> None:
+        """One piece of a request's answer, from the node it was sent to (checked for each piece)."""
+        ch = self._channel(reply.id, subject)
         if ch is None:
             if isinstance(reply, wire.Started) and reply.id not in self.channels:
                 # A node began work this edge has already given up (the client left before the edge
                 # could withdraw it from the stream): stop it now, not at the node's next probe.
-                node = msg.subject.rsplit(".", 2)[-2]
+                node = subject.rsplit(".", 2)[-2]
                 self._spawn(self._abandon(Channel(reply.id, node)))
             return
-        ch.last_heard = time.monotonic()
+        now = time.monotonic()
+        ch.last_heard = now
         if isinstance(reply, wire.Chunk):
             if not ch.first_chunk_mono:
-                ch.first_chunk_mono = time.monotonic()
+                ch.first_chunk_mono = now
             ch.buffered_bytes += len(reply.data)
             if ch.buffered_bytes > ch.peak_buffered_bytes:
                 ch.peak_buffered_bytes = ch.buffered_bytes
@@ -202,7 +212,8 @@ class Relay:
             if not ch.started and not ch.ended:
                 # Only ever an ack subject of the work stream: the edge publishes +TERM there.
                 ch.ack_subject = reply.ack if reply.ack.startswith(ACK_PREFIX) else ""
-                ch.start()
+                # The node may have held Started back to send it with the first bytes (wire.Replies).
+                ch.start(now - min(max(reply.held_ms, 0.0), 1000.0) / 1000)
         elif isinstance(reply, wire.Done | wire.Failure):
             ch.outcome = reply
             ch.end()

@@ -62,6 +62,8 @@ class RunningRequests:
         """Work is taken only while it is fresh: this process is the node's live instance (presence.py)."""
         self.stall_timeout_s = STALL_TIMEOUT_S
         self.probe_interval_s = wire.PROBE_INTERVAL_S
+        self.flushing: set[asyncio.Task[None]] = set()
+        """Started messages sent by their hold timer (kept referenced until sent)."""
 
     def was_cancelled(self, request_id: str) -> bool:
         """Whether a Cancel for this request arrived recently (before its work message did)."""
@@ -109,6 +111,7 @@ class RunningRequests:
             )
 
         pending: dict[str, str] = {}
+        out = _Outbox(self, item)
 
         async def send(data: bytes, headers: Mapping[str, str] | None = None) -> None:
             nonlocal first_byte
@@ -121,16 +124,23 @@ class RunningRequests:
             # the window is ever unread at the edge: a slow client slows the upstream, not memory.
             for i in range(0, len(data), CHUNK_BYTES):
                 piece = data[i : i + CHUNK_BYTES]
+                if out.holds_chunk():
+                    # Sent before waiting for credit: the edge cannot grant any for a chunk it lacks.
+                    await out.flush()
                 seq = await window.reserve(len(piece), self.stall_timeout_s)
                 extra = None
                 if pending:
                     extra = dict(pending)
                     pending.clear()
-                await self.publish(item, wire.Chunk(item.id, seq, piece, extra))
+                chunk = wire.Chunk(item.id, seq, piece, extra)
+                if item.stream:
+                    await out.send(chunk)
+                else:
+                    out.hold(chunk)  # the client gets nothing before the Done: it travels with it
 
         try:
             ack = msg.reply if msg is not None else ""
-            await self.publish(item, wire.Started(item.id, self.node_id, self.instance, ack))
+            out.hold_started(wire.Started(item.id, self.node_id, self.instance, ack))
             if item.body_size:
                 item = msgspec.structs.replace(item, body=await self._fetch_body(item), body_size=0)
             usage = await r.adapter.run(item, r.cfg.model, send)
@@ -146,14 +156,14 @@ class RunningRequests:
                 run_ms=round((time.monotonic() - began) * 1000, 3),
                 ttfb_ms=round((first_byte - began) * 1000, 3) if first_byte else 0.0,
             )
-            await self.publish(item, done)
+            await out.send(done)
             r.served += 1
         except asyncio.CancelledError:
             r.failed += 1
             if msg is not None:
                 await _quietly(msg.term())
             reason = "node is stopping" if self.stopping else "cancelled"
-            await _quietly(self.publish(item, failure(Cancelled(reason))))
+            await _quietly(out.send(failure(Cancelled(reason))))
         except RequestError as exc:
             r.failed += 1
             # The operator's view of an upstream failure, under the id the client and the edge know.
@@ -169,17 +179,16 @@ class RunningRequests:
             )
             if msg is not None:
                 await _quietly(msg.term())
-            await _quietly(self.publish(item, failure(exc)))
+            await _quietly(out.send(failure(exc)))
         except Exception as exc:  # the adapter boundary: any bug below it must end as a Failure, never hang
             # (adapter, upstream client, translation): the client hears why and the slot is freed.
             r.failed += 1
             log.exception("provider %s: request %s failed", r.cfg.id, item.request_id or item.id)
             if msg is not None:
                 await _quietly(msg.term())
-            await _quietly(
-                self.publish(item, failure(UpstreamError(f"{type(exc).__name__}: {exc}", code="node_error")))
-            )
+            await _quietly(out.send(failure(UpstreamError(f"{type(exc).__name__}: {exc}", code="node_error"))))
         finally:
+            out.close()
             r.in_flight -= 1
             if r.by_edge.get(edge, 0) <= 1:
                 r.by_edge.pop(edge, None)
@@ -208,7 +217,7 @@ class RunningRequests:
         return b"".join(parts)
 
     async def publish(self, item: wire.WorkItem, message: Any) -> None:
-        """Send one reply message (Started, Chunk, Done, Failure) to the request's edge."""
+        """Send one reply message (Started, Chunk, Done, Failure, Replies) to the request's edge."""
         await self.nc.publish(item.reply_to, wire.encode(message))
 
     # --- what the edge says about running requests ----------------------------------------------
@@ -287,6 +296,65 @@ class RunningRequests:
         if run.task is not None and not run.task.done() and not run.answered:
             log.warning("node %s: stopping request %s: %s", self.node_id, run.item.id, why)
             run.task.cancel()
+
+
+class _Outbox:
+    """One request's replies on their way to the edge: a few travel together as one `Replies`.
+
+    Every NATS message costs the node a write, nats-server a routing and the edge a wake-up; a short
+    answer used to be three (Started, Chunk, Done). Started waits up to `wire.STARTED_HOLD_S` for the
+    first answer bytes, and a non-streamed answer's chunk waits for the Done (its client gets
+    nothing before it anyway). Order is kept: whatever is held leaves before anything sent after it.
+    """
+
+    __slots__ = ("held", "item", "running", "since", "timer")
+
+    def __init__(self, running: RunningRequests, item: wire.WorkItem) -> None:
+        self.running = running
+        self.item = item
+        self.held: list[wire.Started | wire.Chunk | wire.Done | wire.Failure] = []
+        self.since = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+    def hold_started(self, started: wire.Started) -> None:
+        self.since = time.monotonic()
+        self.held.append(started)
+        self.timer = asyncio.get_running_loop().call_later(wire.STARTED_HOLD_S, self._on_timer)
+
+    def hold(self, chunk: wire.Chunk) -> None:
+        self.held.append(chunk)
+
+    def holds_chunk(self) -> bool:
+        return bool(self.held) and isinstance(self.held[-1], wire.Chunk)
+
+    async def send(self, message: wire.Started | wire.Chunk | wire.Done | wire.Failure) -> None:
+        self.held.append(message)
+        await self.flush()
+
+    async def flush(self) -> None:
+        if not self.held:
+            return
+        held, self.held = self.held, []  # taken before the first await: a concurrent flush sends after
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        first = held[0]
+        if isinstance(first, wire.Started):
+            held[0] = msgspec.structs.replace(first, held_ms=round((time.monotonic() - self.since) * 1000, 3))
+        await self.running.publish(self.item, held[0] if len(held) == 1 else wire.Replies(held))
+
+    def _on_timer(self) -> None:
+        # The first bytes are slow to come (a model thinking): the edge hears of the start now.
+        self.timer = None
+        if self.held:
+            task = asyncio.create_task(_quietly(self.flush()))
+            self.running.flushing.add(task)
+            task.add_done_callback(self.running.flushing.discard)
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 async def _quietly(aw: Any) -> None:
