@@ -15,6 +15,7 @@ import pytest
 
 from iop import bus
 from iop.bus import EmbeddedNats
+from iop.edge.http import HeadWithBody
 from iop.edge.server import Edge, http_server
 from tests.harness import deployment, running_node, until
 
@@ -219,3 +220,51 @@ async def test_http_a_body_without_a_content_type_is_415(served: Served) -> None
         assert "content-type" not in r.request.headers
         assert r.status_code == 415
         assert error_code(r.content) == "unsupported_media_type"
+
+
+# --- a response head leaves with its body ----------------------------------------------------------
+
+
+class _Recorded(asyncio.Transport):
+    """What the connection's socket was asked to send, one entry per system call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.sent.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+async def test_a_response_head_is_sent_with_its_body_in_one_write() -> None:
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
+    rec = _Recorded()
+    conn = HeadWithBody(rec)
+    conn.write(head)
+    assert rec.sent == [] and conn.get_write_buffer_size() == len(head)
+    conn.write(b"{}")
+    assert rec.sent == [head + b"{}"]  # one system call for the whole answer
+
+    # Streamed pieces go at once; a head with no body after it leaves at the end of the loop's turn.
+    conn.write(b"data: 1\n\n")
+    assert rec.sent[-1] == b"data: 1\n\n"
+    empty = b"HTTP/1.1 204 No Content\r\n\r\n"
+    conn.write(empty)
+    assert rec.sent[-1] == b"data: 1\n\n"
+    await asyncio.sleep(0)  # one turn of the loop, which is what the wrapper waits for
+    assert rec.sent[-1] == empty
+
+    # A refusal written and closed at once still reaches the socket before the close.
+    conn.write(b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n\r\n")
+    conn.close()
+    assert rec.sent[-1].startswith(b"HTTP/1.1 408") and rec.closed

@@ -78,6 +78,55 @@ class HttpLimits:
         self.refused[status] = self.refused.get(status, 0) + 1
 
 
+_HEAD_START = b"HTTP/1.1 "
+_HEAD_END = b"\r\n\r\n"
+
+
+class HeadWithBody:
+    """A connection's transport that sends a response head together with the body that follows it.
+
+    uvicorn writes the head when the application starts its response and the body when it sends
+    it: two system calls, and two wake-ups of the client, for every answer. Here a head waits for
+    the next write, which follows at once (the edge sends start and body back to back); if none
+    comes, it leaves by itself at the end of this turn of the event loop. Every other write goes
+    out at once, as before.
+    """
+
+    __slots__ = ("_held", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._held = b""
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._held:
+            data, self._held = self._held + data, b""
+        elif data[:9] == _HEAD_START and data[-4:] == _HEAD_END:
+            self._held = bytes(data)
+            asyncio.get_running_loop().call_soon(self._release)
+            return
+        self._transport.write(data)
+
+    def _release(self) -> None:
+        if self._held:
+            held, self._held = self._held, b""
+            if not self._transport.is_closing():
+                self._transport.write(held)
+
+    def close(self) -> None:
+        self._release()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + len(self._held)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 def protocol_class(limits: HttpLimits) -> type[asyncio.Protocol]:
     """A protocol class bound to `limits`, for `uvicorn.Config(http=...)`."""
 
@@ -104,7 +153,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     # The connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(HeadWithBody(transport))  # type: ignore[arg-type]
         self.limits.open += 1
         if len(self.connections) > self.limits.max_connections:
             self._refuse(
