@@ -8,6 +8,7 @@ to the stream's subjects and answering on their reply subjects.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -366,6 +367,102 @@ async def test_scheduler_refresh_hands_new_capacity_to_waiters() -> None:
     await waiting(s, "m", 1)
     s.apply({"p": ("node-p", 2)}, {"m": ["p"]})
     assert (await granted(waiter)).id == "p" and s.providers["p"].in_flight == 2
+
+
+# --- the pool's index of free slots (best() never scans the pool) -------------------------------
+
+
+async def test_scheduler_providers_with_equal_free_slots_take_turns() -> None:
+    s = scheduler({f"p{i}": 1 for i in range(5)}, {"m": [f"p{i}" for i in range(5)]})
+    picks = []
+    for _ in range(10):
+        slot = await s.acquire("m", soon())
+        picks.append(slot.id)
+        s.release(slot)
+    assert picks == [f"p{i}" for i in range(5)] * 2  # c=1: every provider in turn, none twice running
+    s = scheduler({"a": 2, "b": 2, "c": 2}, {"m": ["a", "b", "c"]})
+    assert [(await s.acquire("m", soon())).id for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    assert [s.providers[x].in_flight for x in "abc"] == [2, 2, 2]
+
+
+async def test_scheduler_best_follows_a_provider_whose_state_changes_while_ranked() -> None:
+    s = scheduler({"a": 3, "b": 2}, {"m": ["a", "b"]})
+    pool = s.pools["m"]
+    assert pool.best() is s.providers["a"]
+    s.set_elsewhere("a", 3)  # other edges hold all of a: b is the only one with a free slot
+    assert pool.best() is s.providers["b"]
+    s.set_elsewhere("a", 0)
+    assert pool.best() is s.providers["a"]
+    s.set_connected("a", False)
+    assert pool.best() is s.providers["b"]
+    s.set_connected("a", True)
+    s.set_drained("a", True)
+    assert pool.best() is s.providers["b"]
+    s.set_drained("a", False)
+    s.apply({"a": ("node-a", 1), "b": ("node-b", 2)}, {"m": ["a", "b"]})  # a shrinks below b
+    assert pool.best() is s.providers["b"]
+    s.apply({"a": ("node-a", 1), "b": ("node-b", 2)}, {"m": ["a"]})  # b leaves the pool
+    assert pool.best() is s.providers["a"]
+    held = await s.acquire("m", soon())
+    assert pool.best() is None and held.id == "a"
+    s.release(held)
+    assert pool.best() is s.providers["a"]
+
+
+async def test_scheduler_best_matches_a_scan_of_the_pool_through_random_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The index against the linear scan it replaced, after every kind of change a provider goes
+    # through: dispatch, release, other edges' counts, disconnect, drain, breakers opening,
+    # half-opening with the clock and closing, capacities and members changed by a refresh.
+    clock = [0.0]
+    monkeypatch.setattr(scheduler_module, "monotonic", lambda: time.monotonic() + clock[0])
+    rng = random.Random(19)
+    ids = [f"p{i}" for i in range(12)]
+    caps = {pid: rng.randint(1, 4) for pid in ids}
+    s = scheduler(caps, {"m": ids}, max_waiting=1000)
+    members = list(ids)
+    held: list[ProviderSlots] = []
+    checked = 0
+    for step in range(3000):
+        op = rng.randrange(9)
+        p = s.providers[rng.choice(ids)]
+        if op == 0 and held:
+            slot = held.pop(rng.randrange(len(held)))
+            s.release(slot)
+            s.trial_over(slot)
+        elif op == 1:
+            s.set_elsewhere(p.id, rng.randint(0, p.capacity))
+        elif op == 2:
+            s.set_connected(p.id, not p.connected)
+        elif op == 3:
+            s.set_drained(p.id, not p.drained)
+        elif op == 4:
+            s.failed(p)
+        elif op == 5:
+            s.succeeded(p)
+        elif op == 6:
+            clock[0] += rng.choice([0.0, 1.0, 6.0])
+        elif op == 7 and step % 50 == 0:
+            caps = {pid: rng.randint(1, 4) for pid in ids}
+            members = rng.sample(ids, rng.randint(1, len(ids)))
+            s.apply({pid: (f"node-{pid}", c) for pid, c in caps.items()}, {"m": members})
+        exclude = frozenset(rng.sample(ids, rng.choice([0, 0, 1, 3])))
+        now = time.monotonic() + clock[0]
+        pool = s.pools["m"]
+        scan = [q for q in pool.providers if q.usable(now) and q.id not in exclude]
+        got = pool.best(exclude)
+        if not scan:
+            assert got is None, f"step {step}: {got} while no provider is usable"
+            continue
+        checked += 1
+        assert got is not None and got in scan, f"step {step}: {got} is not usable"
+        assert got.free == max(q.free for q in scan), f"step {step}: {got.id} has fewer free slots than the best"
+        if op == 8 and not pool.waiters:
+            slot = await s.acquire("m", soon(), exclude)
+            assert slot.free >= 0 and slot.id not in exclude
+            held.append(slot)
+    assert checked > 500  # the walk spent most of its time with something to choose
 
 
 # --- the dispatch: a pool request's slot, released exactly once ---------------------------------

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from time import monotonic
 
 from iop.edge.affinity import Sessions
+from iop.edge.freeslots import FreeSlots
 from iop.errors import QueueFull, Unavailable
 
 CONNECT_GRACE_S = 2.5
@@ -28,6 +29,11 @@ GONE_RETRY_AFTER_S = 1
 """Retry-After when every provider of a pool is on a node that is gone (a node restarts in about 1 s)."""
 WAIT_SAMPLES = 512
 """Queue waits kept per pool (the most recent admissions) for the p50/p95 that /status shows."""
+_BROKEN = -1
+"""Index rank of a provider whose breaker is open or half-open: whether it may take work depends on
+the clock and its trial, so its pools check it on every dispatch instead of ranking it."""
+_RANKED = frozenset({"in_flight", "elsewhere", "capacity", "connected", "removed", "drained", "open_until"})
+"""The fields a provider's rank in its pools' indexes depends on: setting one re-ranks it."""
 
 
 @dataclass(eq=False)
@@ -57,6 +63,30 @@ class ProviderSlots:
     """Taken out by a refresh: takes no new work, finishes what it runs, then disappears."""
     drained: bool = False
     """Out of its pools for an exclusive qualification: pinned requests only (iop/edge/qualify.py)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # Every change of what ranks a provider (a dispatch, a release, a heartbeat's `elsewhere`,
+        # a breaker, a refresh) re-ranks it in its pools' indexes at once, whoever makes it, so
+        # the index can never be stale; other fields cost one set membership test.
+        object.__setattr__(self, name, value)
+        if name in _RANKED:
+            self._rerank()
+
+    def _rerank(self) -> None:
+        pools = self.__dict__.get("pools")
+        if pools:  # empty while the dataclass is being built: its pools join it afterwards
+            rank = self.rank()
+            for pool in pools:
+                pool.ranked(self, rank)
+
+    def rank(self) -> int | None:
+        """Its key in its pools' indexes: free slots; None when it can take nothing; _BROKEN."""
+        if not self.connected or self.removed or self.drained:
+            return None
+        if self.open_until:
+            return _BROKEN
+        free = self.capacity - self.in_flight - self.elsewhere
+        return free if free > 0 else None
 
     def usable(self, now: float) -> bool:
         if not self.connected or self.removed or self.drained or self.in_flight + self.elsewhere >= self.capacity:
@@ -95,12 +125,34 @@ class PoolQueue:
     alias: str
     providers: list[ProviderSlots]
     waiters: deque[Waiter] = field(default_factory=deque)
-    rotate: int = 0
     running: int = 0
     """Requests of this pool that a node has started and not yet finished (this edge's)."""
     peak_running: int = 0
     waits_s: deque[float] = field(default_factory=lambda: deque(maxlen=WAIT_SAMPLES))
     """How long recent admissions waited in this queue (0 for a slot taken at once)."""
+    ranking: FreeSlots[ProviderSlots] = field(default_factory=FreeSlots, repr=False)
+    """Its usable providers with a closed breaker, by free slots: `best()` reads it, never scans."""
+    broken: dict[ProviderSlots, None] = field(default_factory=dict, repr=False)
+    """Its providers whose breaker is open or half-open (usually none): checked on every `best()`."""
+
+    def __post_init__(self) -> None:
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Rank every member afresh (the pool was made or its members changed)."""
+        self.ranking.clear()
+        self.broken.clear()
+        for p in self.providers:
+            self.ranked(p, p.rank())
+
+    def ranked(self, p: ProviderSlots, rank: int | None) -> None:
+        """`p` has a new rank (ProviderSlots re-ranks itself whenever a field it depends on changes)."""
+        if rank == _BROKEN:
+            self.ranking.set(p, None)
+            self.broken[p] = None
+        else:
+            self.broken.pop(p, None)
+            self.ranking.set(p, rank)
 
     def run_started(self) -> None:
         self.running += 1
@@ -111,16 +163,16 @@ class PoolQueue:
         self.running -= 1
 
     def best(self, exclude: frozenset[str] = frozenset()) -> ProviderSlots | None:
-        """The usable provider with the most free slots; ties rotate so load spreads evenly."""
-        now = monotonic()
-        best: ProviderSlots | None = None
-        n = len(self.providers)
-        for i in range(n):
-            p = self.providers[(self.rotate + i) % n]
-            if p.usable(now) and p.id not in exclude and (best is None or p.free > best.free):
-                best = p
-        if best is not None:
-            self.rotate = (self.rotate + 1) % n
+        """The usable provider with the most free slots; ties take turns so load spreads evenly.
+
+        O(log k) in the index (k distinct free-slot counts), plus one check per provider whose
+        breaker is open: the pool's size does not enter."""
+        best = self.ranking.first(exclude)
+        if self.broken:
+            now = monotonic()
+            for p in self.broken:
+                if p.usable(now) and p.id not in exclude and (best is None or p.free > best.free):
+                    best = p
         return best
 
     @property
@@ -135,6 +187,12 @@ class PinnedQueue(PoolQueue):
     It sits in the provider's `pools` so that a freed slot reaches its waiters in arrival order
     with everyone else's; the slot is taken and released like any pool request's.
     """
+
+    def rebuild(self) -> None:
+        pass  # one provider, checked directly: no index
+
+    def ranked(self, p: ProviderSlots, rank: int | None) -> None:
+        pass
 
     def best(self, exclude: frozenset[str] = frozenset()) -> ProviderSlots | None:
         p = self.providers[0]
@@ -428,6 +486,7 @@ class Scheduler:
             pool.providers = [self.providers[m] for m in members]
             for p in pool.providers:
                 p.pools.append(pool)
+            pool.rebuild()
         self._pump(list(self.pools.values()))
         self._fail_if_unusable(list(self.pools.values()))
         self.changed.set()
