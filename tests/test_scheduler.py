@@ -699,16 +699,23 @@ async def test_dispatch_client_leaving_during_the_publish_leaves_no_work_behind(
     # the message stayed in the stream, and the node that fetched it later ran it for nobody until
     # its next probe (2-3 s).
     async with rig(nats_server, {"p": 1}, {"p": lambda item: []}) as r:
-        real_publish = r.relay.js.publish
-        stored, gate = asyncio.Event(), asyncio.Event()
+        stored = asyncio.Event()
+        late: list[tuple[asyncio.Future[Any], Any]] = []
+        loop = asyncio.get_running_loop()
 
-        async def publish_then_wait(*args: Any, **kwargs: Any) -> Any:
-            ack = await real_publish(*args, **kwargs)
-            stored.set()
-            await gate.wait()  # the ack is "still on its way" while the client leaves
-            return ack
+        class AckOnItsWay(dict[str, "asyncio.Future[Any]"]):
+            """The relay's pending publish acks: the one that arrives is held back, still "on its way"."""
 
-        r.relay.js.publish = publish_then_wait  # type: ignore[method-assign]
+            def pop(self, key: str, default: Any = None) -> Any:
+                waiting = super().pop(key, default)
+                if waiting is None:
+                    return None
+                stored.set()  # JetStream acked: the work is in the stream
+                decoy: asyncio.Future[Any] = loop.create_future()
+                decoy.add_done_callback(lambda d: late.append((waiting, d.result())))
+                return decoy
+
+        r.relay._acks = AckOnItsWay()
         task = asyncio.create_task(r.serve(r.dispatch()))
         await asyncio.wait_for(stored.wait(), 5)
         assert await stream_messages(r.relay.js) == 1
@@ -716,7 +723,8 @@ async def test_dispatch_client_leaving_during_the_publish_leaves_no_work_behind(
         with pytest.raises(asyncio.CancelledError):
             await task
         assert r.in_flight() == {"p": 0}
-        gate.set()
+        for waiting, msg in late:  # the ack arrives after all
+            waiting.set_result(msg)
 
         async def withdrawn() -> bool:
             return await stream_messages(r.relay.js) == 0

@@ -9,14 +9,15 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import nats.errors
+import nats.js.api
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import PubAck
 
 from iop import bus, wire
 from iop.edge.storage import WorkStream
@@ -73,8 +74,9 @@ class Channel:
     peak_buffered_bytes: int = 0
     headers: dict[str, str] = field(default_factory=dict)
     """HTTP headers the node asked for (on its first chunk), sent with the client's answer."""
-    publishing: asyncio.Future[PubAck] | None = None
-    """The work's publish, when the request ended before its ack told the stream sequence."""
+    publishing: asyncio.Future[Msg] | None = None
+    """The work's publish ack still on its way, when the request ended before it told the stream
+    sequence (`Relay._abandon` waits for it to withdraw the work)."""
     outcome: wire.Done | wire.Failure | None = None
     """The node's last message: what only it knows (tokens, upstream status, exit code)."""
     last_heard: float = 0.0
@@ -120,8 +122,13 @@ class Relay:
         """Requests whose body was too large for one message and was fetched by the node in parts."""
         self.work_stream: WorkStream | None = None
         """Re-makes the work stream when a publish finds it gone (the edge sets it)."""
+        self._acks_inbox = ""
+        self._acks: dict[str, asyncio.Future[Msg]] = {}
+        """Work publishes waiting for JetStream's ack, by channel id (see `_publish_work`)."""
 
     async def start(self) -> None:
+        self._acks_inbox = self.nc.new_inbox()
+        await self.nc.subscribe(self._acks_inbox + ".*", cb=self._on_publish_ack, pending_msgs_limit=10_000_000)
         await self.nc.subscribe(
             self.prefix + ".>",
             cb=self._on_reply,
@@ -270,22 +277,9 @@ class Relay:
         delay = PUBLISH_RETRY_FIRST_S
         repaired = False
         while True:
-            publishing = asyncio.ensure_future(
-                self.js.publish(
-                    wire.work_subject(provider),
-                    data,
-                    headers={"Nats-Msg-Id": item.id},  # a retried publish is not queued twice
-                    timeout=PUBLISH_TIMEOUT_S,
-                )
-            )
             try:
-                # Shielded: a client that leaves now must not cancel the publish half-way, since the
-                # stream may hold the work already and only the ack tells where (`close` withdraws it).
-                ack = await asyncio.shield(publishing)
+                seq = await self._publish_work(ch, wire.work_subject(provider), data, item.id)
                 break
-            except asyncio.CancelledError:
-                ch.publishing = publishing
-                raise
             except (nats.errors.Error, TimeoutError) as exc:
                 # The stream may be electing a new leader (a cluster lost a server), or have stored
                 # the message and lost only its ack. The same Msg-Id again is stored at most once
@@ -319,8 +313,39 @@ class Relay:
                 delay = min(delay * 2, PUBLISH_RETRY_MAX_S)
         if self.work_stream is not None:
             self.work_stream.ok()
-        ch.stream_seq = ack.seq
+        ch.stream_seq = seq
         ch.published_mono = time.monotonic()
+
+    async def _publish_work(self, ch: Channel, subject: str, data: bytes, msg_id: str) -> int:
+        """Store the work in the stream; its sequence there. Raises as nats-py's JetStream publish does.
+
+        The ack comes to this edge's own inbox and resolves a plain future: no task, no timer task
+        and no JSON object per request (nats-py's `js.publish` made all three). A client that
+        leaves meanwhile does not cancel the wait for the ack: the channel keeps it, since only the
+        ack tells where the work is to withdraw it (`_abandon`).
+        """
+        acked: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+        # One token per channel for every attempt: a late ack of an earlier attempt is the same
+        # message (same Msg-Id), so it answers the current one as well.
+        self._acks[ch.id] = acked
+        try:
+            await self.nc.publish(subject, data, reply=f"{self._acks_inbox}.{ch.id}", headers={"Nats-Msg-Id": msg_id})
+            async with asyncio.timeout(PUBLISH_TIMEOUT_S):
+                msg = await asyncio.shield(acked)
+        except asyncio.CancelledError:
+            ch.publishing = acked
+            raise
+        except TimeoutError:
+            raise nats.errors.TimeoutError from None
+        finally:
+            if not acked.done() and ch.publishing is not acked:
+                self._acks.pop(ch.id, None)
+        return _stream_seq(msg)
+
+    async def _on_publish_ack(self, msg: Msg) -> None:
+        acked = self._acks.pop(msg.subject.rpartition(".")[2], None)
+        if acked is not None and not acked.done():
+            acked.set_result(msg)
 
     async def dispatch_direct(self, ch: Channel, node: str, resource: str, item: wire.WorkItem) -> None:
         """Hand the request to a CLI resource by core request-reply (no queue, no capacity)."""
@@ -436,7 +461,11 @@ class Relay:
         """Client gone, request failed at the edge, or node lost: stop the work, free the broker slot."""
         if ch.publishing is not None:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
-                ch.stream_seq = (await ch.publishing).seq
+                try:
+                    async with asyncio.timeout(PUBLISH_TIMEOUT_S):
+                        ch.stream_seq = _stream_seq(await ch.publishing)
+                finally:
+                    self._acks.pop(ch.id, None)
         with contextlib.suppress(nats.errors.Error, OSError, TimeoutError):
             if ch.stream_seq and not ch.started:
                 # Still in the stream (never fetched): remove it so it can never run later. First,
@@ -454,3 +483,24 @@ class Relay:
         t: asyncio.Task[None] = asyncio.create_task(coro)  # type: ignore[arg-type]
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+
+
+class _PubAck(msgspec.Struct):
+    seq: int = 0
+    error: dict[str, Any] | None = None
+
+
+_decode_puback = msgspec.json.Decoder(_PubAck).decode
+
+
+def _stream_seq(msg: Msg) -> int:
+    """The stream sequence a JetStream publish ack names; raises what nats-py's `js.publish` raises."""
+    if msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == "503":
+        raise nats.js.errors.NoStreamResponseError  # nothing stores the subject (no stream)
+    try:
+        ack = _decode_puback(msg.data)
+    except msgspec.DecodeError as exc:
+        raise nats.errors.Error(f"unreadable publish ack: {exc}") from None
+    if ack.error is not None:
+        raise nats.js.errors.APIError.from_error(ack.error)
+    return ack.seq
