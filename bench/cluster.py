@@ -124,26 +124,42 @@ async def _measure(
     return out
 
 
+async def start_cluster(base: Path, name: str) -> list[bus.EmbeddedNats]:
+    """Three bundled nats-servers routed into one JetStream cluster under `base`, once it has a leader.
+
+    The caller stops them; when this raises, it has stopped those it started."""
+    routes = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    servers: list[bus.EmbeddedNats] = []
+    for i, listen in enumerate(routes):
+        store = base / f"s{i}"
+        store.mkdir()
+        if i == 0:
+            bus.Credentials.load(store)
+        else:
+            shutil.copy(base / "s0" / bus.SECRET_FILE, store / bus.SECRET_FILE)
+        cluster = config.ClusterSettings(name=name, listen=listen, routes=routes, server_name=f"s{i}")
+        servers.append(bus.EmbeddedNats("127.0.0.1:0", store, cluster=cluster))
+    try:
+        await asyncio.gather(*(s.start() for s in servers))
+        nc = await bus.connect(",".join(s.url for s in servers), "bench", wait_s=10)
+        try:
+            print(f"cluster: JetStream usable after {await bus.wait_jetstream(nc, 30):.1f}s", flush=True)
+        finally:
+            await nc.close()
+    except BaseException:
+        for s in servers:
+            await s.stop()
+        raise
+    return servers
+
+
 async def run(seconds: float, concurrency: int, levels: list[int]) -> list[dict[str, float]]:
     base = Path(tempfile.mkdtemp(prefix="iop-bench-cluster-"))
-    routes = [f"127.0.0.1:{free_port()}" for _ in range(3)]
     servers: list[bus.EmbeddedNats] = []
     procs: list[asyncio.subprocess.Process] = []
     try:
-        for i, listen in enumerate(routes):
-            store = base / f"s{i}"
-            store.mkdir()
-            if i == 0:
-                bus.Credentials.load(store)
-            else:
-                shutil.copy(base / "s0" / bus.SECRET_FILE, store / bus.SECRET_FILE)
-            cluster = config.ClusterSettings(name="bench", listen=listen, routes=routes, server_name=f"s{i}")
-            servers.append(bus.EmbeddedNats("127.0.0.1:0", store, cluster=cluster))
-        await asyncio.gather(*(s.start() for s in servers))
+        servers = await start_cluster(base, "bench")
         url = ",".join(s.url for s in servers)
-        nc = await bus.connect(url, "bench", wait_s=10)
-        print(f"cluster: JetStream usable after {await bus.wait_jetstream(nc, 30):.1f}s", flush=True)
-        await nc.close()
         cfg = base / "iop.yaml"
         cfg.write_text(
             f"""
