@@ -85,6 +85,13 @@ def credit_subject(node: str) -> str:
     return f"iop.node.{node}.credit"
 
 
+EDGE_SLOTS_SUBJECT = "iop.edges.slots"
+"""Where every edge announces the provider slots it holds, as they change (EdgeSlots); edges only."""
+EDGE_SLOTS_FULL_S = 1.0
+"""How often an edge announces all its counts (repairs a lost announcement; lets a new edge learn)."""
+EDGE_SLOTS_SILENT_S = 3.0
+"""An edge unheard for this long is gone: the others count its slots from the nodes' heartbeats."""
+
 REPLY_ROOT = "iop.reply"
 
 
@@ -355,6 +362,17 @@ class Welcome(msgspec.Struct, kw_only=True):
     refusal: Refusal = ""
 
 
+class EdgeSlots(msgspec.Struct, array_like=True):
+    """An edge's requests dispatched to providers and not yet ended, per provider (EDGE_SLOTS_SUBJECT).
+
+    Sent in the loop turn after the counts changed, with the changed providers only; every
+    EDGE_SLOTS_FULL_S with all of them (`full`: providers not named hold none)."""
+
+    edge: str
+    full: bool
+    held: dict[str, int]
+
+
 # Encoders and decoders are built once (msgspec's guidance) and shared.
 encode = msgspec.msgpack.Encoder().encode
 decode_work = msgspec.msgpack.Decoder(WorkItem).decode
@@ -365,3 +383,4 @@ decode_heartbeat = msgspec.msgpack.Decoder(NodeHeartbeat).decode
 decode_hello = msgspec.msgpack.Decoder(Hello).decode
 decode_welcome = msgspec.msgpack.Decoder(Welcome).decode
 decode_verdict = msgspec.msgpack.Decoder(Verdict).decode
+decode_edge_slots = msgspec.msgpack.Decoder(EdgeSlots).decode

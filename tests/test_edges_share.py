@@ -6,7 +6,7 @@ import asyncio
 
 from iop.bus import EmbeddedNats
 from tests.fakes import fake_upstream
-from tests.harness import deployment, running_edge, running_node, until
+from tests.harness import deployment, eventually, running_edge, running_node, until
 
 
 def ask(content: str) -> dict[str, object]:
@@ -60,3 +60,88 @@ nodes:
             assert up_x.peak == 1 and up_y.peak == 1
             # Once the first edge's request is done, the heartbeat clears what the second edge counted.
             await until(lambda: s2.providers[held].elsewhere == 0, e2.edge.registry.changed)
+
+
+ONE_SLOT = """
+edge:
+  queue: {timeout_s: 30, max_waiting: 100}
+models: [{alias: m, pool: [x]}]
+nodes:
+  - id: n
+    adapters: [{id: ux, type: openai, base_url: "URL", api: both}]
+    providers: [{id: x, adapter: ux, capacity: 1}]
+"""
+
+
+async def test_a_slot_another_edge_frees_reaches_this_edges_waiter_without_a_heartbeat(
+    nats_server: EmbeddedNats,
+) -> None:
+    """The edges tell each other what they take and free (iop.edges.slots): no heartbeat in between."""
+    url = nats_server.url
+    async with fake_upstream() as up:
+        dep = deployment(ONE_SLOT.replace("URL", up.url))
+        async with (
+            running_edge(dep, url) as e1,
+            running_edge(dep, url) as e2,
+            running_node(dep, "n", url),
+            e1.http() as http1,
+            e2.http() as http2,
+        ):
+            for h in (e1, e2):
+                await h.edge.registry.wait_connected(["n"], timeout_s=10)
+            s2 = e2.edge.scheduler
+            node_seen = e2.edge.registry.nodes["n"]
+            # A heartbeat may land between a slot's release and the grant by chance (a few ms of each
+            # second): such a round proves nothing either way, and the next one is tried.
+            proven = 0
+            for i in range(3):
+                await up.wait_for(lambda u: u.in_flight == 0)
+                await eventually(lambda: _true(s2.providers["x"].elsewhere == 0))
+                up.gate = asyncio.Event()
+                first = asyncio.create_task(http1.post("/v1/chat/completions", json=ask(f"hold{i}")))
+                await up.wait_for(lambda u: u.in_flight == 1)
+                await eventually(lambda: _true(s2.providers["x"].elsewhere == 1))
+                second = asyncio.create_task(http2.post("/v1/chat/completions", json=ask(f"wait{i}")))
+                await until(lambda: len(s2.pools["m"].waiters) == 1, s2.changed)
+                heartbeat = node_seen.last_seen_mono
+                up.gate.set()
+                await until(lambda: not s2.pools["m"].waiters, s2.changed)
+                if node_seen.last_seen_mono == heartbeat:
+                    proven += 1
+                assert (await first).status_code == 200 and (await second).status_code == 200
+                if proven:
+                    break
+            assert proven, "each grant came only after a node heartbeat"
+            assert up.peak == 1
+
+
+async def test_an_edge_that_stops_announcing_is_counted_from_the_heartbeats(nats_server: EmbeddedNats) -> None:
+    """An edge gone without a word (here: only its announcements stopped) still holds its slots."""
+    url = nats_server.url
+    async with fake_upstream(gate=asyncio.Event()) as up:
+        dep = deployment(ONE_SLOT.replace("URL", up.url))
+        async with (
+            running_edge(dep, url) as e1,
+            running_edge(dep, url) as e2,
+            running_node(dep, "n", url),
+            e1.http() as http1,
+        ):
+            for h in (e1, e2):
+                await h.edge.registry.wait_connected(["n"], timeout_s=10)
+            share2 = e2.edge.registry.share
+            await eventually(lambda: _true(e1.edge.edge_id in share2.announced))
+            await e1.edge.registry.share.stop()
+            first = asyncio.create_task(http1.post("/v1/chat/completions", json=ask("silent")))
+            await up.wait_for(lambda u: u.in_flight == 1)
+            # Once silent for EDGE_SLOTS_SILENT_S, its word no longer counts; the node's heartbeat does.
+            s2 = e2.edge.scheduler
+            await until(lambda: s2.providers["x"].elsewhere == 1, e2.edge.registry.changed, timeout_s=10)
+            assert e1.edge.edge_id not in share2.announced
+            assert up.gate is not None
+            up.gate.set()
+            assert (await first).status_code == 200
+            await until(lambda: s2.providers["x"].elsewhere == 0, e2.edge.registry.changed)
+
+
+async def _true(value: bool) -> bool:
+    return value

@@ -14,6 +14,7 @@ from nats.aio.msg import Msg
 
 from iop import config, wire
 from iop.edge.scheduler import Scheduler
+from iop.edge.share import SlotShare
 
 log = logging.getLogger("iop.edge")
 
@@ -48,6 +49,8 @@ class Registry:
         self.nodes = {n.id: NodeState(cfg=n) for n in deployment.nodes}
         self.scheduler = scheduler
         self.edge_id = edge_id
+        self.share = SlotShare(scheduler, edge_id)
+        """The slots other edges hold: their announcements, else these heartbeats' counts."""
         self.on_node_lost = on_node_lost
         self.on_reconnected: Callable[[], None] | None = None
         """Called when the edge's NATS connection is back (the relay restarts its silence clocks)."""
@@ -63,9 +66,11 @@ class Registry:
         self._nc = nc
         await nc.subscribe(wire.HEARTBEAT_WILDCARD, cb=self._on_heartbeat, pending_msgs_limit=100_000)
         await nc.subscribe(wire.HELLO_WILDCARD, cb=self._on_hello)
+        await self.share.start(nc)
         self._task = asyncio.create_task(self._watch())
 
     async def stop(self) -> None:
+        await self.share.stop()
         if self._task is not None:
             self._task.cancel()
 
@@ -186,8 +191,7 @@ class Registry:
             if p.capacity is not None:
                 live = st.live.get(p.id)
                 # Slots other edges hold there: this edge dispatches only where one is free for it.
-                held = sum(n for edge, n in live.by_edge.items() if edge != self.edge_id) if live else 0
-                self.scheduler.set_elsewhere(p.id, held)
+                self.share.heard_node(p.id, live.by_edge if live else {})
                 # A provider the node's own policy refused is not served there: not connected.
                 self.scheduler.set_connected(p.id, live is not None and not live.refused)
         self.changed.set()
@@ -197,7 +201,7 @@ class Registry:
         log.warning("node %s lost: %s", st.cfg.id, reason)
         for p in st.cfg.providers:
             self.scheduler.set_connected(p.id, False)
-            self.scheduler.set_elsewhere(p.id, 0)  # its slots, everyone's, are gone with it
+            self.share.node_lost(p.id)  # its slots, everyone's, are gone with it
         self.on_node_lost(st.cfg.id, reason)
         self.changed.set()
 

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import monotonic
 
@@ -217,6 +218,8 @@ class Scheduler:
         """Set whenever a request starts or stops waiting (observers clear it, then wait)."""
         self.sessions = Sessions()
         """Prefix-cache affinity: the provider each session used last (the dispatch reads and feeds it)."""
+        self.on_count: Callable[[ProviderSlots], None] | None = None
+        """Called when a provider's `in_flight` changed (iop/edge/share.py tells the other edges)."""
 
     def add_provider(self, provider: str, node: str, capacity: int) -> ProviderSlots:
         slots = self.providers.get(provider)
@@ -420,6 +423,8 @@ class Scheduler:
 
     def _take(self, slot: ProviderSlots, pool: PoolQueue) -> None:
         slot.in_flight += 1
+        if self.on_count is not None:
+            self.on_count(slot)
         slot.dispatched += 1
         # A pinned request (qualification) says nothing to the breaker, so it is never its trial.
         if slot.open_until and not isinstance(pool, PinnedQueue):
@@ -440,6 +445,8 @@ class Scheduler:
 
     def release(self, slot: ProviderSlots) -> None:
         slot.in_flight -= 1
+        if self.on_count is not None:
+            self.on_count(slot)
         if slot.removed and slot.in_flight == 0 and self.providers.get(slot.id) is slot:
             del self.providers[slot.id]
             self.changed.set()

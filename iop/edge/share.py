@@ -1,0 +1,164 @@
+"""Edges on one NATS tell each other the provider slots they hold, so each dispatches where one is free.
+
+Each edge counts its own requests per provider exactly (the scheduler's `in_flight`: dispatched,
+not yet ended). It announces them on `wire.EDGE_SLOTS_SUBJECT` in the loop turn after they change
+(the changed providers only) and all of them every `EDGE_SLOTS_FULL_S`; every edge adds the
+others' announced counts into each provider's `elsewhere`. A slot another edge frees therefore
+reaches this edge's waiters one NATS hop later, not at the node's next heartbeat (up to 1 s).
+
+An edge not heard from (starting, or gone without a word: SIGKILL, lost network) counts from the
+nodes' heartbeats instead (`ProviderLive.by_edge`, at most one heartbeat old): a dead edge's
+requests keep their slots there until their nodes stop them. Announcements are core NATS (at
+most once): one lost is repaired by the next full one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from time import monotonic
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from iop import wire
+from iop.edge.scheduler import ProviderSlots, Scheduler
+
+log = logging.getLogger("iop.edge")
+
+
+class SlotShare:
+    """This edge's announcements out, the other edges' in; feeds `Scheduler.set_elsewhere`."""
+
+    def __init__(self, scheduler: Scheduler, edge_id: str) -> None:
+        self.scheduler = scheduler
+        self.edge_id = edge_id
+        self.announced: dict[str, dict[str, int]] = {}
+        """Other edge → provider → slots it holds, from its announcements (since its last full one)."""
+        self.heard: dict[str, float] = {}
+        """Other edge → when it last announced (monotonic)."""
+        self.by_node: dict[str, dict[str, int]] = {}
+        """Provider → edge → requests its node runs for that edge (the node's last heartbeat)."""
+        self.sent = 0
+        self.received = 0
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+        self._nc: NATS | None = None
+        self._task: asyncio.Task[None] | None = None
+        scheduler.on_count = self._count_changed
+
+    async def start(self, nc: NATS) -> None:
+        self._nc = nc
+        await nc.subscribe(wire.EDGE_SLOTS_SUBJECT, cb=self._on_slots, pending_msgs_limit=100_000)
+        self._task = asyncio.create_task(self._announce())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    # --- out ------------------------------------------------------------------------------------
+
+    def _count_changed(self, slot: ProviderSlots) -> None:
+        self._dirty.add(slot.id)
+        self._wake.set()
+
+    def _listened(self, now: float) -> bool:
+        """Whether another edge announced lately: alone, an edge sends only its full announcements."""
+        return any(now - t < wire.EDGE_SLOTS_SILENT_S for t in self.heard.values())
+
+    async def _announce(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_full = loop.time()
+        while True:
+            wait = next_full - loop.time()
+            if wait > 0:
+                try:
+                    async with asyncio.timeout(wait):
+                        await self._wake.wait()
+                except TimeoutError:
+                    pass
+            # Woken in the loop turn after the change: every change of that turn goes in one message.
+            self._wake.clear()
+            providers = self.scheduler.providers
+            full = loop.time() >= next_full
+            if full:
+                next_full = loop.time() + wire.EDGE_SLOTS_FULL_S
+                held = {p.id: p.in_flight for p in providers.values() if p.in_flight}
+                self._forget_silent()
+            elif self._listened(monotonic()):
+                held = {pid: p.in_flight if (p := providers.get(pid)) else 0 for pid in self._dirty}
+            else:
+                held = {}
+            self._dirty.clear()
+            if not (full or held) or self._nc is None or not self._nc.is_connected:
+                continue
+            try:
+                await self._nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(wire.EdgeSlots(self.edge_id, full, held)))
+                self.sent += 1
+            except Exception as exc:  # a closed or reconnecting connection: the next full one repairs it
+                log.debug("edge slots announcement not sent: %s", exc)
+
+    # --- in -------------------------------------------------------------------------------------
+
+    async def _on_slots(self, msg: Msg) -> None:
+        try:
+            m = wire.decode_edge_slots(msg.data)
+        except Exception:
+            log.warning("undecodable edge slots announcement on %s", msg.subject)
+            return
+        if m.edge == self.edge_id:
+            return
+        self.received += 1
+        known = self.announced.get(m.edge)
+        if m.full:
+            # From now on this edge's own word counts, not the heartbeats' (also for what it no longer holds).
+            touched = set(m.held) | set(known or ()) | self._in_heartbeats(m.edge)
+            self.announced[m.edge] = {p: n for p, n in m.held.items() if n}
+        elif known is not None:
+            touched = set(m.held)
+            for p, n in m.held.items():
+                if n:
+                    known[p] = n
+                else:
+                    known.pop(p, None)
+        else:
+            return  # its counts before this change are unknown until its next full announcement
+        self.heard[m.edge] = monotonic()
+        for p in touched:
+            self._recount(p)
+
+    def heard_node(self, provider: str, by_edge: dict[str, int]) -> None:
+        """A node's heartbeat: the requests it runs for `provider`, per edge."""
+        self.by_node[provider] = by_edge
+        self._recount(provider)
+
+    def node_lost(self, provider: str) -> None:
+        """The provider's node is gone, and everything it ran with it (the edges release theirs)."""
+        self.by_node.pop(provider, None)
+        self._recount(provider)
+
+    def _in_heartbeats(self, edge: str) -> set[str]:
+        return {p for p, by_edge in self.by_node.items() if by_edge.get(edge)}
+
+    def _live(self, edge: str, now: float) -> bool:
+        return edge in self.announced and now - self.heard.get(edge, 0.0) < wire.EDGE_SLOTS_SILENT_S
+
+    def _recount(self, provider: str) -> None:
+        now = monotonic()
+        held = sum(c.get(provider, 0) for e, c in self.announced.items() if self._live(e, now))
+        held += sum(
+            n for e, n in self.by_node.get(provider, {}).items() if e != self.edge_id and not self._live(e, now)
+        )
+        self.scheduler.set_elsewhere(provider, held)
+
+    def _forget_silent(self) -> None:
+        """Edges silent too long count from the heartbeats again; every provider is recounted (a
+        refresh may have replaced its slot, which starts from no `elsewhere`)."""
+        now = monotonic()
+        for edge in [e for e in self.announced if not self._live(e, now)]:
+            log.info("edge %s stopped announcing its slots: counting them from the nodes' heartbeats", edge)
+            del self.announced[edge]
+        for edge in [e for e, t in self.heard.items() if now - t >= wire.EDGE_SLOTS_SILENT_S]:
+            del self.heard[edge]
+        for provider in list(self.scheduler.providers):
+            self._recount(provider)
