@@ -9,7 +9,8 @@ reaches this edge's waiters one NATS hop later, not at the node's next heartbeat
 An edge not heard from (starting, or gone without a word: SIGKILL, lost network) counts from the
 nodes' heartbeats instead (`ProviderLive.by_edge`, at most one heartbeat old): a dead edge's
 requests keep their slots there until their nodes stop them. Announcements are core NATS (at
-most once): one lost is repaired by the next full one.
+most once): one lost is repaired by the next full one. An edge that stops says so with a last
+full announcement, so the others do not wait out its silence.
 """
 
 from __future__ import annotations
@@ -53,8 +54,22 @@ class SlotShare:
         self._task = asyncio.create_task(self._announce())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        if self._task is None:
+            return
+        self._task.cancel()
+        self._task = None
+        # A last full word (nothing held, after a drain): the others need not wait out its silence.
+        held = {p.id: p.in_flight for p in self.scheduler.providers.values() if p.in_flight}
+        await self._publish(True, held)
+
+    async def _publish(self, full: bool, held: dict[str, int]) -> None:
+        if self._nc is None or not self._nc.is_connected:
+            return
+        try:
+            await self._nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(wire.EdgeSlots(self.edge_id, full, held)))
+            self.sent += 1
+        except Exception as exc:  # a closed or reconnecting connection: the next full one repairs it
+            log.debug("edge slots announcement not sent: %s", exc)
 
     # --- out ------------------------------------------------------------------------------------
 
@@ -90,13 +105,8 @@ class SlotShare:
             else:
                 held = {}
             self._dirty.clear()
-            if not (full or held) or self._nc is None or not self._nc.is_connected:
-                continue
-            try:
-                await self._nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(wire.EdgeSlots(self.edge_id, full, held)))
-                self.sent += 1
-            except Exception as exc:  # a closed or reconnecting connection: the next full one repairs it
-                log.debug("edge slots announcement not sent: %s", exc)
+            if full or held:
+                await self._publish(full, held)
 
     # --- in -------------------------------------------------------------------------------------
 
