@@ -325,23 +325,27 @@ _EDGE_HELP = "The edge's address, e.g. 127.0.0.1:8080 (default: edge.listen of -
     "--config", "config_file", default=None, type=click.Path(dir_okay=False), help="Deployment file naming the edge."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@click.option("--summary", is_flag=True, help="Totals, pools and only what is not healthy (/status?view=summary).")
 @click.option("--api-key", envvar="IOP_API_KEY", default=None, help="Bearer key (env IOP_API_KEY).")
-def status_cmd(edge_url: str | None, config_file: str | None, as_json: bool, api_key: str | None) -> None:
+def status_cmd(
+    edge_url: str | None, config_file: str | None, as_json: bool, summary: bool, api_key: str | None
+) -> None:
     """Show nodes, providers, pools and routes of a running edge."""
     import asyncio
 
     import msgspec
 
     from iop.client import EdgeClient
-    from iop.statusview import render_status
+    from iop.statusview import render_status, render_summary
 
     url = _edge_address(edge_url, config_file)
 
     async def fetch() -> str:
         async with EdgeClient(url, api_key=api_key) as edge:
             if not as_json:
-                return render_status(await edge.status())
-            raw = await edge.status_json()  # as the edge sent it: a newer edge's fields survive
+                return render_summary(await edge.summary()) if summary else render_status(await edge.status())
+            # As the edge sent it: a newer edge's fields survive.
+            raw = await edge.status_json("summary" if summary else "full")
             try:
                 return msgspec.json.format(raw, indent=2).decode()
             except msgspec.DecodeError as exc:

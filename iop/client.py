@@ -17,7 +17,7 @@ import msgspec
 
 from iop import config
 from iop.edge.refresh import RefreshResult
-from iop.edge.status_schema import Status, decode_status
+from iop.edge.status_schema import Status, StatusSummary, decode_status, decode_summary
 from iop.errors import ConfigError, IopError
 
 DEFAULT_EDGE = "http://127.0.0.1:8080"
@@ -106,12 +106,23 @@ class EdgeClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def status_json(self) -> bytes:
-        """The /status document as the edge sent it (fields this version does not know included)."""
-        r = await self._send("GET", "/status")
+    async def status_json(self, view: str = "full") -> bytes:
+        """The /status document as the edge sent it (fields this version does not know included);
+        `view="summary"`: the summary view."""
+        path = "/status" if view == "full" else f"/status?view={view}"
+        r = await self._send("GET", path)
         if r.status_code != 200:
-            raise IopError(f"{self.url}/status answered {r.status_code}: {_message(r)}")
+            raise IopError(f"{self.url}{path} answered {r.status_code}: {_message(r)}")
         return r.content
+
+    async def summary(self) -> StatusSummary:
+        """The /status?view=summary document, decoded."""
+        raw = await self.status_json("summary")
+        try:
+            return decode_summary(raw)
+        except msgspec.DecodeError as exc:
+            # An edge older than the view ignores the parameter and sends the full document.
+            raise IopError(f"{self.url}/status?view=summary is not a summary (an older edge?): {exc}") from None
 
     async def status(self) -> Status:
         """The /status document, decoded."""

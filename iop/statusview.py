@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from iop.edge.status_schema import PoolProviderStatus, PoolStatus, Status
+from iop.edge.status_schema import PoolProviderStatus, PoolStatus, StateCounts, Status, StatusSummary
 from iop.wire import Device
 
 
@@ -108,4 +108,64 @@ def render_status(status: Status) -> str:
         for r in status.routes:
             rrow.append([r.alias, r.node, r.resource, "yes" if r.connected else "no"])
         out += ["", _table(rrow)]
+    return "\n".join(out)
+
+
+def _states(counts: StateCounts) -> str:
+    """`ready 280, full 17, breaker-open 3`: the states that have any, in the order of the struct."""
+    parts = [f"{name.replace('_', '-')} {n}" for name in counts.__struct_fields__ if (n := getattr(counts, name))]
+    return ", ".join(parts) or "none"
+
+
+def render_summary(summary: StatusSummary) -> str:
+    """`iop status --summary`: totals, pools, and only what is not healthy."""
+    edge = summary.edge
+    out = [f"edge {edge.id} v{edge.version} up {edge.uptime_s:.0f}s nats={edge.nats}"]
+    if edge.storage_error:
+        out.append(f"error: pool requests cannot be queued: {edge.storage_error}")
+    if edge.drift:
+        out.append(f"warning: the running deployment differs from the edge's file ({len(edge.drift)} changes)")
+    out.append(
+        f"nodes {summary.nodes_connected}/{summary.nodes} connected; capacity {summary.usable_capacity}/"
+        f"{summary.total_capacity} usable; {summary.in_flight} in flight, {summary.waiting} waiting"
+    )
+    out.append(f"providers: {_states(summary.providers)}")
+    if summary.cli_resources != StateCounts():
+        out.append(f"CLI resources: {_states(summary.cli_resources)}")
+    if summary.routes:
+        out.append(f"routes: {summary.routes_connected}/{summary.routes} connected")
+    if summary.pools:
+        rows = [["POOL", "PROVIDERS", "USABLE/TOTAL", "IN FLIGHT", "WAITING", "WAIT P50 MS", "STATES"]]
+        for pool in summary.pools:
+            cap = f"{pool.usable_capacity}/{pool.total_capacity}"
+            if pool.retry_after_s is not None:
+                cap += f" (unavailable, retry in {pool.retry_after_s:.0f}s)"
+            p50 = "-" if pool.queue_wait_p50_ms is None else f"{pool.queue_wait_p50_ms:g}"
+            rows.append(
+                [
+                    pool.alias,
+                    str(pool.providers),
+                    cap,
+                    str(pool.in_flight),
+                    str(pool.waiting),
+                    p50,
+                    _states(pool.states),
+                ]
+            )
+        out += ["", _table(rows)]
+    if not summary.attention:
+        out += ["", "every node connected, every provider healthy"]
+        return "\n".join(out)
+    rows = [["NODE", "CONNECTED", "PROVIDER", "STATE", "DETAIL"]]
+    for n in summary.attention:
+        seen = f" ({n.last_seen_s_ago:.1f}s)" if n.last_seen_s_ago is not None else ""
+        conn = ("yes" if n.connected else "no") + seen
+        if not n.unhealthy:
+            rows.append([n.id, conn, f"all {n.providers}", "disconnected", ""])
+        for i, p in enumerate(n.unhealthy):
+            detail = p.refused or ""
+            if p.breaker_open_for_s is not None:
+                detail = f"trial in {p.breaker_open_for_s:g}s, {p.consecutive_failures} failures"
+            rows.append([n.id if i == 0 else "", conn if i == 0 else "", p.id, p.state.replace("_", "-"), detail])
+    out += ["", _table(rows)]
     return "\n".join(out)

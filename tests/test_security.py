@@ -70,6 +70,7 @@ async def test_client_keys_guard_every_v1_path_and_status_but_not_healthz(
         ("POST", "/v1/responses", {"model": "sim", "input": "hi"}),
         ("GET", "/v1/models", None),
         ("GET", "/status", None),
+        ("GET", "/status?view=summary", None),
     ]
     wrong = [
         {},

@@ -27,6 +27,7 @@ from iop.edge.api import ApiEndpoint, RequestIds
 from iop.edge.dispatch import Finished
 from iop.edge.keys import EdgeKeys
 from iop.edge.ledger import LedgerWriter, ensure_ledger_stream
+from iop.edge.memory import BurstTrim
 from iop.edge.metrics import CONTENT_TYPE, Metrics
 from iop.edge.observe import Observer
 from iop.edge.qualify import QualifyDesk, qualify_routes
@@ -37,6 +38,7 @@ from iop.edge.scheduler import Scheduler
 from iop.edge.status import status_of
 from iop.edge.status_schema import QualificationSummary, encode_status
 from iop.edge.storage import WorkStream
+from iop.edge.summary import SummaryCache
 from iop.edge.ui import StatusFeed, ui_routes
 from iop.edge.usage import usage_endpoint, usage_tail_endpoint
 from iop.errors import (
@@ -120,6 +122,10 @@ class Edge:
         self.observer = Observer(self.edge_id, self.metrics, self.ledger)
         self.status_feed = StatusFeed(self)
         """`/status/events`: the live status the `/ui` page reads."""
+        self.summary = SummaryCache(self)
+        """`/status?view=summary`: built at most once per 0.25 s, whatever the number of readers."""
+        self.burst_trim = BurstTrim(self.waiting_requests, self.scheduler.changed)
+        """Hands the memory of a drained burst of waiting requests back to the OS (iop/edge/memory.py)."""
         self.closing = asyncio.Event()
         """Set when the edge starts to stop: open streams (status pages, usage tails) end at once."""
         self.qualify = QualifyDesk(self)
@@ -146,6 +152,11 @@ class Edge:
         # Serving starts once the server has the reply and presence subscriptions.
         await bus.flush(self.nc)
         await self.qualify.start()
+        self.burst_trim.start()
+
+    def waiting_requests(self) -> int:
+        """Requests waiting in this edge's pool queues now."""
+        return sum(len(pool.waiters) for pool in self.scheduler.pools.values())
 
     @property
     def drift(self) -> list[str]:
@@ -206,6 +217,7 @@ class Edge:
         return reasons
 
     async def stop(self) -> None:
+        self.burst_trim.stop()
         await self.qualify.stop()
         await self.registry.stop()
         if self.ledger is not None:
@@ -229,6 +241,11 @@ def build_app(edge: Edge) -> ASGIApp:
 
     async def status(request: Request) -> Response:
         edge.authorize(request.scope)
+        view = request.query_params.get("view", "full")
+        if view == "summary":
+            return Response(edge.summary.body(), media_type="application/json")
+        if view != "full":
+            raise BadRequest(f"GET /status: unknown view '{view}'; use view=summary or view=full", param="view")
         return Response(encode_status(status_of(edge)), media_type="application/json")
 
     async def refresh(request: Request) -> Response:

@@ -132,7 +132,7 @@ def status_of(edge: Observed) -> Status:
     affinity = edge.scheduler.sessions.counts
     for alias, members in edge.catalog.pools.items():
         members_slots = [edge.scheduler.providers[m] for m in members]
-        p50_ms, p95_ms = _wait_quantiles_ms(edge.scheduler.pools[alias].waits_s)
+        p50_ms, p95_ms = wait_quantiles_ms(edge.scheduler.pools[alias].waits_s)
         members_live = [lv for ms in members_slots if (lv := _live(edge, ms.node, ms.id)) is not None]
         pools.append(
             PoolStatus(
@@ -143,7 +143,7 @@ def status_of(edge: Observed) -> Status:
                 connected_capacity=sum(ms.capacity for ms in members_slots if ms.connected),
                 # What can take work now: connected and not out of rotation (breaker open).
                 usable_capacity=sum(ms.capacity for ms in members_slots if ms.connected and ms.breaker(mono) != "open"),
-                retry_after_s=_retry_after(edge.scheduler, alias),
+                retry_after_s=retry_after_of(edge.scheduler, alias),
                 in_flight=sum(lv.in_flight for lv in members_live),
                 dispatched_in_flight=sum(ms.in_flight for ms in members_slots),
                 waiting=edge.scheduler.waiting(alias),
@@ -176,7 +176,7 @@ def status_of(edge: Observed) -> Status:
     )
 
 
-def _retry_after(scheduler: Scheduler, alias: str) -> float | None:
+def retry_after_of(scheduler: Scheduler, alias: str) -> float | None:
     pool = scheduler.pools[alias]
     if not any(p.seen for p in pool.providers):
         return None  # not connected yet since the edge started: requests wait for it a moment
@@ -184,7 +184,7 @@ def _retry_after(scheduler: Scheduler, alias: str) -> float | None:
     return None if retry_s is None else round(retry_s, 1)
 
 
-def _wait_quantiles_ms(waits_s: Iterable[float]) -> tuple[float | None, float | None]:
+def wait_quantiles_ms(waits_s: Iterable[float]) -> tuple[float | None, float | None]:
     """p50 and p95 of the recent queue waits (nearest rank), in ms; None while nothing was admitted."""
     ordered = sorted(waits_s)
     if not ordered:

@@ -185,3 +185,119 @@ _decoder = msgspec.json.Decoder(Status)
 def decode_status(data: bytes | str) -> Status:
     """Parse a /status body; raises msgspec.DecodeError (or ValidationError) naming the path."""
     return _decoder.decode(data)
+
+
+# --- GET /status?view=summary: totals and counts, only what is not healthy listed one by one ------
+
+
+class StateCounts(msgspec.Struct, kw_only=True):
+    """How many catalog entries are in each state. Healthy: `ready` and `full`; the rest need a look."""
+
+    ready: int = 0
+    """Connected, in rotation, at least one slot free (a CLI resource: connected and allowed to run)."""
+    full: int = 0
+    """Connected, in rotation, every slot taken (by this edge or others)."""
+    breaker_open: int = 0
+    """Out of rotation after failures until its cooldown ends."""
+    half_open: int = 0
+    """Cooldown over: the next request is its trial."""
+    qualifying: int = 0
+    """Drained out of its pools by an exclusive `iop qualify` run."""
+    refused: int = 0
+    """The node's own policy refuses to run it (`command not allowed`, ...)."""
+    disconnected: int = 0
+    """Its node is gone, or the node does not run it."""
+
+
+HEALTHY_STATES = frozenset({"ready", "full"})
+
+
+class PoolSummary(msgspec.Struct, kw_only=True):
+    """A pool alias in totals: its providers by state, capacities, this edge's queue."""
+
+    alias: str
+    providers: int
+    states: StateCounts
+    total_capacity: int
+    usable_capacity: int
+    """Connected, in rotation and allowed to run (not out of rotation, not qualifying)."""
+    retry_after_s: float | None = None
+    """Set while no provider can take requests (503 `pool_unavailable` at once), as in the full view."""
+    in_flight: int
+    """Running on the nodes, from their heartbeats (every edge's requests)."""
+    dispatched_in_flight: int
+    """Slots this edge holds in the pool."""
+    waiting: int
+    running: int
+    queue_wait_p50_ms: float | None = None
+    queue_wait_p95_ms: float | None = None
+
+
+class ProviderAttention(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A catalog entry that is not healthy, listed on its own with what explains its state."""
+
+    id: str
+    kind: str
+    """pool or cli, as `kind` in the full view."""
+    state: str
+    """One of the StateCounts fields other than ready and full."""
+    pools: list[str] = msgspec.field(default_factory=list)
+    route: str | None = None
+    capacity: int | None = None
+    dispatched_in_flight: int = 0
+    consecutive_failures: int = 0
+    breaker_open_for_s: float | None = None
+    refused: str | None = None
+
+
+class NodeAttention(msgspec.Struct, kw_only=True):
+    """A node that is gone or hosts an entry that is not healthy: its totals and those entries.
+
+    A node that is gone lists no entries: every one of them is disconnected with it."""
+
+    id: str
+    connected: bool
+    last_seen_s_ago: float | None
+    providers: int
+    """Catalog entries it hosts (providers and CLI resources)."""
+    capacity: int
+    """Sum of its providers' capacities."""
+    in_flight: int
+    """Running there, from its last heartbeat (0 while it is gone)."""
+    unhealthy: list[ProviderAttention] = msgspec.field(default_factory=list)
+
+
+class StatusSummary(msgspec.Struct, kw_only=True):
+    """`GET /status?view=summary`: what an operator or a monitor needs at a glance, in a document whose
+    size does not grow with the healthy part of the catalog (pools are listed; healthy nodes and
+    providers are only counted)."""
+
+    view: str = "summary"
+    built_at: float
+    """Wall-clock time the edge built it; it serves the same document for up to 0.25 s."""
+    edge: EdgeInfo
+    nodes: int
+    nodes_connected: int
+    providers: StateCounts
+    """Every provider (pool entry) of the catalog by state."""
+    cli_resources: StateCounts
+    routes: int
+    routes_connected: int
+    total_capacity: int
+    usable_capacity: int
+    in_flight: int
+    """Running on the nodes (providers and CLI resources), from their heartbeats."""
+    waiting: int
+    """Requests waiting in this edge's pool queues."""
+    pools: list[PoolSummary]
+    attention: list[NodeAttention]
+    """Only nodes that are gone or host something not healthy (empty: all is well)."""
+
+
+encode_summary = msgspec.json.Encoder().encode
+_summary_decoder = msgspec.json.Decoder(StatusSummary)
+
+
+def decode_summary(data: bytes | str) -> StatusSummary:
+    """Parse a /status?view=summary body; raises msgspec.DecodeError (or ValidationError) naming the path."""
+    return _summary_decoder.decode(data)
