@@ -121,6 +121,22 @@ async def test_scheduler_is_fifo_across_pools_sharing_a_provider() -> None:
     await asyncio.gather(*tasks)
 
 
+async def test_scheduler_waiters_cancelled_together_with_a_release_leave_cleanly() -> None:
+    # Clients leaving en masse (a burst's connections closed at once): their waits are cancelled,
+    # then the running request ends and its release clears the cancelled waiters off the queue's
+    # head before their own handlers run. Before: each handler raised ValueError (not in deque).
+    s = scheduler({"p": 1}, {"m": ["p"]})
+    held = await s.acquire("m", soon())
+    waiters = [asyncio.create_task(s.acquire("m", soon(), size=10)) for _ in range(3)]
+    await waiting(s, "m", 3)
+    for w in waiters:
+        w.cancel()
+    s.release(held)
+    results = await asyncio.gather(*waiters, return_exceptions=True)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+    assert (s.waiting("m"), s.waiting_bytes, s.providers["p"].in_flight) == (0, 0, 0)
+
+
 async def test_scheduler_refuses_past_max_waiting_with_retry_after() -> None:
     s = scheduler({"p": 1}, {"m": ["p"]}, max_waiting=1)
     await s.acquire("m", soon())

@@ -117,6 +117,8 @@ class Waiter:
     """The provider its session used last (prefix-cache affinity): taken whenever it is free."""
     holding: bool = False
     """Waits for `prefer` even while another provider is free, until its `affinity_wait_ms` is over."""
+    queued: bool = True
+    """Still in its pool's queue (Scheduler._left takes it out of the count when it leaves)."""
 
 
 @dataclass(eq=False)
@@ -337,9 +339,12 @@ class Scheduler:
                     self.release(granted)
             else:
                 waiter.future.cancel()
-                pool.waiters.remove(waiter)
-                self._left(waiter)
-                self.changed.set()
+                # A release between the cancel and this handler may have dropped it off the queue's
+                # head already (_pump clears finished waiters there): remove it only if it is still in.
+                if waiter.queued:
+                    pool.waiters.remove(waiter)
+                    self._left(waiter)
+                    self.changed.set()
             if isinstance(exc, TimeoutError):
                 raise Unavailable(
                     f"model '{alias}': no slot became free within the queue timeout", code="queue_timeout"
@@ -420,6 +425,7 @@ class Scheduler:
         """A waiter left the queue (granted, refused, gone): its bytes no longer count."""
         self.waiting_bytes -= waiter.size
         waiter.size = 0
+        waiter.queued = False
 
     def _take(self, slot: ProviderSlots, pool: PoolQueue) -> None:
         slot.in_flight += 1
