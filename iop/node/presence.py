@@ -81,6 +81,8 @@ class Lease:
 
     async def wait(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the lease to be fresh; whether it is (False at once once replaced)."""
+        if self.fresh():
+            return True  # the case of every work item: no timer armed and cancelled for nothing
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 while not self.fresh() and self.state != "replaced":
