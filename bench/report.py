@@ -286,6 +286,7 @@ def render(result: dict[str, Any]) -> str:
                 _num(lv["status_us_per_provider"], 1),
                 _num(lv.get("summary_ms_p50")),
                 str(lv.get("summary_bytes", "")),
+                _num(lv.get("models_ms_p50")),
                 " / ".join(_num(v) for v in (lv.get("idle_cores") or {}).values()),
             ]
             for lv in scale["levels"]
@@ -304,6 +305,7 @@ def render(result: dict[str, Any]) -> str:
                     "/status us per provider",
                     "summary ms",
                     "summary bytes",
+                    "/v1/models ms",
                     "idle cores edge / sim / nats",
                 ],
                 rows,

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         sc = ScaleOptions(
             seconds=seconds,
             rounds=1 if a.quick else 3,
-            status_gets=10 if a.quick else 40,
+            status_gets=20 if a.quick else 40,
             # Issue 19's burst: 10,000 even in a quick run (about 30 s to fill here).
             waiting=a.waiting,
             storage=a.storage,

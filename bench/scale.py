@@ -82,6 +82,7 @@ def _level(owned: Owned, workdir: Path, providers: int, opts: ScaleOptions) -> d
         runs: dict[str, list[Measured]] = {"all": [], "one": []}
         status_ms: list[float] = []
         summary_ms: list[float] = []
+        floor_ms: list[float] = []
         size = summary_size = 0
         for r in range(opts.rounds):
             for alias in ("all", "one") if r % 2 == 0 else ("one", "all"):
@@ -89,20 +90,14 @@ def _level(owned: Owned, workdir: Path, providers: int, opts: ScaleOptions) -> d
                     target, load.body_of("chat", alias, False), requests=50_000, max_seconds=opts.seconds, warmup=10
                 )
                 runs[alias].append(run_measured(spec, counters))
-            for _ in range(opts.status_gets):
-                t0 = time.perf_counter()
-                status, raw = http("GET", stack.url + "/status")
-                status_ms.append((time.perf_counter() - t0) * 1000)
-                if status != 200:
-                    raise RuntimeError(f"/status answered {status}")
-                size = len(raw)
-                # The summary view, alternating with the full one: what a monitor polling it pays.
-                t0 = time.perf_counter()
-                status, raw = http("GET", stack.url + "/status?view=summary")
-                summary_ms.append((time.perf_counter() - t0) * 1000)
-                if status != 200:
-                    raise RuntimeError(f"/status?view=summary answered {status}")
-                summary_size = len(raw)
+            # Each in its own run of GETs, so that the garbage of one (the full document at 300
+            # providers is 115 KB) is not collected during the other's; the floor is an answer
+            # whose size does not depend on the catalog at all.
+            floor_ms += _timed_gets(stack.url + "/v1/models", opts.status_gets)[0]
+            ms, summary_size = _timed_gets(stack.url + "/status?view=summary", opts.status_gets)
+            summary_ms += ms
+            ms, size = _timed_gets(stack.url + "/status", opts.status_gets)
+            status_ms += ms
         st = stack.status()
         connected = sum(1 for n in st["nodes"] if n["connected"])
     finally:
@@ -132,6 +127,7 @@ def _level(owned: Owned, workdir: Path, providers: int, opts: ScaleOptions) -> d
         "summary_ms_p50": round(statistics.median(summary_ms), 3),
         "summary_ms_p90": round(load.pct(sorted(summary_ms), 90), 3),
         "summary_bytes": summary_size,
+        "models_ms_p50": round(statistics.median(floor_ms), 3),
         "other_cores": spread([m.other_cores for ms in runs.values() for m in ms], 2),
         "ready_s": stack.started_s,
     }
@@ -141,6 +137,20 @@ def _level(owned: Owned, workdir: Path, providers: int, opts: ScaleOptions) -> d
         f" idle cores {idle}, nodes {connected}/{n_nodes}"
     )
     return res
+
+
+def _timed_gets(url: str, n: int) -> tuple[list[float], int]:
+    """Milliseconds of `n` GETs of `url` (a new connection each, as a monitor's poll), and the size."""
+    ms = []
+    size = 0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        status, raw = http("GET", url)
+        ms.append((time.perf_counter() - t0) * 1000)
+        if status != 200:
+            raise RuntimeError(f"GET {url} answered {status}")
+        size = len(raw)
+    return ms, size
 
 
 def _m(s: dict[str, float] | None) -> str:
