@@ -31,6 +31,9 @@ WINDOW_BYTES = 1024 * 1024
 CREDIT_EVERY_CHUNKS = WINDOW_CHUNKS // 4
 CREDIT_EVERY_BYTES = WINDOW_BYTES // 4
 
+REPLAY_GRACE_S = 30.0
+"""How long a node keeps the unconfirmed end of an answer after the request ended (see `Resend`)."""
+
 PROBE_INTERVAL_S = 2.0
 """How often a node asks the edge about each running request (liveness, lost credit)."""
 
@@ -83,6 +86,11 @@ def catalog_subject(node: str) -> str:
 
 def credit_subject(node: str) -> str:
     return f"iop.node.{node}.credit"
+
+
+def resend_subject(node: str) -> str:
+    """Where an edge asks a node to send a request's replies again (`Resend`, core request-reply)."""
+    return f"iop.node.{node}.resend"
 
 
 EDGE_SLOTS_SUBJECT = "iop.edges.slots"
@@ -277,6 +285,31 @@ class Credit(msgspec.Struct, array_like=True):
     known: bool = True
 
 
+class Resend(msgspec.Struct, array_like=True):
+    """Asked (core request, `resend_subject`) by an edge that lost replies of a request on the way.
+
+    The node publishes again, on the request's reply subject, what it kept of the answer: `Started`
+    if `started`, the chunks from `from_seq` on, and the `Done` or `Failure` if it ended. What the
+    edge's client already took (its credit) is not kept; an ended request's tail is kept
+    `REPLAY_GRACE_S`. The answer is a `Resent`.
+    """
+
+    id: str
+    from_seq: int
+    started: bool = False
+
+
+class Resent(msgspec.Struct, array_like=True):
+    """The node's answer to a `Resend`: whether it still knew the request, how many replies it sent again.
+
+    `known` False: the node never ran it, or forgot it (ended longer than `REPLAY_GRACE_S` ago,
+    dropped from a full store, or the node restarted): what was lost cannot come back.
+    """
+
+    known: bool
+    sent: int = 0
+
+
 class Cancel(msgspec.Struct, array_like=True):
     """The client went away: stop the item (close the upstream call, kill the process group)."""
 
@@ -379,6 +412,8 @@ decode_work = msgspec.msgpack.Decoder(WorkItem).decode
 decode_reply = msgspec.msgpack.Decoder(Reply).decode
 decode_cancel = msgspec.msgpack.Decoder(Cancel).decode
 decode_credit = msgspec.msgpack.Decoder(Credit).decode
+decode_resend = msgspec.msgpack.Decoder(Resend).decode
+decode_resent = msgspec.msgpack.Decoder(Resent).decode
 decode_heartbeat = msgspec.msgpack.Decoder(NodeHeartbeat).decode
 decode_hello = msgspec.msgpack.Decoder(Hello).decode
 decode_welcome = msgspec.msgpack.Decoder(Welcome).decode

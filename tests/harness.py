@@ -303,6 +303,84 @@ async def wait_gone(pid: int, timeout_s: float = 5.0) -> None:
         os.close(fd)
 
 
+# --- a connection to NATS that a test can cut -------------------------------------------------
+
+
+class NatsCut:
+    """A loopback TCP relay in front of a nats-server, for one client to connect through.
+
+    `cut()` closes every connection through it (the server drops that client and its
+    subscriptions at once; messages for it are then lost, as when its server dies) and turns
+    new connections away until `heal()`. The client reconnects by itself, as it would to
+    another server of a cluster. NATS itself is real: only the network between is cut.
+    """
+
+    def __init__(self, server: bus.EmbeddedNats) -> None:
+        self.server = server
+        self.is_open = True
+        self.cuts = 0
+        self._conns: set[asyncio.StreamWriter] = set()
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self._listener: asyncio.Server | None = None
+        self.connected = asyncio.Event()
+        """Set each time a client connection is relayed to the server (cleared by `cut`)."""
+
+    @property
+    def url(self) -> str:
+        """The server's URL (with the edge's credential) through this relay."""
+        access = self.server.access
+        return f"nats://{access.user}:{access.password}@127.0.0.1:{self._sock.getsockname()[1]}"
+
+    async def __aenter__(self) -> NatsCut:
+        self._listener = await asyncio.start_server(self._relay, sock=self._sock)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cut()
+        if self._listener is not None:
+            self._listener.close()
+            await self._listener.wait_closed()
+
+    def cut(self) -> None:
+        self.is_open = False
+        self.cuts += 1
+        self.connected.clear()
+        for w in list(self._conns):
+            w.transport.abort()
+        self._conns.clear()
+
+    def heal(self) -> None:
+        self.is_open = True
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.is_open:
+            writer.transport.abort()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(self.server.host, self.server.port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._conns |= {writer, up_writer}
+        self.connected.set()
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass  # cut, or closed by the other side: both sides are closed below
+            finally:
+                for w in (writer, up_writer):
+                    w.transport.abort()
+                    self._conns.discard(w)
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+
 # --- the broker's view ------------------------------------------------------------------------
 
 

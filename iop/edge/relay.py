@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from iop import bus, wire
+from iop.edge.reorder import Reorder
 from iop.edge.storage import WorkStream
 from iop.errors import NodeLost, RelayGap, Unavailable, error_of, failure_of
 
@@ -28,7 +29,14 @@ PUBLISH_TIMEOUT_S = 2.0
 PUBLISH_RETRY_FIRST_S = 0.1
 PUBLISH_RETRY_MAX_S = 1.0
 SILENT_S = 3 * wire.PROBE_INTERVAL_S + 2.0
-"""How long a running request's node may stay silent (no reply, no probe) before its answer counts as lost."""
+"""How long a running request's node may stay silent (no reply, no probe, no answer to a Resend)
+before its answer counts as lost."""
+RESEND_AFTER_S = wire.PROBE_INTERVAL_S + 1.0
+"""A running request's node is heard at least every probe interval: this much silence means replies
+were lost on the way (its end, most likely), and the edge asks the node to send them again."""
+RESEND_AGAIN_S = 1.0
+"""Least time between two Resend requests for one request while something is still missing."""
+RESEND_TIMEOUT_S = 2.0
 PUBLISH_GRACE_S = 1.0
 """Retries go on this long past the item's deadline: a node's Started sent just before it still arrives."""
 
@@ -85,6 +93,12 @@ class Channel:
     """When the work message was stored in the stream."""
     checked: bool = False
     """Whether the sweep has asked the stream about this request once already."""
+    order: Reorder = field(default_factory=Reorder)
+    """The node's replies in order, each once, whatever NATS lost and a resend sent again."""
+    resending: bool = False
+    """A Resend for this request is waiting for the node's answer."""
+    resend_mono: float = 0.0
+    """When the last Resend was asked."""
 
     def start(self, at: float | None = None) -> None:
         """The node began running the request (`at`: when, on the monotonic clock; default now)."""
@@ -125,6 +139,12 @@ class Relay:
         self._acks_inbox = ""
         self._acks: dict[str, asyncio.Future[Msg]] = {}
         """Work publishes waiting for JetStream's ack, by channel id (see `_publish_work`)."""
+        self.resends = 0
+        """Resend requests this edge made (replies lost on the way, or its own reconnect)."""
+        self.resends_unknown = 0
+        """Of those, answered by a node that no longer had the request (the request failed with relay_gap)."""
+        self.duplicates = 0
+        """Replies dropped because they had arrived already (copies a resend sent again)."""
 
     async def start(self) -> None:
         self._acks_inbox = self.nc.new_inbox()
@@ -206,17 +226,33 @@ class Relay:
                 node = subject.rsplit(".", 2)[-2]
                 self._spawn(self._abandon(Channel(reply.id, node)))
             return
+        ch.last_heard = time.monotonic()
+        self._answer(ch, reply)
+
+    def _answer(self, ch: Channel, reply: wire.Started | wire.Chunk | wire.Done | wire.Failure) -> None:
+        """One reply of the node about `ch`: handed to the reader in order, or held until a gap fills."""
+        duplicates = ch.order.duplicates
+        for r in ch.order.take(reply):
+            self._deliver(ch, r)
+        self.duplicates += ch.order.duplicates - duplicates
+        if ch.order.missing and time.monotonic() - ch.resend_mono >= RESEND_AGAIN_S:
+            # A chunk came past one that never did, or the end counts more chunks than came:
+            # lost on the way (a NATS server died). The node kept them; ask at once.
+            self._ask_resend(ch)
+
+    def _deliver(self, ch: Channel, reply: wire.Started | wire.Chunk | wire.Done | wire.Failure) -> None:
         now = time.monotonic()
-        ch.last_heard = now
         if isinstance(reply, wire.Chunk):
             if not ch.first_chunk_mono:
                 ch.first_chunk_mono = now
+            if not ch.started:
+                ch.start(now)  # its Started was lost on the way; the chunk says as much
             ch.buffered_bytes += len(reply.data)
             if ch.buffered_bytes > ch.peak_buffered_bytes:
                 ch.peak_buffered_bytes = ch.buffered_bytes
                 self.peak_buffered_bytes = max(self.peak_buffered_bytes, ch.buffered_bytes)
         elif isinstance(reply, wire.Started):
-            if not ch.started and not ch.ended:
+            if not ch.ack_subject and not ch.ended:
                 # Only ever an ack subject of the work stream: the edge publishes +TERM there.
                 ch.ack_subject = reply.ack if reply.ack.startswith(ACK_PREFIX) else ""
                 # The node may have held Started back to send it with the first bytes (wire.Replies).
@@ -225,6 +261,33 @@ class Relay:
             ch.outcome = reply
             ch.end()
         ch.queue.put_nowait(reply)
+
+    def _ask_resend(self, ch: Channel, *, again: bool = False) -> None:
+        """Ask `ch`'s node to send again what this edge has not received (one request at a time,
+        unless `again`: the one in flight may have been lost with the connection)."""
+        if ch.ended or not ch.node or (ch.resending and not again):
+            return
+        ch.resending = True
+        ch.resend_mono = time.monotonic()
+        self._spawn(self._resend(ch))
+
+    async def _resend(self, ch: Channel) -> None:
+        ask = wire.Resend(ch.id, ch.order.next_seq, started=not ch.order.started)
+        self.resends += 1
+        try:
+            reply = await self.nc.request(wire.resend_subject(ch.node), wire.encode(ask), timeout=RESEND_TIMEOUT_S)
+            answer = wire.decode_resent(reply.data)
+        except (nats.errors.Error, TimeoutError, msgspec.DecodeError) as exc:
+            # Asked again at the next sweep; a node silent for SILENT_S fails the request there.
+            log.info("request %s: node %s did not answer a resend (%s)", ch.id, ch.node, type(exc).__name__)
+            return
+        finally:
+            ch.resending = False
+        if answer.known:
+            ch.last_heard = time.monotonic()  # the node is there, and has sent what it kept
+        elif not ch.ended and self.channels.get(ch.id) is ch:
+            self.resends_unknown += 1
+            self._answer_lost(ch, "its node no longer has it")
 
     def _credit_of(self, rid: str, subject: str) -> wire.Credit:
         ch = self._channel(rid, subject)
@@ -352,6 +415,7 @@ class Relay:
         data = self._framed(ch, item, self.nc.max_payload)
         try:
             await self.nc.request(wire.cli_subject(node, resource), data, timeout=5.0)
+            ch.last_heard = time.monotonic()  # Accepted: the node has it (a resend may ask for it)
         except nats.errors.NoRespondersError as exc:
             raise Unavailable(
                 f"CLI resource '{resource}' on node '{node}' is not connected", code="no_provider"
@@ -408,29 +472,45 @@ class Relay:
                 raise err
 
     def bus_reconnected(self) -> None:
-        """While this edge was cut off it heard nobody: every open request's silence starts now."""
+        """While this edge was cut off it heard nobody: every open request's silence starts now.
+
+        What its nodes sent meanwhile is lost (nobody subscribed for it): ask each node to send
+        again what it kept of every request it is known to run.
+        """
         self._reconnected = time.monotonic()
+        for ch in list(self.channels.values()):
+            if not ch.ended and (ch.started or ch.last_heard):
+                self._ask_resend(ch, again=True)
 
     def sweep(self) -> None:
-        """Fail, with relay_gap, requests whose answer was lost on the way (called every tick).
+        """Ask for replies lost on the way; fail with relay_gap what cannot come back (every tick).
 
         Replies are core NATS: those in flight when a server of the cluster dies (the node's or
         this edge's) are lost. A node probes each request it runs every PROBE_INTERVAL_S, so one
-        silent for SILENT_S while started (or once heard from) is no longer running: its answer,
-        or its end, was lost. One never heard from whose work message has left the stream ran
-        with everything lost. Either way it ran once; relay_gap is not retried by the edge.
+        silent for RESEND_AFTER_S while started (or once heard from) has lost replies on the way,
+        its end most likely: the edge asks the node to send them again (the node keeps them).
+        One never heard from whose work message has left the stream ran with everything lost:
+        asked the same way. Only a node that no longer has the request, or answers nothing for
+        SILENT_S, fails it with relay_gap; it ran once, and relay_gap is not retried by the edge.
         """
         now = time.monotonic()
         if now - self._swept < 1.0 or not self.nc.is_connected:
             return
         self._swept = now
         for ch in list(self.channels.values()):
+            if ch.ended:
+                continue
+            if ch.order.missing and now - ch.resend_mono >= RESEND_AGAIN_S:
+                self._ask_resend(ch)  # the last resend's copies were lost too, or never sent
             quiet = now - max(ch.last_heard, ch.started_mono, ch.published_mono, self._reconnected)
-            if ch.ended or quiet < SILENT_S:
+            if quiet < RESEND_AFTER_S:
                 continue
             if ch.started or ch.last_heard:
-                self._answer_lost(ch)
-            elif ch.stream_seq and not ch.checked:
+                if quiet >= SILENT_S:
+                    self._answer_lost(ch)
+                elif now - ch.resend_mono >= RESEND_AFTER_S:
+                    self._ask_resend(ch)
+            elif ch.stream_seq and not ch.checked and quiet >= SILENT_S:
                 ch.checked = True  # once: a request may wait in the broker for long, legitimately
                 self._spawn(self._check_gone(ch))
 
@@ -443,10 +523,11 @@ class Relay:
         except (nats.errors.Error, TimeoutError):
             return  # cannot tell: it waits for its deadline
         if not ch.ended and not ch.last_heard:
-            self._answer_lost(ch)
+            # Taken by its node (acked or terminated) with every reply lost: the node may have it.
+            self._ask_resend(ch, again=True)
 
-    def _answer_lost(self, ch: Channel) -> None:
-        log.warning("request %s: its node went silent; the answer was lost on the way (NATS)", ch.id)
+    def _answer_lost(self, ch: Channel, why: str = "its node went silent") -> None:
+        log.warning("request %s: %s; the answer was lost on the way (NATS)", ch.id, why)
         ch.end()
         ch.queue.put_nowait(failure_of(RelayGap("the answer was lost between node and edge"), ch.id, -1))
 

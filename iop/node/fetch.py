@@ -13,6 +13,7 @@ from nats.js import JetStreamContext
 
 from iop import wire
 from iop.errors import Unavailable, failure_of
+from iop.node import replay
 from iop.node.resource import Resource
 from iop.node.running import RunningRequests
 
@@ -94,6 +95,13 @@ async def _take(running: RunningRequests, r: Resource, msg: Msg) -> None:
         # Delivered to a pull made before a freeze: hand it back at once for the live instance.
         log.info("provider %s: request %s handed back (this instance is not confirmed live)", r.cfg.id, item.id)
         await msg.nak()
+        return
+    if msg.metadata.num_delivered > 1 and running.redelivered(item, msg):
+        # Ran (or runs) here already, its ack or progress lost with a NATS server: never again.
+        # An ended one is acked now and its answer sent again, in case the edge lost it too.
+        if item.id not in running.by_id:
+            await msg.ack()
+            await replay.resend(running.nc, running.replay, wire.Resend(item.id, 0, started=True))
         return
     if msg.metadata.num_delivered > 1 and not await _claim(running, item):
         # Redelivered: the earlier delivery may have run. Only the edge knows whether the client

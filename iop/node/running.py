@@ -19,6 +19,7 @@ from iop.errors import BodyUnavailable, Cancelled, RequestError, UpstreamError, 
 from iop.node import adapters
 from iop.node.flow import STALL_TIMEOUT_S, FlowWindow
 from iop.node.presence import Lease
+from iop.node.replay import ReplayStore, serve_resend
 from iop.node.resource import Resource
 
 log = logging.getLogger("iop.node")
@@ -64,6 +65,8 @@ class RunningRequests:
         self.probe_interval_s = wire.PROBE_INTERVAL_S
         self.flushing: set[asyncio.Task[None]] = set()
         """Started messages sent by their hold timer (kept referenced until sent)."""
+        self.replay = ReplayStore()
+        """What the edges may not have of each answer yet, to send again when they ask (replay.py)."""
 
     def was_cancelled(self, request_id: str) -> bool:
         """Whether a Cancel for this request arrived recently (before its work message did)."""
@@ -89,7 +92,7 @@ class RunningRequests:
                 await asyncio.wait(pending, timeout=5.0)
 
     async def _run(self, r: Resource, run: Running) -> None:
-        item, msg, window = run.item, run.msg, run.window
+        item, window = run.item, run.window
         r.in_flight += 1
         if r.in_flight > r.peak_in_flight:
             r.peak_in_flight = r.in_flight
@@ -139,14 +142,14 @@ class RunningRequests:
                     out.hold(chunk)  # the client gets nothing before the Done: it travels with it
 
         try:
-            ack = msg.reply if msg is not None else ""
+            ack = run.msg.reply if run.msg is not None else ""
             out.hold_started(wire.Started(item.id, self.node_id, self.instance, ack))
             if item.body_size:
                 item = msgspec.structs.replace(item, body=await self._fetch_body(item), body_size=0)
             usage = await r.adapter.run(item, r.cfg.model, send)
             run.answered = True
-            if msg is not None:
-                await msg.ack()  # before Done: the slot is free by the time the edge hears of it
+            if run.msg is not None:
+                await run.msg.ack()  # before Done: the slot is free by the time the edge hears of it
             done = wire.Done(
                 item.id,
                 window.sent_chunks,
@@ -160,8 +163,8 @@ class RunningRequests:
             r.served += 1
         except asyncio.CancelledError:
             r.failed += 1
-            if msg is not None:
-                await _quietly(msg.term())
+            if run.msg is not None:
+                await _quietly(run.msg.term())
             reason = "node is stopping" if self.stopping else "cancelled"
             await _quietly(out.send(failure(Cancelled(reason))))
         except RequestError as exc:
@@ -177,15 +180,15 @@ class RunningRequests:
                 exc.code,
                 exc.status,
             )
-            if msg is not None:
-                await _quietly(msg.term())
+            if run.msg is not None:
+                await _quietly(run.msg.term())
             await _quietly(out.send(failure(exc)))
         except Exception as exc:  # the adapter boundary: any bug below it must end as a Failure, never hang
             # (adapter, upstream client, translation): the client hears why and the slot is freed.
             r.failed += 1
             log.exception("provider %s: request %s failed", r.cfg.id, item.request_id or item.id)
-            if msg is not None:
-                await _quietly(msg.term())
+            if run.msg is not None:
+                await _quietly(run.msg.term())
             await _quietly(out.send(failure(UpstreamError(f"{type(exc).__name__}: {exc}", code="node_error"))))
         finally:
             out.close()
@@ -218,7 +221,22 @@ class RunningRequests:
 
     async def publish(self, item: wire.WorkItem, message: Any) -> None:
         """Send one reply message (Started, Chunk, Done, Failure, Replies) to the request's edge."""
+        # Kept first: a reply lost with a NATS server is sent again when the edge asks (Resend).
+        self.replay.keep(item.reply_to, message)
         await self.nc.publish(item.reply_to, wire.encode(message))
+
+    def redelivered(self, item: wire.WorkItem, msg: Msg) -> bool:
+        """Whether a work message delivered again is one this process runs or ran: it never runs twice.
+
+        The broker redelivers when an ack or progress was lost with a NATS server; the edge may not
+        know the request started (its Started lost too), so only the node can tell. A running one
+        takes the new delivery (its ack and progress must name it); an ended one is answered again.
+        """
+        run = self.by_id.get(item.id)
+        if run is not None:
+            run.msg = msg
+            return True
+        return self.replay.knows(item.id)
 
     # --- what the edge says about running requests ----------------------------------------------
 
@@ -242,9 +260,17 @@ class RunningRequests:
         except msgspec.DecodeError:
             log.warning("node %s: undecodable credit dropped", self.node_id)
             return
+        self._credited(credit)
+
+    def _credited(self, credit: wire.Credit) -> None:
+        self.replay.confirm(credit.id, credit.chunks)
         run = self.by_id.get(credit.id)
         if run is not None:
             run.window.grant(credit.chunks, credit.nbytes)
+
+    async def on_resend(self, msg: Msg) -> None:
+        """An edge lost replies on the way (a NATS server died): publish again what is kept."""
+        await serve_resend(self.nc, self.replay, msg)
 
     # --- keeping long requests alive, and finding out when their edge is gone -------------------
 
@@ -288,7 +314,7 @@ class RunningRequests:
             return
         run.unanswered = 0
         if credit.known:
-            run.window.grant(credit.chunks, credit.nbytes)
+            self._credited(credit)
         else:
             self._abandon(run, "its edge no longer has it")
 
