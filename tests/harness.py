@@ -118,8 +118,11 @@ async def running_edge(dep: config.Deployment, nats_url: str) -> AsyncIterator[E
 
 
 @asynccontextmanager
-async def running_node(dep: config.Deployment, node_id: str, nats_url: str) -> AsyncIterator[NodeRuntime]:
-    node = NodeRuntime(dep, node_id, nats_url)
+async def running_node(
+    dep: config.Deployment, node_id: str, nats_url: str, access: bus.NatsAccess | None = None
+) -> AsyncIterator[NodeRuntime]:
+    """A node in the test's loop; `access`: its own NATS user (least privilege) instead of the URL's."""
+    node = NodeRuntime(dep, node_id, nats_url, access=access)
     await node.start(connect_wait_s=5)
     try:
         yield node

@@ -63,9 +63,11 @@ async def test_replies_lost_while_the_edge_reconnects_are_sent_again_and_the_req
     gate = asyncio.Event()
     async with fake_upstream(gate=gate, tokens=20) as up, NatsCut(nats_server) as cut:
         dep = deployment(one_provider_yaml(up.url))
+        await nats_server.authorize(dep.nodes)
         async with (
             running_edge(dep, cut.url) as h,
-            running_node(dep, "n", nats_server.url) as node,
+            # With its own NATS user: least privilege lets it hear a Resend and answer it.
+            running_node(dep, "n", nats_server.address, nats_server.node_access("n")) as node,
             h.http() as http,
         ):
             # The node's probes of a request it runs must not find the edge gone meanwhile.

@@ -700,6 +700,7 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                         wire.work_subject("a-prov"),  # publish work, even to its own provider
                         wire.reply_subject(edge_id, "b", rid),  # answer b's request
                         wire.cancel_subject("b"),  # cancel b's work
+                        wire.resend_subject("b"),  # make b send an answer again
                         wire.heartbeat_subject("b"),  # speak as b
                         "$KV.iop_catalog.a",  # rewrite its own catalog
                         "$JS.API.DIRECT.GET.KV_iop_catalog.$KV.iop_catalog.b",  # read b's
