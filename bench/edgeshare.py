@@ -11,8 +11,10 @@ client on the first edge and once split evenly over both, `rounds` times alterna
 
 Per run: slot utilisation = busy slot-time / (8 slots x the window in which requests waited), the
 window running from the moment all slots first filled until the last request reached the
-upstream (bench.capacity.utilisation), the mean idle gap per handover, and the over-cap events
-the upstream counted (a request arriving at a port already at its provider's capacity).
+upstream (bench.capacity.utilisation), the mean idle gap per handover, the over-cap events
+the upstream counted (a request arriving at a port already at its provider's capacity), and the
+requests the edges together sent past a provider's capacity to wait in the broker (the edges'
+`iop_provider_oversubscribed_total`, summed: a race of two edges for one slot counts twice).
 
 Two edges schedule one pool each from its own FIFO and learn the slots the other holds from it
 (see docs/scale-out.md, "Capacity across edges"); this measures what that costs against one edge.
@@ -33,7 +35,7 @@ from typing import Any
 
 from bench.capacity import utilisation
 from bench.cluster import _client, _drain, _iop, _line, start_cluster
-from bench.procs import free_port, http_json, loadavg
+from bench.procs import free_port, http, http_json, loadavg
 from iop import bus
 
 CAPACITIES = (2, 3, 3)
@@ -71,6 +73,20 @@ nodes:{nodes}
 
 async def _get(url: str, method: str = "GET") -> Any:
     return await asyncio.to_thread(http_json, method, url, None, 30)
+
+
+async def _oversubscribed(targets: list[tuple[str, int]]) -> float:
+    """Requests the edges together sent past a provider's capacity, summed over the edges' /metrics
+    (a race between two edges for one last slot is counted by both)."""
+    total = 0.0
+    for host, port in targets:
+        status, raw = await asyncio.to_thread(http, "GET", f"http://{host}:{port}/metrics", None, 30)
+        if status != 200:
+            raise RuntimeError(f"GET /metrics of {host}:{port}: HTTP {status}")
+        for line in raw.decode().splitlines():
+            if line.startswith("iop_provider_oversubscribed_total{"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 async def _closed_loop(targets: list[tuple[str, int]], clients: int, seconds: float) -> tuple[int, int]:
@@ -143,7 +159,9 @@ async def measure(url: str, addresses: str, workdir: Path, opts: Options) -> dic
             for n in (1, 2):
                 await _get(base + "/stats/reset", "POST")
                 load = loadavg()
+                over = await _oversubscribed(targets)
                 ok, failed = await _closed_loop(targets[:n], opts.clients, opts.seconds)
+                over = await _oversubscribed(targets) - over
                 stats = await _get(base + "/stats")
                 timeline = (await _get(base + "/timeline"))["events"]
                 u = utilisation({int(k): v for k, v in timeline.items()}, dict(zip(ports, CAPACITIES, strict=True)))
@@ -153,6 +171,7 @@ async def measure(url: str, addresses: str, workdir: Path, opts: Options) -> dic
                         "ok": ok,
                         "failed": failed,
                         "over_cap": stats["over_cap"],
+                        "oversubscribed": over,
                         "utilisation": u["utilisation"],
                         "idle_gap_ms": u["idle_gap_ms"],
                         "handover_gap_ms": u["handover_gap_ms"],
@@ -181,6 +200,7 @@ def _line_of(r: dict[str, Any]) -> str:
     gaps = r["handover_gap_ms"] or {}
     return (
         f"{r['edges']} edge(s): {r['ok']} answered, {r['failed']} failed, over-cap {r['over_cap']}, "
+        f"oversubscribed {r['oversubscribed']:.0f}, "
         f"utilisation {r['utilisation']}, idle gap {r['idle_gap_ms']} ms/handover "
         f"(p50 {gaps.get('p50')}, p99 {gaps.get('p99')}, max {gaps.get('max')}), window {r['window_s']} s, "
         f"load {r['load1']:.2f}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from iop import bus, wire
 from iop.bus import EmbeddedNats
 from tests.fakes import fake_upstream
 from tests.harness import deployment, eventually, running_edge, running_node, until
@@ -145,3 +146,33 @@ async def test_an_edge_that_stops_announcing_is_counted_from_the_heartbeats(nats
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_an_announcement_past_a_providers_capacity_counts_as_oversubscribed(nats_server: EmbeddedNats) -> None:
+    """Another edge (here: its message, sent by the test) took the slot this edge holds: counted and shown."""
+    url = nats_server.url
+    async with fake_upstream(gate=asyncio.Event()) as up:
+        dep = deployment(ONE_SLOT.replace("URL", up.url))
+        async with running_edge(dep, url) as e, running_node(dep, "n", url), e.http() as http:
+            await e.edge.registry.wait_connected(["n"], timeout_s=10)
+            first = asyncio.create_task(http.post("/v1/chat/completions", json=ask("mine")))
+            await up.wait_for(lambda u: u.in_flight == 1)
+            nc = await bus.connect(url, "test-other-edge")
+            try:
+                share, x = e.edge.registry.share, e.edge.scheduler.providers["x"]
+                await nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(wire.EdgeSlots("other", True, {"x": 1})))
+                await eventually(lambda: _true(x.elsewhere == 1))
+                assert share.oversubscribed == {"x": 1}
+                metrics = (await http.get("/metrics")).text
+                assert 'iop_provider_oversubscribed_total{node="n",provider="x"} 1.0' in metrics
+                assert 'iop_provider_elsewhere{node="n",provider="x"} 1.0' in metrics
+                # The same count again is no new request past the cap; its slot freed, nothing is held there.
+                await nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(wire.EdgeSlots("other", False, {"x": 1})))
+                await nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(wire.EdgeSlots("other", False, {"x": 0})))
+                await eventually(lambda: _true(x.elsewhere == 0))
+                assert share.oversubscribed == {"x": 1}
+            finally:
+                await nc.close()
+            assert up.gate is not None
+            up.gate.set()
+            assert (await first).status_code == 200

@@ -219,9 +219,22 @@ class _LiveCollector(Collector):
         in_flight = GaugeMetricFamily(
             "iop_provider_in_flight", "Requests this edge has dispatched to a provider.", labels=["node", "provider"]
         )
+        elsewhere = GaugeMetricFamily(
+            "iop_provider_elsewhere",
+            "Slots of a provider other edges hold, as this edge knows.",
+            labels=["node", "provider"],
+        )
+        over = CounterMetricFamily(
+            "iop_provider_oversubscribed",
+            "Requests the edges together sent past a provider's capacity (they wait in the broker).",
+            labels=["node", "provider"],
+        )
+        share = edge.registry.share
         for slots in edge.scheduler.providers.values():
             capacity.add_metric([slots.node, slots.id], slots.capacity)
             in_flight.add_metric([slots.node, slots.id], slots.in_flight)
+            elsewhere.add_metric([slots.node, slots.id], slots.elsewhere)
+            over.add_metric([slots.node, slots.id], share.oversubscribed.get(slots.id, 0))
         waiting = GaugeMetricFamily("iop_pool_waiting", "Requests waiting for a slot.", labels=["alias"])
         for alias in edge.scheduler.pools:
             waiting.add_metric([alias], edge.scheduler.waiting(alias))
@@ -236,4 +249,4 @@ class _LiveCollector(Collector):
         nats.add_metric([], 1.0 if edge.nc.is_connected else 0.0)
         up = GaugeMetricFamily("iop_edge_uptime_seconds", "Seconds since this edge started.")
         up.add_metric([], time.time() - edge.started_at)
-        yield from (capacity, in_flight, waiting, nodes, dropped, pending, nats, up)
+        yield from (capacity, in_flight, elsewhere, over, waiting, nodes, dropped, pending, nats, up)

@@ -40,6 +40,9 @@ class SlotShare:
         """Other edge → when it last announced (monotonic)."""
         self.by_node: dict[str, dict[str, int]] = {}
         """Provider → edge → requests its node runs for that edge (the node's last heartbeat)."""
+        self.oversubscribed: dict[str, int] = {}
+        """Provider → requests the edges together sent past its capacity, as this edge learnt of them
+        (two edges took its last slot at once, or a count arrived late): each waits in the broker."""
         self.sent = 0
         self.received = 0
         self._dirty: set[str] = set()
@@ -159,6 +162,12 @@ class SlotShare:
         held += sum(
             n for e, n in self.by_node.get(provider, {}).items() if e != self.edge_id and not self._live(e, now)
         )
+        slot = self.scheduler.providers.get(provider)
+        if slot is not None and slot.connected and held > slot.elsewhere:
+            before = max(0, slot.in_flight + slot.elsewhere - slot.capacity)
+            over = max(0, slot.in_flight + held - slot.capacity)
+            if over > before:
+                self.oversubscribed[provider] = self.oversubscribed.get(provider, 0) + over - before
         self.scheduler.set_elsewhere(provider, held)
 
     def _forget_silent(self) -> None:
