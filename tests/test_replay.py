@@ -87,6 +87,43 @@ async def test_replies_lost_while_the_edge_reconnects_are_sent_again_and_the_req
             assert h.edge.nc.stats["reconnects"] == 1
 
 
+async def test_a_stream_cut_off_half_way_reaches_its_client_whole_and_in_order(nats_server: EmbeddedNats) -> None:
+    # 40 tokens 50 ms apart: the edge is cut off after the first bytes, while the rest streams.
+    async with fake_upstream(tokens=40, token_interval_s=0.05) as up, NatsCut(nats_server) as cut:
+        dep = deployment(one_provider_yaml(up.url))
+        async with running_edge(dep, cut.url) as h, running_node(dep, "n", nats_server.url) as node, h.http() as http:
+            node.probe_interval_s = 60
+            await h.edge.registry.wait_connected(["n"], timeout_s=10)
+            body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "once"}]}
+            sent = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+            relay = h.edge.relay
+
+            async def first_bytes_in() -> bool:
+                return any(ch.order.next_seq > 0 for ch in relay.channels.values())
+
+            async def cut_off() -> bool:
+                return not h.edge.nc.is_connected
+
+            await eventually(first_bytes_in)
+            cut.cut()
+            await eventually(cut_off)
+            cut.heal()
+            r = await asyncio.wait_for(sent, 30)
+            reconnected = h.edge.nc.stats["reconnects"]
+            assert node._running is not None
+            resent = node._running.replay.resent
+    assert r.status_code == 200, r.text
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in sse_events(r.text) if e.get("choices"))
+    assert text == up.text()
+    assert up.total == 1 and reconnected == 1
+    # What streamed while the edge was away was lost, and sent again.
+    assert relay.resends >= 1 and relay.resends_unknown == 0 and resent >= 1
+    print(
+        f"\nedge cut off mid-stream: {relay.resends} resends, {resent} replies sent again, "
+        f"{relay.duplicates} copies dropped"
+    )
+
+
 async def test_a_node_that_no_longer_has_the_lost_answer_fails_it_with_relay_gap_at_once(
     nats_server: EmbeddedNats,
 ) -> None:
