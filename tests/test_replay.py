@@ -9,6 +9,7 @@ import httpx
 from iop import bus, wire
 from iop.bus import EmbeddedNats
 from iop.edge.reorder import Reorder
+from iop.node import replay
 from iop.node.replay import ReplayStore
 from iop.node.runtime import NodeRuntime
 from tests.fakes import FakeUpstream, fake_upstream
@@ -199,8 +200,9 @@ def test_replay_store_keeps_what_the_edge_has_not_confirmed_and_forgets_after_gr
 
 
 def test_replay_store_over_its_bound_forgets_ended_answers_first_then_running_ones() -> None:
-    store = ReplayStore(max_bytes=3000, grace_s=60)
-    big = b"x" * 1000
+    big = b"x" * 3000
+    one = replay.ENTRY_BYTES + replay.CHUNK_BYTES + len(big)  # a request with one kept chunk
+    store = ReplayStore(max_bytes=3 * one - 1, grace_s=60)
     store.keep("reply.a", wire.Chunk("a", 0, big))
     store.keep("reply.a", wire.Done("a", 1))
     store.keep("reply.b", wire.Chunk("b", 0, big))
@@ -210,7 +212,8 @@ def test_replay_store_over_its_bound_forgets_ended_answers_first_then_running_on
     store.keep("reply.d", wire.Chunk("d", 0, big))
     # b still runs: it is marked, so a resend says it cannot help rather than send a hole.
     assert store.evicted == 2 and store.replies(wire.Resend("b", 0)) is None
-    assert store.nbytes <= 3000
+    assert store.replies(wire.Resend("c", 0)) is not None
+    assert store.nbytes <= store.max_bytes
 
 
 def test_replay_store_never_sends_an_answer_with_a_hole() -> None:

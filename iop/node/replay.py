@@ -25,8 +25,10 @@ log = logging.getLogger("iop.node")
 
 STORE_BYTES = 64 * 1024 * 1024
 """The most answer bytes a node keeps for all requests together; past it the oldest are forgotten."""
-ENTRY_BYTES = 256
-"""What one kept request costs besides its chunks' data (its messages, the dict entry): an estimate."""
+ENTRY_BYTES = 1536
+"""What one kept request costs besides its chunks (its entry, Started and end): measured ≈ 1.5 KiB."""
+CHUNK_BYTES = 100
+"""What one kept chunk costs besides its data (the Struct, the deque slot)."""
 
 Kept = wire.Started | wire.Chunk | wire.Done | wire.Failure
 
@@ -75,8 +77,8 @@ class ReplayStore:
             if kept.evicted:
                 return
             kept.chunks.append(message)
-            kept.nbytes += len(message.data)
-            self.nbytes += len(message.data)
+            kept.nbytes += CHUNK_BYTES + len(message.data)
+            self.nbytes += CHUNK_BYTES + len(message.data)
         elif isinstance(message, wire.Started):
             kept.started = message
         elif kept.end is None:
@@ -92,7 +94,7 @@ class ReplayStore:
         if kept is None:
             return
         while kept.chunks and kept.chunks[0].seq < chunks:
-            size = len(kept.chunks.popleft().data)
+            size = CHUNK_BYTES + len(kept.chunks.popleft().data)
             kept.nbytes -= size
             self.nbytes -= size
 
@@ -145,7 +147,7 @@ class ReplayStore:
             # then fails the request) instead of sending an answer with a hole in it.
             self.evicted += 1
             kept.evicted = True
-            size = sum(len(c.data) for c in kept.chunks)
+            size = sum(CHUNK_BYTES + len(c.data) for c in kept.chunks)
             kept.chunks.clear()
             kept.nbytes -= size
             self.nbytes -= size
