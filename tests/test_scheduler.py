@@ -131,7 +131,9 @@ async def test_scheduler_waiters_cancelled_together_with_a_release_leave_cleanly
     await waiting(s, "m", 3)
     for w in waiters:
         w.cancel()
+    s.changed.clear()
     s.release(held)
+    assert s.changed.is_set() and s.waiting("m") == 0  # observers hear that nobody waits any more
     results = await asyncio.gather(*waiters, return_exceptions=True)
     assert all(isinstance(r, asyncio.CancelledError) for r in results), results
     assert (s.waiting("m"), s.waiting_bytes, s.providers["p"].in_flight) == (0, 0, 0)

@@ -357,6 +357,28 @@ class _TrackedSend:
         await self.send(message)
 
 
+class ApiRoutes:
+    """The OpenAI endpoints straight from the server; every other path through the Starlette app.
+
+    They are the only paths a burst of clients waits on. Starlette's router, its exception and
+    server-error middlewares and their coroutines cost each waiting request about 3 KB and every
+    request some CPU, for nothing these endpoints use: each checks its own method and turns its own
+    errors into OpenAI error JSON (docs/performance.md, issue 19).
+    """
+
+    def __init__(self, endpoints: dict[str, ASGIApp], app: ASGIApp) -> None:
+        self.endpoints = endpoints
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            endpoint = self.endpoints.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class RequestIds:
     """Every answer carries `x-request-id`: the client's when it is safe to log and forward, else 400."""
 

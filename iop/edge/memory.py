@@ -12,6 +12,7 @@ collection alone runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import gc
@@ -26,6 +27,8 @@ BURST_WAITERS = 256
 """A drained queue is worth a trim after at least this many requests waited at once."""
 SETTLE_S = 1.0
 """How long after the last waiter left to trim: the requests' connections close in the meantime."""
+RECHECK_S = 2.0
+"""While a burst is on, the count is also read this often, whether or not `changed` was set."""
 
 _malloc_trim: Callable[[int], int] | None = None
 if sys.platform.startswith("linux"):
@@ -92,7 +95,12 @@ class BurstTrim:
     async def _watch(self) -> None:
         peak = 0
         while True:
-            await self.changed.wait()
+            if peak < self.burst:
+                await self.changed.wait()
+            else:
+                # A burst is on: do not depend on every way out of the queue saying so.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), RECHECK_S)
             # Other observers clear it too; this one is always waiting when it is set, except
             # during the settle below, which re-reads the count at its end.
             self.changed.clear()

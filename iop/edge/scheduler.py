@@ -572,6 +572,7 @@ class Scheduler:
             for pool in pools:
                 while pool.waiters and pool.waiters[0].future.done():
                     self._left(pool.waiters.popleft())
+                    self.changed.set()  # one fewer waits: observers (the burst trim) count again
                 for waiter in pool.waiters:
                     if chosen is not None and waiter.order > chosen[1].order:
                         break

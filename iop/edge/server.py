@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Scope
 
 from iop import bus, config, validate
 from iop.edge import http as edge_http
-from iop.edge.api import ApiEndpoint, RequestIds
+from iop.edge.api import ApiEndpoint, ApiRoutes, RequestIds
 from iop.edge.dispatch import Finished
 from iop.edge.keys import EdgeKeys
 from iop.edge.ledger import LedgerWriter, ensure_ledger_stream
@@ -310,8 +310,6 @@ def build_app(edge: Edge) -> ASGIApp:
         return await request_error(request, err)
 
     routes = [
-        Route("/v1/chat/completions", ApiEndpoint(edge, "chat")),
-        Route("/v1/responses", ApiEndpoint(edge, "responses")),
         Route("/v1/models", models, methods=["GET"]),
         # An alias may hold `/` (`org/model`), so the rest of the path is the id.
         Route("/v1/models/{alias:path}", model, methods=["GET"]),
@@ -336,7 +334,11 @@ def build_app(edge: Edge) -> ASGIApp:
     )
     # `/v1/models/` is not `/v1/models`: a 307 to another URL confuses clients more than a clear 404.
     app.router.redirect_slashes = False
-    return RequestIds(edge_http.SameOrigin(app))
+    api: dict[str, ASGIApp] = {
+        "/v1/chat/completions": ApiEndpoint(edge, "chat"),
+        "/v1/responses": ApiEndpoint(edge, "responses"),
+    }
+    return RequestIds(edge_http.SameOrigin(ApiRoutes(api, app)))
 
 
 def http_server(edge: Edge, *, host: str = "127.0.0.1", port: int = 0, grace_s: float = 30.0) -> uvicorn.Server:
