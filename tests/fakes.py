@@ -269,8 +269,14 @@ class FakeUpstream:
 
 
 def bound_socket() -> socket.socket:
-    """A listening loopback socket on a port the OS picks: its URL is known before the server runs."""
-    sock = socket.socket()
+    """A listening loopback socket on a port the OS picks: its URL is known before the server runs.
+
+    Made with proto IPPROTO_TCP, as `iop edge` makes its own (iop.edge.http.bind): asyncio's loop,
+    the one tests run on, turns Nagle's algorithm off only on such sockets' connections. A bare
+    socket.socket() kept it on, and every fake and in-test edge held a streamed answer's next small
+    write for the client's delayed ACK (~40 ms), unlike a real server.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+import uvicorn
 
 from iop import bus
 from iop.bus import EmbeddedNats
-from iop.edge.http import HeadWithBody
+from iop.edge.http import HeadWithBody, bind
 from iop.edge.server import Edge, http_server
 from tests.harness import deployment, running_node, until
 
@@ -39,6 +40,7 @@ class Served:
     url: str
     port: int
     edge: Edge
+    server: uvicorn.Server
 
 
 @asynccontextmanager
@@ -48,15 +50,14 @@ async def edge_on_limits(nats_url: str) -> AsyncIterator[Served]:
     nc = await bus.connect(nats_url, "test-edge", wait_s=5)
     edge = Edge(dep, nc, nats_url=nats_url)
     await edge.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = bind("127.0.0.1:0")
     port = sock.getsockname()[1]
     server = http_server(edge, grace_s=1)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with running_node(dep, "n1", nats_url):
             await edge.registry.wait_connected(["n1"], timeout_s=10)
-            yield Served(f"http://127.0.0.1:{port}", port, edge)
+            yield Served(f"http://127.0.0.1:{port}", port, edge, server)
     finally:
         server.should_exit = True
         await task
@@ -92,6 +93,25 @@ async def good_request_ms(url: str) -> float:
         r = await client.post(url + "/v1/chat/completions", json=GOOD)
         assert r.status_code == 200, r.text
         return (time.perf_counter() - started) * 1000
+
+
+async def test_http_the_edge_turns_nagle_off_on_client_connections_under_asyncio_too(served: Served) -> None:
+    """Each write of a streamed answer leaves at once, not after the client's delayed ACK.
+
+    asyncio's loop sets TCP_NODELAY only on connections whose socket says IPPROTO_TCP, and an
+    accepted connection takes the listener's proto: bound with socket.socket(), the edge kept Nagle's
+    algorithm on, and under IOP_LOOP=asyncio a streamed answer's second event waited ~40 ms for the
+    client's ACK, then the rest came in one lump (docs/performance.md). uvloop sets it regardless,
+    so this runs on asyncio's loop, where the difference shows.
+    """
+    assert type(asyncio.get_running_loop()).__module__.startswith("asyncio.")
+    async with httpx.AsyncClient(base_url=served.url, timeout=10) as client:
+        r = await client.post("/v1/chat/completions", json=GOOD)
+        assert r.status_code == 200, r.text
+        # The answer came back on this kept-alive connection: the edge holds its side of it now.
+        (conn,) = served.server.server_state.connections
+        sock = conn.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
 
 
 async def test_http_endless_header_is_refused_431_and_good_requests_go_on(served: Served) -> None:

@@ -296,7 +296,12 @@ def bind(listen: str) -> socket.socket:
     host, _, port = listen.rpartition(":")
     host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP by name: asyncio's loop turns Nagle's algorithm off (TCP_NODELAY) only on sockets
+    # whose proto says TCP, and an accepted connection inherits the listener's proto, which
+    # socket.socket() leaves at 0. With Nagle on, a streamed answer's next small write waited for
+    # the client's delayed ACK (~40 ms) and the events behind it arrived in one lump. uvloop sets
+    # TCP_NODELAY on every TCP socket; this keeps IOP_LOOP=asyncio (and platforms without uvloop) alike.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, int(port)))
