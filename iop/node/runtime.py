@@ -72,7 +72,8 @@ class NodeRuntime:
         self._stall_timeout_s = STALL_TIMEOUT_S
         self._probe_interval_s = wire.PROBE_INTERVAL_S
         self.changed = asyncio.Event()
-        """Set when a request starts, ends, or waits for credit (observers clear it, then wait)."""
+        """Set when a request starts, ends, or waits for credit, and when a new catalog is applied
+        (observers clear it, then wait)."""
 
     def requests(self) -> list[Running]:
         """The requests running now (status, tests)."""
@@ -165,6 +166,7 @@ class NodeRuntime:
         """Switch to a new catalog while serving: running requests finish where they run."""
         assert self._presence is not None
         await self._apply(node)
+        self.changed.set()  # capacities and peaks may have moved: whoever waits on them looks again
         await self._presence.heartbeat()
 
     async def _apply(self, node: config.Node) -> None:
