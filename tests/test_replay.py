@@ -222,3 +222,29 @@ def test_replay_store_never_sends_an_answer_with_a_hole() -> None:
     store.keep("reply.r", chunk(1))
     store.confirm("r", 1)
     assert store.replies(wire.Resend("r", 0)) is None
+
+
+async def test_answers_the_edge_received_whole_are_forgotten_by_the_node_at_once(nats_server: EmbeddedNats) -> None:
+    # Without the edge saying so, a node kept every ended answer REPLAY_GRACE_S (30 s): at 2,000
+    # requests a second that was 60,000 answers held, and the node's memory and throughput paid.
+    async with fake_upstream(tokens=5) as up:
+        dep = deployment(one_provider_yaml(up.url))
+        await nats_server.authorize(dep.nodes)
+        async with (
+            running_edge(dep, nats_server.url) as h,
+            running_node(dep, "n", nats_server.address, nats_server.node_access("n")) as node,
+            h.http() as http,
+        ):
+            await h.edge.registry.wait_connected(["n"], timeout_s=10)
+            for stream in (False, True, False):
+                body = {"model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+                assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+            assert node._running is not None
+            store = node._running.replay
+
+            async def forgotten() -> bool:
+                return not store.by_id
+
+            waited_s = await eventually(forgotten, timeout_s=10)
+            assert store.received_count == 3 and store.nbytes == 0
+            assert waited_s < wire.REPLAY_GRACE_S / 3  # told, not expired

@@ -143,6 +143,9 @@ class Relay:
         """Resend requests this edge made (replies lost on the way, or its own reconnect)."""
         self.resends_unknown = 0
         """Of those, answered by a node that no longer had the request (the request failed with relay_gap)."""
+        self._whole: dict[str, list[str]] = {}
+        """Requests whose answer arrived whole, by node, not yet told to the node (`wire.Received`)."""
+        self._whole_timer: asyncio.TimerHandle | None = None
         self.duplicates = 0
         """Replies dropped because they had arrived already (copies a resend sent again)."""
 
@@ -260,7 +263,34 @@ class Relay:
         elif isinstance(reply, wire.Done | wire.Failure):
             ch.outcome = reply
             ch.end()
+            self._received(ch)
         ch.queue.put_nowait(reply)
+
+    def _received(self, ch: Channel) -> None:
+        """Tell `ch`'s node, with the other ends gathered meanwhile, that this answer arrived whole."""
+        ids = self._whole.get(ch.node)
+        if ids is None:
+            ids = self._whole[ch.node] = []
+        ids.append(ch.id)
+        if len(ids) >= wire.RECEIVED_BATCH:
+            self._send_received(ch.node)
+        elif self._whole_timer is None:
+            self._whole_timer = asyncio.get_running_loop().call_later(wire.RECEIVED_EVERY_S, self._send_all_received)
+
+    def _send_all_received(self) -> None:
+        self._whole_timer = None
+        for node in list(self._whole):
+            self._send_received(node)
+
+    def _send_received(self, node: str) -> None:
+        ids = self._whole.pop(node, None)
+        if ids:
+            self._spawn(self._publish_quietly(wire.received_subject(node), wire.encode(wire.Received(ids))))
+
+    async def _publish_quietly(self, subject: str, data: bytes) -> None:
+        # Lost, the node keeps those answers until their grace ends (REPLAY_GRACE_S): nothing breaks.
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await self.nc.publish(subject, data)
 
     def _ask_resend(self, ch: Channel, *, again: bool = False) -> None:
         """Ask `ch`'s node to send again what this edge has not received (one request at a time,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -53,8 +53,8 @@ class ReplayStore:
         self.max_bytes = max_bytes
         self.grace_s = grace_s
         self.by_id: dict[str, KeptAnswer] = {}
-        self._ended: deque[tuple[float, str]] = deque()
-        """(monotonic end time, id) in the order requests ended: expiry pops from the left."""
+        self._ended: OrderedDict[str, float] = OrderedDict()
+        """Ended requests (id → monotonic end time) in the order they ended: expiry takes the oldest."""
         self.nbytes = 0
         self.evicted = 0
         """Requests forgotten before their grace ended because the store was full."""
@@ -62,6 +62,8 @@ class ReplayStore:
         """Resend requests answered (known or not)."""
         self.resent = 0
         """Replies published again."""
+        self.received_count = 0
+        """Ended answers forgotten because their edge said it had them whole (`wire.Received`)."""
 
     def keep(self, reply_to: str, message: Kept | wire.Replies) -> None:
         """Remember a reply as it leaves the node (`RunningRequests.publish`)."""
@@ -83,7 +85,7 @@ class ReplayStore:
             kept.started = message
         elif kept.end is None:
             kept.end = message
-            self._ended.append((time.monotonic(), message.id))
+            self._ended[message.id] = time.monotonic()
         self.expire()
         if self.nbytes > self.max_bytes:
             self._evict()
@@ -97,6 +99,14 @@ class ReplayStore:
             size = CHUNK_BYTES + len(kept.chunks.popleft().data)
             kept.nbytes -= size
             self.nbytes -= size
+
+    def received(self, ids: list[str]) -> None:
+        """The edge has these answers whole (`wire.Received`): nothing of them is sent again."""
+        for rid in ids:
+            kept = self.by_id.get(rid)
+            if kept is not None and kept.end is not None:  # an edge cannot have a running one whole
+                self.received_count += 1
+                self._drop(rid)
 
     def knows(self, rid: str) -> bool:
         return rid in self.by_id
@@ -122,11 +132,12 @@ class ReplayStore:
     def expire(self) -> None:
         """Forget ended requests whose grace has passed."""
         limit = time.monotonic() - self.grace_s
-        while self._ended and self._ended[0][0] <= limit:
-            _, rid = self._ended.popleft()
+        while self._ended and next(iter(self._ended.values())) <= limit:
+            rid, _ = self._ended.popitem(last=False)
             self._drop(rid)
 
     def _drop(self, rid: str) -> None:
+        self._ended.pop(rid, None)
         kept = self.by_id.pop(rid, None)
         if kept is not None:
             self.nbytes -= kept.nbytes
@@ -134,7 +145,7 @@ class ReplayStore:
     def _evict(self) -> None:
         # Ended answers first (their edge most likely has them), oldest first; then running ones.
         while self._ended and self.nbytes > self.max_bytes:
-            _, rid = self._ended.popleft()
+            rid, _ = self._ended.popitem(last=False)
             if rid in self.by_id:
                 self.evicted += 1
                 self._drop(rid)

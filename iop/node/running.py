@@ -254,6 +254,14 @@ class RunningRequests:
         if run is not None and run.task is not None:
             run.task.cancel()
 
+    async def on_received(self, msg: Msg) -> None:
+        try:
+            received = wire.decode_received(msg.data)
+        except msgspec.DecodeError:
+            log.warning("node %s: undecodable received list dropped", self.node_id)
+            return
+        self.replay.received(received.ids)
+
     async def on_credit(self, msg: Msg) -> None:
         try:
             credit = wire.decode_credit(msg.data)

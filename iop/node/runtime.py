@@ -144,6 +144,7 @@ class NodeRuntime:
         await self.nc.subscribe(wire.cancel_subject(self.node_id), cb=running.on_cancel)
         await self.nc.subscribe(wire.credit_subject(self.node_id), cb=running.on_credit, pending_msgs_limit=1_000_000)
         await self.nc.subscribe(wire.resend_subject(self.node_id), cb=running.on_resend)
+        await self.nc.subscribe(wire.received_subject(self.node_id), cb=running.on_received)
         await self._apply(self.node)
         # "Started" means the server has our subscriptions, not that they are still in our buffer.
         await bus.flush(self.nc, 5)
