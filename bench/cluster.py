@@ -124,6 +124,20 @@ async def _measure(
     return out
 
 
+async def stop_all(procs: list[asyncio.subprocess.Process]) -> None:
+    """End the processes a run started (SIGTERM, then SIGKILL after 10 s), each by its own PID."""
+    for p in procs:
+        if p.returncode is None:
+            p.terminate()
+    for p in procs:
+        try:
+            async with asyncio.timeout(10):
+                await p.wait()
+        except TimeoutError:
+            p.kill()
+            await p.wait()
+
+
 async def start_cluster(base: Path, name: str) -> list[bus.EmbeddedNats]:
     """Three bundled nats-servers routed into one JetStream cluster under `base`, once it has a leader.
 
@@ -200,16 +214,7 @@ nodes:
             )
         return results
     finally:
-        for p in procs:
-            if p.returncode is None:
-                p.terminate()
-        for p in procs:
-            try:
-                async with asyncio.timeout(10):
-                    await p.wait()
-            except TimeoutError:
-                p.kill()
-                await p.wait()
+        await stop_all(procs)
         for s in servers:
             await s.stop()
         shutil.rmtree(base, ignore_errors=True)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.capacity import utilisation
-from bench.cluster import _client, _drain, _iop, _line, start_cluster
+from bench.cluster import _client, _drain, _iop, _line, start_cluster, stop_all
 from bench.procs import free_port, http, http_json, loadavg
 from iop import bus
 
@@ -182,16 +182,7 @@ async def measure(url: str, addresses: str, workdir: Path, opts: Options) -> dic
                 print(_line_of(runs[-1]), flush=True)
         return summary(runs)
     finally:
-        for p in procs:
-            if p.returncode is None:
-                p.terminate()
-        for p in procs:
-            try:
-                async with asyncio.timeout(10):
-                    await p.wait()
-            except TimeoutError:
-                p.kill()
-                await p.wait()
+        await stop_all(procs)
         for d in drains:
             d.cancel()
 

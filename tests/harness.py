@@ -506,3 +506,16 @@ def build_archive(sources: Path, out: Path) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(command, capture_output=True, text=True, timeout=540, check=False)
     assert done.returncode == 0, done.stderr
     return done
+
+
+def one_provider_yaml(url: str) -> str:
+    """A deployment of one node with one provider `p` (capacity 1) on the upstream at `url`, alias `m`."""
+    return f"""
+edge:
+  queue: {{timeout_s: 30, max_waiting: 100}}
+models: [{{alias: m, pool: [p]}}]
+nodes:
+  - id: n
+    adapters: [{{id: up, type: openai, base_url: "{url}", api: both}}]
+    providers: [{{id: p, adapter: up, capacity: 1}}]
+"""

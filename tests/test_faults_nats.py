@@ -12,19 +12,16 @@ from nats.js import JetStreamContext
 from iop.bus import EmbeddedNats
 from iop.edge.registry import LOST_AFTER_S
 from tests.fakes import fake_upstream
-from tests.harness import broker_counts, deployment, eventually, running_edge, running_node, stream_messages, until
-
-
-def one_provider_yaml(url: str) -> str:
-    return f"""
-edge:
-  queue: {{timeout_s: 30, max_waiting: 100}}
-models: [{{alias: m, pool: [p]}}]
-nodes:
-  - id: n
-    adapters: [{{id: up, type: openai, base_url: "{url}", api: both}}]
-    providers: [{{id: p, adapter: up, capacity: 1}}]
-"""
+from tests.harness import (
+    broker_counts,
+    deployment,
+    eventually,
+    one_provider_yaml,
+    running_edge,
+    running_node,
+    stream_messages,
+    until,
+)
 
 
 def ask(content: str) -> dict[str, object]:

@@ -13,19 +13,17 @@ from iop.node import replay
 from iop.node.replay import ReplayStore
 from iop.node.runtime import NodeRuntime
 from tests.fakes import FakeUpstream, fake_upstream
-from tests.harness import EdgeHandle, NatsCut, deployment, eventually, running_edge, running_node, sse_events, until
-
-
-def one_provider_yaml(url: str) -> str:
-    return f"""
-edge:
-  queue: {{timeout_s: 30, max_waiting: 100}}
-models: [{{alias: m, pool: [p]}}]
-nodes:
-  - id: n
-    adapters: [{{id: up, type: openai, base_url: "{url}", api: both}}]
-    providers: [{{id: p, adapter: up, capacity: 1}}]
-"""
+from tests.harness import (
+    EdgeHandle,
+    NatsCut,
+    deployment,
+    eventually,
+    one_provider_yaml,
+    running_edge,
+    running_node,
+    sse_events,
+    until,
+)
 
 
 async def answer_lost_while_the_edge_is_cut_off(

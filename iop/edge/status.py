@@ -161,18 +161,23 @@ def status_of(edge: Observed) -> Status:
         for alias, (n, p) in edge.catalog.routes.items()
     ]
     return Status(
-        edge=EdgeInfo(
-            id=edge.edge_id,
-            version=__version__,
-            uptime_s=round(now - edge.started_at, 3),
-            nats=edge.nats_url,
-            nats_connected=edge.nats_connected,
-            drift=edge.drift,
-            storage_error=edge.storage_error,
-        ),
+        edge=edge_info(edge, now),
         nodes=nodes,
         pools=pools,
         routes=routes,
+    )
+
+
+def edge_info(edge: Observed, now: float) -> EdgeInfo:
+    """The edge's own line, the same in the full document and in the summary."""
+    return EdgeInfo(
+        id=edge.edge_id,
+        version=__version__,
+        uptime_s=round(now - edge.started_at, 3),
+        nats=edge.nats_url,
+        nats_connected=edge.nats_connected,
+        drift=edge.drift,
+        storage_error=edge.storage_error,
     )
 
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from iop import __version__, wire
+from iop import wire
 from iop.edge.scheduler import ProviderSlots
-from iop.edge.status import Observed, retry_after_of, wait_quantiles_ms
+from iop.edge.status import Observed, edge_info, retry_after_of, wait_quantiles_ms
 from iop.edge.status_schema import (
-    EdgeInfo,
     NodeAttention,
     PoolSummary,
     ProviderAttention,
@@ -138,15 +137,7 @@ def summary_of(edge: Observed) -> StatusSummary:
     routes = edge.catalog.routes
     return StatusSummary(
         built_at=round(now, 3),
-        edge=EdgeInfo(
-            id=edge.edge_id,
-            version=__version__,
-            uptime_s=round(now - edge.started_at, 3),
-            nats=edge.nats_url,
-            nats_connected=edge.nats_connected,
-            drift=edge.drift,
-            storage_error=edge.storage_error,
-        ),
+        edge=edge_info(edge, now),
         nodes=len(edge.deployment.nodes),
         nodes_connected=nodes_connected,
         providers=StateCounts(**providers),
