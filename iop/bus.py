@@ -492,6 +492,20 @@ def servers_of(url: str) -> list[str]:
     return [u.strip() for u in url.split(",") if u.strip()]
 
 
+async def close(nc: NATS) -> None:
+    """Close `nc`, also when its server is gone with commands still buffered.
+
+    nats-py's close writes what it buffered while disconnected to the old socket, and uvloop
+    raises RuntimeError for a closed transport there (nats-py catches only OSError on that path):
+    an edge stopping because its embedded nats-server kept dying printed that traceback as its
+    last line instead of the one that says why it stopped. What was buffered is lost either way.
+    """
+    try:
+        await nc.close()
+    except RuntimeError as exc:
+        log.debug("closing NATS with its connection gone: %s", exc)
+
+
 async def flush(nc: NATS, timeout_s: int = 5) -> None:
     """Everything written to `nc` so far has reached the server (subscriptions included).
 

@@ -447,7 +447,7 @@ async def run_edge(
             await bus.flush(nc, 2)
         except (nats.errors.Error, TimeoutError, OSError) as exc:
             log.info("iop edge stopping: NATS did not flush (%s)", exc)
-        await nc.close()
+        await bus.close(nc)
         if edge.fatal:
             raise BusError(edge.fatal)
     finally:

@@ -287,7 +287,7 @@ class NodeRuntime:
                 await bus.flush(self.nc, 2)
             except (nats.errors.Error, OSError) as exc:
                 log.debug("node %s: final flush: %s", self.node_id, exc)
-            await self.nc.close()
+            await bus.close(self.nc)
         for a in [*self._adapters.values(), *self._old_adapters]:
             await a.close()
 
