@@ -693,7 +693,15 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                 edge_id = h.edge.edge_id
 
                 async with rogue(nats_server, "a") as a:
-                    for subject in ("iop.work.>", "iop.cli.b.*", wire.cancel_subject("b"), "_INBOX_b.>", "iop.reply.>"):
+                    for subject in (
+                        "iop.work.>",
+                        "iop.cli.b.*",
+                        wire.cancel_subject("b"),
+                        wire.received_subject("b"),
+                        "_INBOX_b.>",
+                        "iop.reply.>",
+                        wire.EDGE_SLOTS_SUBJECT,  # what each edge holds is the edges' business
+                    ):
                         await a.nc.subscribe(subject)
                         await a.refused(f'permissions violation for subscription to "{subject.lower()}"')
                     forbidden = [
@@ -701,6 +709,8 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                         wire.reply_subject(edge_id, "b", rid),  # answer b's request
                         wire.cancel_subject("b"),  # cancel b's work
                         wire.resend_subject("b"),  # make b send an answer again
+                        wire.received_subject("b"),  # make b forget answers an edge may still lack
+                        wire.EDGE_SLOTS_SUBJECT,  # speak as an edge about the slots it holds
                         wire.heartbeat_subject("b"),  # speak as b
                         "$KV.iop_catalog.a",  # rewrite its own catalog
                         "$JS.API.DIRECT.GET.KV_iop_catalog.$KV.iop_catalog.b",  # read b's
