@@ -131,6 +131,23 @@ async def running_node(
 
 
 @asynccontextmanager
+async def two_edges(
+    dep: config.Deployment, nats_url: str, node: str = "n"
+) -> AsyncIterator[tuple[EdgeHandle, EdgeHandle, httpx.AsyncClient, httpx.AsyncClient]]:
+    """Two edges of one deployment on one NATS, and its node `node` connected to both (scale-out tests)."""
+    async with (
+        running_edge(dep, nats_url) as e1,
+        running_edge(dep, nats_url) as e2,
+        running_node(dep, node, nats_url),
+        e1.http() as http1,
+        e2.http() as http2,
+    ):
+        for h in (e1, e2):
+            await h.edge.registry.wait_connected([node], timeout_s=10)
+        yield e1, e2, http1, http2
+
+
+@asynccontextmanager
 async def deployment_running(dep: config.Deployment, nats_url: str) -> AsyncIterator[EdgeHandle]:
     """An edge plus every node of the deployment, returned once the edge sees all nodes connected."""
     async with running_edge(dep, nats_url) as handle:

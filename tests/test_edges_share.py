@@ -7,7 +7,7 @@ import asyncio
 from iop import bus, wire
 from iop.bus import EmbeddedNats
 from tests.fakes import fake_upstream
-from tests.harness import deployment, eventually, running_edge, running_node, until
+from tests.harness import deployment, eventually, running_edge, running_node, two_edges, until
 
 
 def ask(content: str) -> dict[str, object]:
@@ -29,15 +29,7 @@ nodes:
       - {{id: uy, type: openai, base_url: "{up_y.url}", api: both}}
     providers: [{{id: x, adapter: ux, capacity: 1}}, {{id: y, adapter: uy, capacity: 1}}]
 """)
-        async with (
-            running_edge(dep, url) as e1,
-            running_edge(dep, url) as e2,
-            running_node(dep, "n", url),
-            e1.http() as http1,
-            e2.http() as http2,
-        ):
-            for h in (e1, e2):
-                await h.edge.registry.wait_connected(["n"], timeout_s=10)
+        async with two_edges(dep, url) as (e1, e2, http1, http2):
             first = asyncio.create_task(http1.post("/v1/chat/completions", json=ask("one")))
             # Checked on every heartbeat (each second): the request has reached its upstream.
             await until(lambda: up_x.in_flight + up_y.in_flight == 1, e1.edge.registry.changed)
@@ -81,15 +73,7 @@ async def test_a_slot_another_edge_frees_reaches_this_edges_waiter_without_a_hea
     url = nats_server.url
     async with fake_upstream() as up:
         dep = deployment(ONE_SLOT.replace("URL", up.url))
-        async with (
-            running_edge(dep, url) as e1,
-            running_edge(dep, url) as e2,
-            running_node(dep, "n", url),
-            e1.http() as http1,
-            e2.http() as http2,
-        ):
-            for h in (e1, e2):
-                await h.edge.registry.wait_connected(["n"], timeout_s=10)
+        async with two_edges(dep, url) as (_, e2, http1, http2):
             s2 = e2.edge.scheduler
             node_seen = e2.edge.registry.nodes["n"]
             # A heartbeat may land between a slot's release and the grant by chance (a few ms of each
@@ -121,14 +105,7 @@ async def test_an_edge_that_stops_announcing_is_counted_from_the_heartbeats(nats
     url = nats_server.url
     async with fake_upstream(gate=asyncio.Event()) as up:
         dep = deployment(ONE_SLOT.replace("URL", up.url))
-        async with (
-            running_edge(dep, url) as e1,
-            running_edge(dep, url) as e2,
-            running_node(dep, "n", url),
-            e1.http() as http1,
-        ):
-            for h in (e1, e2):
-                await h.edge.registry.wait_connected(["n"], timeout_s=10)
+        async with two_edges(dep, url) as (e1, e2, http1, _):
             share2 = e2.edge.registry.share
             await eventually(lambda: _true(e1.edge.edge_id in share2.announced))
             await e1.edge.registry.share.stop()

@@ -17,9 +17,8 @@ from tests.harness import (
     deployment,
     eventually,
     one_provider_yaml,
-    running_edge,
-    running_node,
     stream_messages,
+    two_edges,
     until,
 )
 
@@ -37,15 +36,7 @@ async def test_nats_restart_waiting_requests_are_served_once(tmp_path: Path) -> 
     try:
         async with fake_upstream(gate=gate) as up:
             dep = deployment(one_provider_yaml(up.url))
-            async with (
-                running_edge(dep, url) as h1,
-                running_edge(dep, url) as h2,
-                running_node(dep, "n", url),
-                h1.http() as http1,
-                h2.http() as http2,
-            ):
-                for h in (h1, h2):
-                    await h.edge.registry.wait_connected(["n"], timeout_s=10)
+            async with two_edges(dep, url) as (h1, h2, http1, http2):
                 # r1 runs (held by the upstream); r2, sent by a second edge, waits in the broker's
                 # file store; r3 and r4 wait in the first edge's queue.
                 running = {"r1": asyncio.create_task(http1.post("/v1/chat/completions", json=ask("r1")))}
