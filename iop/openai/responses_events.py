@@ -49,13 +49,67 @@ def response_error(message: str, code: str) -> dict[str, Any]:
     return {"code": mapped, "message": message, "type": code}
 
 
+# The tool types a chat translation serves (ToolMap): the others are dropped, so not echoed.
+_SERVED_TOOLS = frozenset({"function", "custom", "namespace", "tool_search"})
+
+
+def _number(value: object, default: float) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def _string(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def echoed_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """A served tool as the response lists it: a function with every field the schema requires.
+
+    `strict` says what the chat server was asked: the request's value, else not strict (a chat
+    function without `strict` is not held to its schema).
+    """
+    if tool.get("type") == "function":
+        strict = tool.get("strict")
+        return {
+            **tool,
+            "description": tool.get("description"),
+            "parameters": tool.get("parameters"),
+            "strict": strict if isinstance(strict, bool) else False,
+        }
+    if tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
+        children = [t for t in tool["tools"] if isinstance(t, Mapping) and t.get("type") in ("function", "custom")]
+        return {**tool, "tools": [echoed_tool(t) for t in children]}
+    return dict(tool)
+
+
+def echoed_tools(tools: object) -> list[dict[str, Any]]:
+    """The request's tools a chat translation serves, as the response echoes them."""
+    if not isinstance(tools, list):
+        return []
+    return [echoed_tool(t) for t in tools if isinstance(t, Mapping) and t.get("type") in _SERVED_TOOLS]
+
+
+def echoed_text(text: object) -> dict[str, Any]:
+    """`text` with its `format` always present (plain text unless the request asked otherwise)."""
+    out = dict(text) if isinstance(text, Mapping) else {}
+    if not isinstance(out.get("format"), Mapping):
+        out["format"] = {"type": "text"}
+    return out
+
+
 def response_object(request: Mapping[str, Any] | None, model: str) -> dict[str, Any]:
-    """An in-progress response object echoing the request's settings, with no output yet."""
+    """An in-progress response object echoing the request's settings as applied, with no output yet.
+
+    Every field the Open Responses `ResponseResource` requires is present with its type: sampling
+    settings the request left out read as the defaults a chat server applies (temperature and
+    top_p 1, penalties 0), hosted tools the translation dropped are not listed.
+    """
     req: Mapping[str, Any] = request or {}
+    metadata = req.get("metadata")
     return {
         "id": new_id("resp_"),
         "object": "response",
         "created_at": int(time.time()),
+        "completed_at": None,
         "status": "in_progress",
         "background": False,
         "error": None,
@@ -68,17 +122,25 @@ def response_object(request: Mapping[str, Any] | None, model: str) -> dict[str, 
         "parallel_tool_calls": bool(req.get("parallel_tool_calls", True)),
         "previous_response_id": None,
         "reasoning": req.get("reasoning"),
-        # iop never stores a response, whatever the request asked.
+        # Whether the edge keeps it is the edge's to say (it sets this on what it relays).
         "store": False,
-        "temperature": req.get("temperature"),
-        "text": req.get("text") or {"format": {"type": "text"}},
+        "temperature": _number(req.get("temperature"), 1.0),
+        "top_p": _number(req.get("top_p"), 1.0),
+        "presence_penalty": _number(req.get("presence_penalty"), 0.0),
+        "frequency_penalty": _number(req.get("frequency_penalty"), 0.0),
+        # Logprobs are refused when translating (responses_request.check_stateless): none are given.
+        "top_logprobs": 0,
+        # iop has no service tiers: every request is served alike.
+        "service_tier": "default",
+        "text": echoed_text(req.get("text")),
         "tool_choice": req.get("tool_choice") or "auto",
-        "tools": list(req.get("tools") or []),
-        "top_p": req.get("top_p"),
+        "tools": echoed_tools(req.get("tools")),
         "truncation": req.get("truncation") or "disabled",
         "usage": None,
         "user": req.get("user"),
-        "metadata": req.get("metadata") or {},
+        "safety_identifier": _string(req.get("safety_identifier")),
+        "prompt_cache_key": _string(req.get("prompt_cache_key")),
+        "metadata": metadata if isinstance(metadata, Mapping) else {},
     }
 
 

@@ -105,7 +105,7 @@ def responses_to_chat_request(
             chat["tool_choice"] = choice
         if request.get("parallel_tool_calls") is not None:
             chat["parallel_tool_calls"] = request["parallel_tool_calls"]
-    for field in ("temperature", "top_p", "stop", "user"):
+    for field in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "stop", "user"):
         if request.get(field) is not None:
             chat[field] = request[field]
     if request.get("max_output_tokens") is not None:
