@@ -177,7 +177,7 @@ class ApiEndpoint:
             trace.key = self.edge.authorize(scope)
             if scope["method"] != "POST":
                 raise MethodNotAllowed("use POST")
-            _check_content_type(scope)
+            check_content_type(scope)
             body = await _read_body(scope, receive, self.edge.max_body_bytes)
             trace.bytes_in = len(body)
             model, stream, cache_key, user = parse_head(self.api, body)
@@ -482,7 +482,7 @@ def _session_header(scope: Scope) -> str | None:
     return None
 
 
-def _check_content_type(scope: Scope) -> None:
+def check_content_type(scope: Scope) -> None:
     # Required, not only checked when present: a body of no declared type is what a page on another
     # site can make a browser send without asking first (see edge/http.py's SameOrigin).
     for name, value in scope["headers"]:

@@ -40,11 +40,11 @@ from iop import config
 from iop.edge.api import (
     ApiEndpoint,
     Serving,
-    _check_content_type,
     _read_body,
     _send_error,
     _TrackedSend,
     _watch_disconnect,
+    check_content_type,
     parse_head,
 )
 from iop.edge.dispatch import Answer, DispatchResult, MakeItem, _Dispatch, _Lease
@@ -354,7 +354,7 @@ class PinnedEndpoint(ApiEndpoint):
             self.qualified.keys.admin(scope)
             provider = scope["path_params"]["provider"]
             alias = self._alias_of(provider)
-            _check_content_type(scope)
+            check_content_type(scope)
             body = await _read_body(scope, receive, self.edge.max_body_bytes)
             stream = parse_head(self.api, body).stream
             await self._serve_pinned(body, alias, provider, stream, receive, out)

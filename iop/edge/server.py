@@ -34,6 +34,7 @@ from iop.edge.qualify import QualifyDesk, qualify_routes
 from iop.edge.refresh import Refresher, RefreshResult, publish_catalog
 from iop.edge.registry import Registry
 from iop.edge.relay import Relay
+from iop.edge.responses_front import CompactEndpoint, ResponsesFront
 from iop.edge.scheduler import Scheduler
 from iop.edge.status import status_of
 from iop.edge.status_schema import QualificationSummary, encode_status
@@ -51,6 +52,7 @@ from iop.errors import (
     RequestError,
     error_response,
 )
+from iop.openai.compaction import Sealer
 
 log = logging.getLogger("iop.edge")
 _json = msgspec.json.Encoder().encode
@@ -129,6 +131,8 @@ class Edge:
         self.closing = asyncio.Event()
         """Set when the edge starts to stop: open streams (status pages, usage tails) end at once."""
         self.qualify = QualifyDesk(self)
+        self.sealer = Sealer.random()
+        """Seals iop's compaction items; `run_edge` derives it from the deployment's secret (docs/security.md)."""
 
     @property
     def qualifications(self) -> dict[str, QualificationSummary]:
@@ -334,9 +338,11 @@ def build_app(edge: Edge) -> ASGIApp:
     )
     # `/v1/models/` is not `/v1/models`: a 307 to another URL confuses clients more than a clear 404.
     app.router.redirect_slashes = False
+    responses = ResponsesFront(edge, ApiEndpoint(edge, "responses"))
     api: dict[str, ASGIApp] = {
         "/v1/chat/completions": ApiEndpoint(edge, "chat"),
-        "/v1/responses": ApiEndpoint(edge, "responses"),
+        "/v1/responses": responses,
+        "/v1/responses/compact": CompactEndpoint(responses),
     }
     return RequestIds(edge_http.SameOrigin(ApiRoutes(api, app)))
 
@@ -408,6 +414,7 @@ async def run_edge(
         if waited > 0.5:
             log.info("NATS JetStream ready after %.1fs", waited)
         edge = Edge(dep, nc, nats_url=url, keys=keys)
+        edge.sealer = _sealer(embedded, access)
         if embedded is not None:
             edge.refresher.authorize_nodes = embedded.authorize  # users follow the deployment's nodes
         await edge.start()
@@ -454,6 +461,21 @@ async def run_edge(
         sock.close()
         if embedded is not None:
             await embedded.stop()
+
+
+def _sealer(embedded: bus.EmbeddedNats | None, access: bus.NatsAccess) -> Sealer:
+    """The compaction sealer from what every edge of the deployment holds and no node does.
+
+    The embedded server's root secret, else the edges' own NATS password or token. With neither
+    (an open NATS server), a key of this process: its compaction items end with it.
+    """
+    if embedded is not None and embedded.credentials is not None:
+        return Sealer.derived(embedded.credentials.password("iop-compaction-seal").encode())
+    secret = access.password or access.token
+    if secret:
+        return Sealer.derived(secret.encode())
+    log.warning("NATS has no credentials: compaction items this edge makes are readable only until it stops")
+    return Sealer.random()
 
 
 NATS_RESTARTS = 3

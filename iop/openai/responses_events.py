@@ -462,6 +462,22 @@ class ResponseEvents:
         finish_response(self.response, self.output, usage, finish_reason)
         return out + self._lifecycle("response.completed" if status == "completed" else "response.incomplete")
 
+    def finish_items(self, items: list[dict[str, Any]], usage: Usage | None) -> bytes:
+        """The whole answer at once: each finished item (added, then done), then response.completed.
+
+        For answers the edge makes itself (a warm-up has no item, a compaction one), which have no
+        deltas to stream.
+        """
+        if self.ended:
+            return b""
+        out = self.start()
+        for item in items:
+            index, added = self._add(item)
+            out += added + self._event("response.output_item.done", {"output_index": index, "item": item})
+        self.ended = True
+        finish_response(self.response, self.output, usage, "stop")
+        return out + self._lifecycle("response.completed")
+
     def fail(self, message: str, code: str) -> bytes:
         """End the stream with response.failed, keeping whatever output was produced so far."""
         if self.ended:
