@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import csv
+import io
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -15,7 +17,7 @@ import pytest
 
 from iop.bus import EmbeddedNats
 from iop.edge.ledger import RequestRecord
-from iop.edge.report import Aggregate, parse_query, read_records
+from iop.edge.report import Aggregate, parse_query, read_records, to_csv
 from tests.fakes import FakeUpstream, fake_upstream
 from tests.harness import EdgeHandle, deployment, running_edge, running_node, until
 
@@ -285,6 +287,26 @@ async def test_usage_refuses_bad_parameters_naming_them(
         assert r.json()["error"]["param"] == param
 
 
+ODD_TIMES = ["nan", "-nan", "inf", "-inf", "1e20", "-1", "1e308", "99999999999999d", "0001-01-01T00:00:00"]
+
+
+async def test_usage_refuses_times_that_name_no_date_with_400_naming_the_parameter(
+    nats_server: EmbeddedNats,
+) -> None:
+    dep = deployment(
+        "models: [{alias: m, pool: [p]}]\nnodes: [{id: n, adapters: [{id: s, type: mock}], "
+        "providers: [{id: p, adapter: s, capacity: 1}]}]"
+    )
+    async with running_edge(dep, nats_server.url) as h, h.http() as http:
+        for odd in ODD_TIMES:
+            for param, others in (("since", {}), ("until", {"since": "0"})):
+                r = await http.get("/usage", params={param: odd, **others})
+                assert r.status_code == 400, (param, odd, r.status_code, r.text)
+                assert r.json()["error"]["param"] == param
+            r = await http.get("/usage/tail", params={"since": odd})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "since", (odd, r.text)
+
+
 def test_aggregate_counts_and_percentiles() -> None:
     q = parse_query("1h", None, "model", now=10_000.0)
     agg = Aggregate(q)
@@ -309,6 +331,23 @@ def test_aggregate_counts_and_percentiles() -> None:
     (row,) = agg.rows()
     assert row["requests"] == 100 and row["input_tokens"] == 200 and row["output_tokens"] == 0
     assert (row["duration_p50_ms"], row["duration_p95_ms"]) == (50.0, 95.0)
+
+
+def test_usage_csv_neutralises_names_a_spreadsheet_would_run_as_formulas() -> None:
+    # Aliases and key names are the operator's free text; a spreadsheet runs a cell starting
+    # with = + - @ (or a tab or CR before one) as a formula.
+    names = ["=HYPERLINK(\"http://x\")", "+1", "-2+3", "@SUM(A1)", "\t=1", "plain", "a=b"]
+    agg = Aggregate(parse_query("1h", None, "model,key", now=10_000.0))
+    agg.add(
+        [
+            RequestRecord(id=n, start=9_500.0, alias=n, route="pool", api="chat", stream=False, status=200, key=n)
+            for n in names
+        ]
+    )
+    cells = {row[0]: row[1] for row in csv.reader(io.StringIO(to_csv(agg.report()), newline=""))}
+    for n in names[:-2]:
+        assert ("'" + n) in cells and cells["'" + n] == "'" + n, (n, cells)
+    assert cells["plain"] == "plain" and cells["a=b"] == "a=b"
 
 
 async def test_records_wait_while_nats_is_down_and_are_written_after(tmp_path: Path) -> None:
