@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -211,6 +212,25 @@ def test_unknown_path_and_wrong_method_are_json(edge_url: str) -> None:
         _error(http.get("/v1/nothing"), 404, "not_found")
         _error(http.get("/v1/chat/completions"), 405, "method_not_allowed")
         _error(http.post("/v1/models"), 405, "method_not_allowed")
+
+
+def test_http_a_405_names_the_allowed_methods_and_its_access_line_what_was_asked(
+    edge_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="iop.access")
+    with httpx.Client(base_url=edge_url) as http:
+        for method, path, allowed in (
+            ("GET", "/v1/chat/completions", {"POST"}),
+            ("DELETE", "/v1/responses", {"POST"}),
+            ("POST", "/v1/models", {"GET", "HEAD"}),
+            ("GET", "/admin/refresh", {"POST"}),
+        ):
+            r = http.request(method, path)
+            _error(r, 405, "method_not_allowed")
+            assert {m.strip() for m in r.headers["allow"].split(",")} == allowed, (method, path, r.headers)
+        r = http.get("/v1/chat/completions", headers={"x-request-id": "asked-1"})
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "iop.access"]
+    assert any(line.startswith("asked-1 GET /v1/chat/completions - -/- 405 ") for line in lines), lines
 
 
 def _nested(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:

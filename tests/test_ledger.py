@@ -335,8 +335,8 @@ def test_aggregate_counts_and_percentiles() -> None:
 
 def test_usage_csv_neutralises_names_a_spreadsheet_would_run_as_formulas() -> None:
     # Aliases and key names are the operator's free text; a spreadsheet runs a cell starting
-    # with = + - @ (or a tab or CR before one) as a formula.
-    names = ["=HYPERLINK(\"http://x\")", "+1", "-2+3", "@SUM(A1)", "\t=1", "plain", "a=b"]
+    # with = + - @ (or a tab before one) as a formula.
+    names = ['=HYPERLINK("http://x")', "+1", "-2+3", "@SUM(A1)", "\t=1", "plain", "a=b"]
     agg = Aggregate(parse_query("1h", None, "model,key", now=10_000.0))
     agg.add(
         [

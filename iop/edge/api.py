@@ -176,7 +176,7 @@ class ApiEndpoint:
             # The key first: a caller without one learns nothing, and leaves no ledger record.
             trace.key = self.edge.authorize(scope)
             if scope["method"] != "POST":
-                raise MethodNotAllowed("use POST")
+                raise MethodNotAllowed(f"{scope['method']} {scope['path']}: use POST", headers={"Allow": "POST"})
             check_content_type(scope)
             body = await _read_body(scope, receive, self.edge.max_body_bytes)
             trace.bytes_in = len(body)
@@ -186,6 +186,8 @@ class ApiEndpoint:
             await self._serve(body, model, stream, receive, out, session)
         except RequestError as exc:
             trace.error = exc.code
+            if not trace.alias:
+                trace.refused_at(scope["method"], scope.get("raw_path") or scope["path"].encode())
             if not out.started:
                 await _send_error(out, error_response(exc))
         except asyncio.CancelledError:

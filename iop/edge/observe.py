@@ -45,7 +45,9 @@ class Trace:
         "first_byte",
         "id",
         "key",
+        "method",
         "model",
+        "path",
         "result",
         "start",
         "status",
@@ -68,6 +70,14 @@ class Trace:
         self.cancelled = False
         self.first_byte = 0.0
         self.result: DispatchResult | None = None
+        self.method = ""
+        """Set (with `path`) for a request refused before its model was known: what the log shows instead."""
+        self.path = ""
+
+    def refused_at(self, method: str, raw_path: bytes) -> None:
+        """Note what was asked, for the access line of a request that names no model (yet)."""
+        self.method = _printable(method.encode(), 16)
+        self.path = _printable(raw_path, 200)
 
     def dispatched(self, result: DispatchResult) -> None:
         """The dispatch's `on_finished`: what became of the request on its way through the edge."""
@@ -128,8 +138,24 @@ class Observer:
         if self.ledger is not None and rec.status != 401:
             self.ledger.add(rec)
         if access_log.isEnabledFor(logging.INFO):
-            access_log.info(access_line(rec), extra={"fields": access_fields(rec)})
+            fields = access_fields(rec)
+            if trace.method:
+                fields["method"], fields["path"] = trace.method, trace.path
+            access_log.info(access_line(rec, trace.method, trace.path), extra={"fields": fields})
         return rec
+
+
+_UNPRINTABLE = re.compile(rb"[^\x21-\x7e]")
+
+
+def _printable(raw: bytes, limit: int) -> str:
+    """A client's bytes as a log may show them: printable ASCII, the rest `\\xNN`, at most `limit` bytes.
+
+    Never raw: a CR/LF would forge a log line, an escape sequence would drive the operator's terminal.
+    """
+    cut = raw[:limit]
+    text = _UNPRINTABLE.sub(lambda m: b"\\x%02x" % m.group()[0], cut).decode("ascii")
+    return text + ("..." if len(raw) > limit else "")
 
 
 def _tokens(rec: RequestRecord) -> str:
@@ -138,8 +164,13 @@ def _tokens(rec: RequestRecord) -> str:
     return f"{rec.input_tokens if rec.input_tokens is not None else '-'}/{rec.output_tokens or 0}"
 
 
-def access_line(rec: RequestRecord) -> str:
-    """`request_id alias route node/provider status duration_ms queue_ms tokens` — never prompts or keys."""
+def access_line(rec: RequestRecord, method: str = "", path: str = "") -> str:
+    """`request_id alias route node/provider status duration_ms queue_ms tokens` — never prompts or keys.
+
+    A request refused before it named a model shows what it asked for instead of the alias:
+    `req_… GET /v1/chat/completions -/- 405 …`.
+    """
+    asked = f"{method} {path}" if method else ""
     where = f"{rec.node or '-'}/{rec.provider or '-'}"
     queue = f"{rec.queue_ms:.1f}" if rec.queue_ms is not None else "-"
     extra = f" error={rec.error}" if rec.error else ""
@@ -148,7 +179,7 @@ def access_line(rec: RequestRecord) -> str:
     if rec.exit_code is not None:
         extra += f" exit={rec.exit_code}"
     return (
-        f"{rec.id} {rec.alias or '-'} {rec.route or '-'} {where} {rec.status} "
+        f"{rec.id} {asked or rec.alias or '-'} {rec.route or '-'} {where} {rec.status} "
         f"{rec.duration_ms:.1f}ms queue={queue}ms tokens={_tokens(rec)}{extra}"
     )
 

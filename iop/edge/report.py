@@ -87,9 +87,7 @@ def parse_time(value: str, param: str, now: float) -> float:
 
 def _in_range(t: float, param: str, value: str) -> float:
     if not 0.0 <= t <= LATEST_TIME:  # also false for nan
-        raise BadRequest(
-            f"'{param}' must name a time between 1970 and 9999; got {value[:64]!r}", param=param
-        )
+        raise BadRequest(f"'{param}' must name a time between 1970 and 9999; got {value[:64]!r}", param=param)
     return t
 
 
