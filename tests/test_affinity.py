@@ -10,8 +10,9 @@ import asyncio
 
 from iop.bus import EmbeddedNats
 from iop.edge.affinity import Sessions
-from iop.edge.dispatch import DispatchResult
-from tests.harness import deployment, deployment_running
+from iop.edge.ledger import RequestRecord
+from iop.edge.usage_query import follow
+from tests.harness import deployment, deployment_running, until
 from tests.test_scheduler import granted, scheduler, soon, waiting
 
 # --- the scheduler: prefer when free, wait no longer than asked, FIFO kept --------------------------
@@ -115,8 +116,15 @@ nodes:
 
 async def test_affinity_end_to_end_a_session_stays_on_its_provider(nats_server: EmbeddedNats) -> None:
     async with deployment_running(deployment(POOL_YAML), nats_server.url) as h:
-        results: list[DispatchResult] = []
-        h.edge.on_request_finished = results.append
+        # What each request became is read where operators read it: its ledger record.
+        results: list[RequestRecord] = []
+        written = asyncio.Event()
+
+        def sink(records: list[RequestRecord]) -> None:
+            results.extend(records)
+            written.set()
+
+        sub = await follow(h.edge.js, "m", sink)
         msg = [{"role": "user", "content": "x"}]
         async with h.http() as http:
 
@@ -135,7 +143,9 @@ async def test_affinity_end_to_end_a_session_stays_on_its_provider(nats_server: 
             assert [len(s) for s in (by_key, by_header, by_x_header, by_user)] == [1, 1, 1, 1]
             r = await http.post("/v1/responses", json={"model": "m", "input": "x", "prompt_cache_key": "k1"})
             assert r.status_code == 200 and r.headers["x-iop-provider"] in by_key
+        await until(lambda: len(results) >= 31, written)  # 6 anonymous, 4 x 6 with a session, 1 responses
+        await sub.unsubscribe()
         # 4 sessions x 5 turns after their first, plus the responses turn of k1.
-        assert sum(r.affinity for r in results) == 21
+        assert len(results) == 31 and sum(r.affinity for r in results) == 21
         pool = (await h.status()).pool("m")
         assert pool is not None and (pool.affinity_hits, pool.affinity_misses) == (21, 0)

@@ -13,7 +13,7 @@ import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iop import config, wire
-from iop.edge.dispatch import DirectDispatch, DispatchResult, Finished, PoolDispatch
+from iop.edge.dispatch import DirectDispatch, PoolDispatch
 from iop.edge.observe import REQUEST_ID, Observer, Trace, new_request_id
 from iop.edge.relay import Channel, Relay
 from iop.edge.scheduler import Scheduler
@@ -151,8 +151,6 @@ class Serving(Protocol):
     @property
     def relay(self) -> Relay: ...
     @property
-    def on_request_finished(self) -> Finished | None: ...
-    @property
     def observer(self) -> Observer: ...
 
     def authorize(self, scope: Scope) -> str:
@@ -258,7 +256,7 @@ class ApiEndpoint:
             edge.relay,
             model,
             deadline,
-            on_finished=self._on_finished(trace),
+            on_finished=trace.dispatched,
             sessions=edge.scheduler.sessions,
             session=session,
             affinity_wait_s=edge.catalog.affinity_wait_s.get(model, 0.0),
@@ -277,23 +275,12 @@ class ApiEndpoint:
         arrived = asyncio.get_running_loop().time()
         trace = out.trace
         trace.model = _upstream_model(edge, resource, model)
-        dispatch = DirectDispatch(edge.relay, model, node, resource, on_finished=self._on_finished(trace))
+        dispatch = DirectDispatch(edge.relay, model, node, resource, on_finished=trace.dispatched)
 
         async def answer(ch: Channel, provider: str) -> RequestError | None:
             return await self._answer(ch, provider, stream, out, arrived, None)
 
         await dispatch.run(lambda ch: self._item(ch, body, model, stream, trace.id), answer)
-
-    def _on_finished(self, trace: Trace) -> Finished:
-        also = self.edge.on_request_finished
-        if also is None:
-            return trace.dispatched
-
-        def both(result: DispatchResult) -> None:
-            trace.dispatched(result)
-            also(result)
-
-        return both
 
     async def _answer(
         self, ch: Channel, provider: str, stream: bool, out: _TrackedSend, arrived: float, start_deadline: float | None

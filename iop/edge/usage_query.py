@@ -1,0 +1,342 @@
+"""Reading the ledger back: the query (`since`, `until`, `by`), the ordered read, the usage table.
+
+The parsing is pure (the `iop usage` command checks its options with it before asking the edge);
+`read_records` reads IOP_LEDGER with an ordered consumer from the first message at or after
+`since` to the last one present when the read began.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import csv
+import io
+import logging
+import operator
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+
+from iop.edge.ledger import LEDGER_STREAM, LEDGER_SUBJECTS, RequestRecord, decode_batch, ledger_subject
+from iop.errors import BadRequest
+
+log = logging.getLogger("iop.edge")
+
+GROUP_KEYS = ("model", "provider", "node", "key", "day", "hour", "api", "route", "status")
+"""What `by` may name; `model` is the alias the client asked for."""
+COLUMNS = (
+    "requests",
+    "errors",
+    "input_tokens",
+    "output_tokens",
+    "cached_tokens",
+    "reasoning_tokens",
+    "duration_p50_ms",
+    "duration_p95_ms",
+    "queue_p50_ms",
+    "queue_p95_ms",
+)
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+
+
+@dataclass(frozen=True)
+class Query:
+    since: float
+    until: float
+    by: tuple[str, ...]
+
+
+def parse_time(value: str, param: str, now: float) -> float:
+    """`7d`, `24h`, `30m`, `90s`, `2w` (that long ago), an ISO 8601 time, or a Unix time."""
+    text = value.strip()
+    if m := _DURATION.match(text):
+        return now - float(m.group(1)) * _UNITS[m.group(2)]
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise BadRequest(
+            f"'{param}' must be a duration like 24h or 7d, an ISO 8601 time, or a Unix time; got {value!r}",
+            param=param,
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
+
+
+def parse_query(since: str | None, until: str | None, by: str | None, now: float | None = None) -> Query:
+    """The query from its text parameters; BadRequest names the parameter at fault."""
+    now = time.time() if now is None else now
+    start = parse_time(since, "since", now) if since else now - 86400.0
+    end = parse_time(until, "until", now) if until else now
+    if end < start:
+        raise BadRequest("'until' is before 'since'", param="until")
+    keys = tuple(k.strip() for k in (by or "model").split(",") if k.strip())
+    for k in keys:
+        if k not in GROUP_KEYS:
+            raise BadRequest(f"'by' names an unknown group key {k!r}; known: {', '.join(GROUP_KEYS)}", param="by")
+    return Query(start, end, keys)
+
+
+_ATTR = {"model": "alias", "provider": "provider", "node": "node", "key": "key", "api": "api", "route": "route"}
+_ATTR["status"] = "status"
+_PERIOD_S = {"day": 86400, "hour": 3600}
+"""Time keys group by whole periods of Unix time (UTC), named only when the table is made."""
+
+
+def _period_name(key: str, n: int) -> str:
+    return time.strftime("%Y-%m-%d" if key == "day" else "%Y-%m-%dT%H", time.gmtime(n * _PERIOD_S[key]))
+
+
+@dataclass
+class _Group:
+    requests: int = 0
+    errors: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    durations: list[float] = field(default_factory=list)
+    queues: list[float] = field(default_factory=list)
+
+
+class Aggregate:
+    """Groups records by the query's keys as they are read; `rows()` gives the table."""
+
+    def __init__(self, query: Query) -> None:
+        self.query = query
+        self.groups: dict[tuple[object, ...], _Group] = {}
+        self.records = 0
+        self._key = _grouping(query.by)
+
+    def add(self, records: Iterable[RequestRecord]) -> None:
+        since, until = self.query.since, self.query.until
+        groups, key_of = self.groups, self._key
+        for r in records:
+            if not since <= r.start < until:
+                continue
+            self.records += 1
+            k = key_of(r)
+            g = groups.get(k)
+            if g is None:
+                g = groups[k] = _Group()
+            g.requests += 1
+            if r.error:
+                g.errors += 1
+            # Unknown counts (None) add nothing: a sum of what the upstreams reported.
+            g.input_tokens += r.input_tokens or 0
+            g.output_tokens += r.output_tokens or 0
+            g.cached_tokens += r.cached_tokens or 0
+            g.reasoning_tokens += r.reasoning_tokens or 0
+            g.durations.append(r.duration_ms)
+            if r.queue_ms is not None:
+                g.queues.append(r.queue_ms)
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for k in sorted(self.groups, key=lambda t: tuple(str(x) for x in t)):
+            g = self.groups[k]
+            row: dict[str, Any] = {
+                name: _period_name(name, v) if name in _PERIOD_S else v  # type: ignore[arg-type]
+                for name, v in zip(self.query.by, k, strict=True)
+            }
+            durations, queues = sorted(g.durations), sorted(g.queues)
+            row.update(
+                requests=g.requests,
+                errors=g.errors,
+                input_tokens=g.input_tokens,
+                output_tokens=g.output_tokens,
+                cached_tokens=g.cached_tokens,
+                reasoning_tokens=g.reasoning_tokens,
+                duration_p50_ms=_pct(durations, 0.50),
+                duration_p95_ms=_pct(durations, 0.95),
+                queue_p50_ms=_pct(queues, 0.50),
+                queue_p95_ms=_pct(queues, 0.95),
+            )
+            out.append(row)
+        return out
+
+    def table(self) -> dict[str, Any]:
+        """The usage table: the range, the grouping, one row per group (the JSON `GET /usage` answers)."""
+        q = self.query
+        return {"since": _iso(q.since), "until": _iso(q.until), "by": list(q.by), "rows": self.rows()}
+
+
+def _grouping(by: tuple[str, ...]) -> Callable[[RequestRecord], tuple[object, ...]]:
+    """The group key of a record: one tuple, built with as little Python per record as possible."""
+    if all(k in _ATTR for k in by):
+        get = operator.attrgetter(*(_ATTR[k] for k in by))
+        if len(by) == 1:
+            return lambda r: (get(r),)
+        return get
+    parts: list[Callable[[RequestRecord], object]] = []
+    for k in by:
+        if k in _PERIOD_S:
+            period = _PERIOD_S[k]
+            parts.append(lambda r, p=period: int(r.start // p))  # type: ignore[misc]
+        else:
+            parts.append(operator.attrgetter(_ATTR[k]))
+    return lambda r: tuple(p(r) for p in parts)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile of sorted values."""
+    if not values:
+        return None
+    return round(values[min(len(values) - 1, max(0, int(q * len(values) + 0.999999) - 1))], 1)
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def to_csv(table: dict[str, Any]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    by = table["by"]
+    w.writerow([*by, *COLUMNS])
+    for row in table["rows"]:
+        w.writerow(["" if row[c] is None else row[c] for c in (*by, *COLUMNS)])
+    return buf.getvalue()
+
+
+def to_table(table: dict[str, Any]) -> str:
+    """The text table `iop usage` prints."""
+    by = table["by"]
+    head = [k.upper() for k in by] + ["REQUESTS", "ERRORS", "TOKENS-IN", "TOKENS-OUT", "CACHED", "P50-MS", "P95-MS"]
+    head += ["QUEUE-P50", "QUEUE-P95"]
+    rows = [head]
+
+    def num(v: object) -> str:
+        return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+    for r in table["rows"]:
+        cells = [str(r[k]) if r[k] != "" else "-" for k in by]
+        cells += [num(r[c]) for c in ("requests", "errors", "input_tokens", "output_tokens", "cached_tokens")]
+        cells += [num(r[c]) for c in ("duration_p50_ms", "duration_p95_ms", "queue_p50_ms", "queue_p95_ms")]
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = [f"usage {table['since']} .. {table['until']}"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if not table["rows"]:
+        lines.append("(no requests in this range)")
+    return "\n".join(lines)
+
+
+IDLE_S = 2.0
+"""A read that got nothing for this long ends: messages it expected were removed (retention) meanwhile."""
+
+
+async def read_records(js: JetStreamContext, query: Query, sink: Callable[[list[RequestRecord]], None]) -> int:
+    """Feed every ledger batch whose message is at or after `since` to `sink`; returns the message count.
+
+    Records are filtered by their own start time in `sink`'s aggregate: a message is written after
+    its records ended, so none of `since`'s records is in an earlier message. The read ends after
+    the messages the consumer had pending when it began (later ones belong to the next read).
+    """
+    try:
+        info = await js.stream_info(LEDGER_STREAM)
+    except nats.js.errors.NotFoundError:
+        return 0
+    if not info.state.messages:
+        return 0
+    done = asyncio.Event()
+    seen = 0
+    target = -1
+
+    async def on_msg(msg: Msg) -> None:
+        nonlocal seen
+        seen += 1
+        try:
+            sink(decode_batch(msg.data))
+        except msgspec.DecodeError:
+            log.warning("ledger: message %d is not a batch of records; skipped", seen)
+        if seen == target:
+            done.set()
+
+    sub = await js.subscribe(
+        LEDGER_SUBJECTS,
+        cb=on_msg,
+        ordered_consumer=True,
+        config=js_api.ConsumerConfig(
+            deliver_policy=js_api.DeliverPolicy.BY_START_TIME, opt_start_time=datetime.fromtimestamp(query.since, UTC)
+        ),
+        pending_msgs_limit=1_000_000,
+        pending_bytes_limit=1024 * 1024 * 1024,
+    )
+    try:
+        ci = await sub.consumer_info()
+        # Delivered so far plus still pending: every message the read owes, counted once here
+        # rather than by parsing each message's metadata.
+        target = (ci.delivered.consumer_seq if ci.delivered else 0) + (ci.num_pending or 0)
+        if seen >= target:
+            return seen
+        last = -1
+        while not done.is_set() and seen != last:
+            last = seen
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(IDLE_S):
+                    await done.wait()
+    finally:
+        await sub.unsubscribe()
+    return seen
+
+
+async def follow(
+    js: JetStreamContext, alias: str | None, sink: Callable[[list[RequestRecord]], None], since: float | None = None
+) -> Any:
+    """Subscribe to records written from now on, or from `since` (`iop usage --tail`); returns the
+    subscription."""
+
+    async def on_msg(msg: Msg) -> None:
+        try:
+            sink(decode_batch(msg.data))
+        except msgspec.DecodeError:
+            pass
+
+    subject = ledger_subject(alias) if alias else LEDGER_SUBJECTS
+    return await js.subscribe(
+        subject,
+        cb=on_msg,
+        ordered_consumer=True,
+        config=js_api.ConsumerConfig(deliver_policy=js_api.DeliverPolicy.NEW)
+        if since is None
+        else js_api.ConsumerConfig(
+            deliver_policy=js_api.DeliverPolicy.BY_START_TIME, opt_start_time=datetime.fromtimestamp(since, UTC)
+        ),
+    )
+
+
+_json = msgspec.json.Encoder()
+
+
+def record_json(r: RequestRecord) -> bytes:
+    """One record as a JSON object (the stored form is an array)."""
+    return _json.encode(msgspec.structs.asdict(r))
+
+
+def record_line(r: dict[str, Any]) -> str:
+    """One followed record as a line: time, id, model, route, where, status, times, tokens."""
+    when = time.strftime("%H:%M:%S", time.localtime(r["start"]))
+    where = f"{r.get('node') or '-'}/{r.get('provider') or '-'}"
+    tokens = "-" if r.get("input_tokens") is None else f"{r['input_tokens']}/{r.get('output_tokens') or 0}"
+    queue = "-" if r.get("queue_ms") is None else f"{r['queue_ms']:.1f}"
+    err = f" {r['error']}" if r.get("error") else ""
+    key = f" key={r['key']}" if r.get("key") else ""
+    return (
+        f"{when} {r['id']} {r.get('alias') or '-'} {r.get('route') or '-'} {where} {r['status']}{err} "
+        f"{r['duration_ms']:.1f}ms queue={queue}ms tokens={tokens}{key}"
+    )
