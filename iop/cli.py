@@ -131,7 +131,7 @@ def edge_cmd(
     log_format: str,
 ) -> None:
     """Serve the OpenAI API for the deployment in FILE (starts the bundled nats-server by default)."""
-    from iop.edge.server import run_edge
+    from iop.edge.process import run_edge
 
     loaded = _load_or_exit(config_file, show_warnings=False)
     if check_cluster:
@@ -395,7 +395,7 @@ def usage_cmd(
     import msgspec
 
     from iop.client import EdgeClient
-    from iop.edge.report import parse_query, record_line, to_table
+    from iop.edge.usage_query import parse_query, record_line, to_table
     from iop.errors import BadRequest
 
     if as_json and as_csv:

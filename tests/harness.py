@@ -39,7 +39,8 @@ except ImportError:  # older SDKs use httpx
 
 from iop import bus, config, wire
 from iop.client import EdgeClient
-from iop.edge.server import Edge, build_app
+from iop.edge.app import build_app
+from iop.edge.root import Edge
 from iop.edge.status_schema import Status
 from iop.node.runtime import NodeRuntime
 from tests.fakes import serve_asgi

@@ -166,7 +166,7 @@ async def test_cli_output_larger_than_a_message_arrives_whole(nats_server: Embed
 async def test_request_bodies_larger_than_max_payload_arrive_whole(nats_server: EmbeddedNats, tmp_path: Path) -> None:
     big = "y" * (MAX_PAYLOAD + 2 * 1024 * 1024)  # 10 MiB: larger than any NATS message here
     async with cli_deployment(nats_server.url, tmp_path) as (h, up), h.http() as http:
-        h.edge.max_body_bytes = 32 * 1024 * 1024  # the edge's own HTTP limit is not what is tested
+        h.edge.current.max_body_bytes = 32 * 1024 * 1024  # the edge's own HTTP limit is not what is tested
         relay = h.edge.relay
         small = await http.post("/v1/chat/completions", json=ask("m", "small"))
         assert small.status_code == 200 and relay.bodies_by_reference == 0  # small bodies travel inline

@@ -17,7 +17,8 @@ import uvicorn
 from iop import bus
 from iop.bus import EmbeddedNats
 from iop.edge.http import HeadWithBody, bind
-from iop.edge.server import Edge, http_server
+from iop.edge.process import http_server
+from iop.edge.root import Edge
 from tests.harness import deployment, running_node, until
 
 YAML = """

@@ -17,7 +17,7 @@ import pytest
 
 from iop.bus import EmbeddedNats
 from iop.edge.ledger import RequestRecord
-from iop.edge.report import Aggregate, parse_query, read_records, to_csv
+from iop.edge.usage_query import Aggregate, parse_query, read_records, to_csv
 from tests.fakes import FakeUpstream, fake_upstream
 from tests.harness import EdgeHandle, deployment, running_edge, running_node, until
 
@@ -344,7 +344,7 @@ def test_usage_csv_neutralises_names_a_spreadsheet_would_run_as_formulas() -> No
             for n in names
         ]
     )
-    cells = {row[0]: row[1] for row in csv.reader(io.StringIO(to_csv(agg.report()), newline=""))}
+    cells = {row[0]: row[1] for row in csv.reader(io.StringIO(to_csv(agg.table()), newline=""))}
     for n in names[:-2]:
         assert ("'" + n) in cells and cells["'" + n] == "'" + n, (n, cells)
     assert cells["plain"] == "plain" and cells["a=b"] == "a=b"

@@ -25,8 +25,8 @@ from nats.aio.client import Client as NATS
 
 from iop import bus, config, wire
 from iop.bundle import nats_server_path
+from iop.edge.app import build_app
 from iop.edge.keys import EdgeKeys, parse_keys
-from iop.edge.server import build_app
 from iop.errors import BusError, ConfigError
 from iop.node import policy as node_policy
 from iop.node.runtime import NodeRuntime

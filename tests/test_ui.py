@@ -25,9 +25,10 @@ import pytest
 
 from iop import bus, wire
 from iop.bus import EmbeddedNats
+from iop.edge.app import build_app
 from iop.edge.keys import EdgeKeys, Key
 from iop.edge.registry import LOST_AFTER_S
-from iop.edge.server import Edge, build_app
+from iop.edge.root import Edge
 from iop.edge.ui import PERIOD_S
 from tests.fakes import FakeUpstream, fake_upstream, serve_asgi
 from tests.harness import EdgeHandle, deployment, edge_process, eventually, node_process, running_node, until
@@ -202,7 +203,7 @@ async def edge_on(dep_text: str, nats_url: str, keys: EdgeKeys | None = None) ->
             try:
                 yield handle
             finally:
-                edge.status_feed.close()  # as the edge process does: open pages must not hold the shutdown
+                edge.end_streams()  # as the edge process does: open pages must not hold the shutdown
                 for client in handle.clients:
                     await client.close()
     finally:

@@ -12,7 +12,7 @@ import pytest
 
 from iop.bus import EmbeddedNats
 from iop.edge.ledger import RequestRecord
-from iop.edge.report import parse_query, read_records
+from iop.edge.usage_query import parse_query, read_records
 from tests.harness import EdgeHandle, deployment, deployment_running, running_edge, until
 
 MOCK = """

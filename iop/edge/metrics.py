@@ -12,17 +12,17 @@ import math
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from nats.aio.client import Client as NATS
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from iop.edge.ledger import RequestRecord
-
-if TYPE_CHECKING:
-    from iop.edge.server import Edge
+from iop.edge.ledger import LedgerWriter, RequestRecord
+from iop.edge.registry import Registry
+from iop.edge.scheduler import Scheduler
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -113,7 +113,9 @@ class Metrics:
     """The edge's metrics. Requests update plain numbers (a few microseconds, no locks: one event
     loop writes them); prometheus-client turns them into the exposition format at scrape time."""
 
-    def __init__(self, edge: Edge) -> None:
+    def __init__(
+        self, scheduler: Scheduler, registry: Registry, ledger: LedgerWriter | None, nc: NATS, started_at: float
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = _Family(
             "iop_requests", "Requests answered, by outcome.", ("alias", "route", "node", "provider", "status")
@@ -161,7 +163,7 @@ class Metrics:
         )
         self._series: dict[tuple[str, ...], _Series] = {}
         self.registry.register(_RecordsCollector(self))
-        self.registry.register(_LiveCollector(edge))
+        self.registry.register(_LiveCollector(scheduler, registry, ledger, nc, started_at))
 
     def observe(self, rec: RequestRecord) -> None:
         """Count one finished request."""
@@ -210,11 +212,17 @@ class _RecordsCollector(Collector):
 class _LiveCollector(Collector):
     """Gauges read from the scheduler and the registry at scrape time (nothing to keep in step)."""
 
-    def __init__(self, edge: Edge) -> None:
-        self.edge = edge
+    def __init__(
+        self, scheduler: Scheduler, registry: Registry, ledger: LedgerWriter | None, nc: NATS, started_at: float
+    ) -> None:
+        self.scheduler = scheduler
+        self.nodes = registry
+        self.ledger = ledger
+        self.nc = nc
+        self.started_at = started_at
 
     def collect(self) -> Iterator[Metric]:
-        edge = self.edge
+        scheduler, registry, ledger = self.scheduler, self.nodes, self.ledger
         capacity = GaugeMetricFamily("iop_provider_capacity", "Slots of a provider.", labels=["node", "provider"])
         in_flight = GaugeMetricFamily(
             "iop_provider_in_flight", "Requests this edge has dispatched to a provider.", labels=["node", "provider"]
@@ -229,24 +237,24 @@ class _LiveCollector(Collector):
             "Requests the edges together sent past a provider's capacity (they wait in the broker).",
             labels=["node", "provider"],
         )
-        share = edge.registry.share
-        for slots in edge.scheduler.providers.values():
+        share = registry.share
+        for slots in scheduler.providers.values():
             capacity.add_metric([slots.node, slots.id], slots.capacity)
             in_flight.add_metric([slots.node, slots.id], slots.in_flight)
             elsewhere.add_metric([slots.node, slots.id], slots.elsewhere)
             over.add_metric([slots.node, slots.id], share.oversubscribed.get(slots.id, 0))
         waiting = GaugeMetricFamily("iop_pool_waiting", "Requests waiting for a slot.", labels=["alias"])
-        for alias in edge.scheduler.pools:
-            waiting.add_metric([alias], edge.scheduler.waiting(alias))
+        for alias in scheduler.pools:
+            waiting.add_metric([alias], scheduler.waiting(alias))
         nodes = GaugeMetricFamily("iop_node_connected", "1 while the node's heartbeats arrive.", labels=["node"])
-        for node_id in edge.registry.nodes:
-            nodes.add_metric([node_id], 1.0 if edge.registry.connected(node_id) else 0.0)
+        for node_id in registry.nodes:
+            nodes.add_metric([node_id], 1.0 if registry.connected(node_id) else 0.0)
         dropped = CounterMetricFamily("iop_ledger_dropped", "Ledger records lost (buffer full while NATS was down).")
-        dropped.add_metric([], edge.ledger.dropped if edge.ledger is not None else 0)
+        dropped.add_metric([], ledger.dropped if ledger is not None else 0)
         pending = GaugeMetricFamily("iop_ledger_pending", "Ledger records waiting to be written.")
-        pending.add_metric([], edge.ledger.pending if edge.ledger is not None else 0)
+        pending.add_metric([], ledger.pending if ledger is not None else 0)
         nats = GaugeMetricFamily("iop_nats_connected", "1 while the edge is connected to NATS.")
-        nats.add_metric([], 1.0 if edge.nc.is_connected else 0.0)
+        nats.add_metric([], 1.0 if self.nc.is_connected else 0.0)
         up = GaugeMetricFamily("iop_edge_uptime_seconds", "Seconds since this edge started.")
-        up.add_metric([], time.time() - edge.started_at)
+        up.add_metric([], time.time() - self.started_at)
         yield from (capacity, in_flight, elsewhere, over, waiting, nodes, dropped, pending, nats, up)

@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -19,6 +19,8 @@ from nats.aio.client import Client as NATS
 from nats.js.client import JetStreamContext
 
 from iop import bus, config, wire
+from iop.edge.current import CurrentDeployment
+from iop.edge.registry import Registry
 from iop.edge.scheduler import Scheduler
 from iop.errors import BusError, ConfigError
 
@@ -183,21 +185,6 @@ class RefreshResult(msgspec.Struct, kw_only=True):
     """After it: how the running deployment differs from the edge's own file (undone by a restart)."""
 
 
-class Running(Protocol):
-    """The edge as a refresh sees it: the deployment it runs and how to switch to another."""
-
-    @property
-    def deployment(self) -> config.Deployment: ...
-    @property
-    def catalog(self) -> config.Catalog: ...
-    @property
-    def scheduler(self) -> Scheduler: ...
-
-    def switch(self, new: config.Deployment) -> list[str]:
-        """Swap every table to `new` in one synchronous step; the providers left draining."""
-        ...
-
-
 _BROKER_ERRORS = (nats.errors.Error, OSError)
 """What talking to JetStream raises: nats errors, timeouts, a lost connection."""
 
@@ -229,8 +216,19 @@ class Refresher:
     catalog bucket, then the edge's own tables in one synchronous step.
     """
 
-    def __init__(self, edge: Running, nc: NATS, js: JetStreamContext) -> None:
-        self.edge = edge
+    def __init__(
+        self,
+        current: CurrentDeployment,
+        scheduler: Scheduler,
+        registry: Registry,
+        nc: NATS,
+        js: JetStreamContext,
+        *,
+        authorize_nodes: Callable[[list[config.Node]], Awaitable[None]] | None = None,
+    ) -> None:
+        self.current = current
+        self.scheduler = scheduler
+        self.registry = registry
         self.nc = nc
         self.js = js
         self._lock = asyncio.Lock()
@@ -242,10 +240,8 @@ class Refresher:
         self.drift: list[str] = []
         """How the running deployment differs from the file (refreshes applied from elsewhere): a
         restart or SIGHUP would undo exactly these changes, so status and the log say so."""
-        self.authorize_nodes: Callable[[list[config.Node]], Awaitable[None]] | None = None
+        self.authorize_nodes = authorize_nodes
         """Gives NATS users and permissions to a node list (the edge's embedded server), if set."""
-        self.tell_removed: Callable[[list[str]], Awaitable[None]] | None = None
-        """Tells removed nodes that they were removed (the edge's registry), if set."""
 
     def started_from(self, path: Path, dep: config.Deployment) -> None:
         self.file, self.file_deployment = path, dep
@@ -254,7 +250,7 @@ class Refresher:
     def _check_drift(self) -> None:
         if self.file_deployment is None:
             return
-        self.drift = [c.line() for c in diff(self.file_deployment, self.edge.deployment)]
+        self.drift = [c.line() for c in diff(self.file_deployment, self.current.deployment)]
         if self.drift:
             log.warning(
                 "the running deployment differs from %s (%d changes: %s); a restart or SIGHUP reads the file "
@@ -266,12 +262,12 @@ class Refresher:
 
     async def apply(self, new: config.Deployment, *, dry_run: bool = False) -> RefreshResult:
         """Diff the running deployment against `new` and, unless `dry_run`, apply it."""
-        changes = diff(self.edge.deployment, new)
+        changes = diff(self.current.deployment, new)
         result = RefreshResult(changes=[c.line() for c in changes])
         if dry_run or not changes:
             return result
         async with self._lock:
-            old_dep, old_cat = self.edge.deployment, self.edge.catalog
+            old_dep, old_cat = self.current.deployment, self.current.catalog
             new_cat = config.Catalog.of(new)
             undo: list[tuple[str, int | None]] = []
             try:
@@ -285,10 +281,10 @@ class Refresher:
                         result.applied.append(f"consumer {wire.consumer_name(pid)}: max_ack_pending {cap}")
                 kept = {m.id for m in new.nodes}
                 removed_nodes = [n.id for n in old_dep.nodes if n.id not in kept]
-                if removed_nodes and self.tell_removed is not None:
+                if removed_nodes:
                     # Before their NATS users go: told, a removed node waits quietly for its id
                     # to come back instead of retrying refused credentials blind.
-                    await self.tell_removed(removed_nodes)
+                    await self.registry.tell_removed(removed_nodes)
                 if self.authorize_nodes is not None:
                     # New nodes get their NATS users before their catalog exists; a removed node
                     # loses its user. A node's old section stays in the union so that a provider
@@ -304,7 +300,7 @@ class Refresher:
                 log.error("refresh failed, rolled back: %s", result.error)
                 return result
             # From here on nothing awaits: requests see the old catalog or the new one, never a mix.
-            draining = self.edge.switch(new)
+            draining = self.switch(new, new_cat)
             result.applied.append("edge: pools, providers and routes switched")
             for pid, ref in old_cat.providers.items():
                 if pid not in new_cat.providers and ref.provider.capacity is not None:
@@ -315,6 +311,22 @@ class Refresher:
             self._check_drift()
             result.drift = list(self.drift)
             return result
+
+    def switch(self, new: config.Deployment, catalog: config.Catalog) -> list[str]:
+        """Serve `new` from now on, in one synchronous step; returns the providers left draining."""
+        self.current.replace(new, catalog)
+        self.scheduler.max_waiting = new.edge.queue.max_waiting
+        self.scheduler.max_waiting_bytes = int(new.edge.queue.max_waiting_mb * 1024 * 1024)
+        draining = self.scheduler.apply(
+            {
+                pid: (ref.node.id, ref.provider.capacity)
+                for pid, ref in catalog.providers.items()
+                if ref.provider.capacity is not None
+            },
+            catalog.pools,
+        )
+        self.registry.apply(new)
+        return draining
 
     async def _undo(self, undo: list[tuple[str, int | None]]) -> None:
         for pid, before_cap in reversed(undo):
@@ -328,11 +340,11 @@ class Refresher:
 
     async def _retire_consumer(self, provider: str) -> None:
         # A removed provider finishes what it runs; its consumer goes once nothing is in flight.
-        scheduler = self.edge.scheduler
+        scheduler = self.scheduler
         while (slot := scheduler.providers.get(provider)) is not None and slot.removed:
             scheduler.changed.clear()
             await scheduler.changed.wait()
-        if provider in self.edge.catalog.providers:
+        if provider in self.current.catalog.providers:
             return  # re-added meanwhile
         try:
             await self.js.delete_consumer(wire.WORK_STREAM, wire.consumer_name(provider))

@@ -45,6 +45,9 @@ class Registry:
         scheduler: Scheduler,
         edge_id: str,
         on_node_lost: Callable[[str, str], None],
+        *,
+        on_reconnected: Callable[[], None] | None = None,
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
         self.nodes = {n.id: NodeState(cfg=n) for n in deployment.nodes}
         self.scheduler = scheduler
@@ -52,9 +55,9 @@ class Registry:
         self.share = SlotShare(scheduler, edge_id)
         """The slots other edges hold: their announcements, else these heartbeats' counts."""
         self.on_node_lost = on_node_lost
-        self.on_reconnected: Callable[[], None] | None = None
+        self.on_reconnected = on_reconnected
         """Called when the edge's NATS connection is back (the relay restarts its silence clocks)."""
-        self.on_tick: Callable[[], None] | None = None
+        self.on_tick = on_tick
         """Called every watch tick (the relay looks for requests whose answer was lost)."""
         self._refused_logged: dict[tuple[str, str], float] = {}
         self._nc: NATS | None = None

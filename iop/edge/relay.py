@@ -118,7 +118,7 @@ class Channel:
 class Relay:
     """One wildcard subscription receives every reply for this edge; a dict routes it to its request."""
 
-    def __init__(self, nc: NATS, js: JetStreamContext, edge_id: str) -> None:
+    def __init__(self, nc: NATS, js: JetStreamContext, edge_id: str, work_stream: WorkStream | None = None) -> None:
         self.nc = nc
         self.js = js
         self.edge_id = edge_id
@@ -134,8 +134,8 @@ class Relay:
         """Replies dropped because they came from another node than the one a request was sent to."""
         self.bodies_by_reference = 0
         """Requests whose body was too large for one message and was fetched by the node in parts."""
-        self.work_stream: WorkStream | None = None
-        """Re-makes the work stream when a publish finds it gone (the edge sets it)."""
+        self.work_stream = work_stream
+        """Re-makes the work stream when a publish finds it gone."""
         self._acks_inbox = ""
         self._acks: dict[str, asyncio.Future[Msg]] = {}
         """Work publishes waiting for JetStream's ack, by channel id (see `_publish_work`)."""

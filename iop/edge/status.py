@@ -5,9 +5,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping
-from typing import Protocol, TypedDict
+from dataclasses import dataclass
+from typing import TypedDict
+
+from nats.aio.client import Client as NATS
 
 from iop import __version__, config, wire
+from iop.edge.current import CurrentDeployment
+from iop.edge.refresh import Refresher
 from iop.edge.registry import Registry
 from iop.edge.scheduler import Scheduler
 from iop.edge.status_schema import (
@@ -21,33 +26,44 @@ from iop.edge.status_schema import (
     RouteStatus,
     Status,
 )
+from iop.edge.storage import WorkStream
 
 
-class Observed(Protocol):
-    """What the status document is read from: the edge's running deployment and its live parts."""
+@dataclass(frozen=True, eq=False)
+class StatusSources:
+    """The parts the status document is read from: the running deployment and the edge's live tables."""
+
+    edge_id: str
+    nats_url: str
+    started_at: float
+    current: CurrentDeployment
+    registry: Registry
+    scheduler: Scheduler
+    nc: NATS
+    work_stream: WorkStream
+    refresher: Refresher
+    qualifications: Mapping[str, QualificationSummary]
+    """The qualification desk's latest summary per provider (kept up to date in place)."""
 
     @property
-    def edge_id(self) -> str: ...
+    def deployment(self) -> config.Deployment:
+        return self.current.deployment
+
     @property
-    def nats_url(self) -> str: ...
+    def catalog(self) -> config.Catalog:
+        return self.current.catalog
+
     @property
-    def nats_connected(self) -> bool: ...
+    def nats_connected(self) -> bool:
+        return bool(self.nc.is_connected)
+
     @property
-    def started_at(self) -> float: ...
+    def drift(self) -> list[str]:
+        return self.refresher.drift
+
     @property
-    def drift(self) -> list[str]: ...
-    @property
-    def storage_error(self) -> str | None: ...
-    @property
-    def deployment(self) -> config.Deployment: ...
-    @property
-    def catalog(self) -> config.Catalog: ...
-    @property
-    def registry(self) -> Registry: ...
-    @property
-    def scheduler(self) -> Scheduler: ...
-    @property
-    def qualifications(self) -> Mapping[str, QualificationSummary]: ...
+    def storage_error(self) -> str | None:
+        return self.work_stream.error
 
 
 class _Common(TypedDict):
@@ -66,24 +82,24 @@ class _Common(TypedDict):
     refused: str | None
 
 
-def status_of(edge: Observed) -> Status:
+def status_of(src: StatusSources) -> Status:
     """Every node once, every provider once under its node, then pools and direct routes."""
     now = time.time()
     mono = time.monotonic()
     pools_of: dict[str, list[str]] = {}
-    for alias, members in edge.catalog.pools.items():
+    for alias, members in src.catalog.pools.items():
         for m in members:
             pools_of.setdefault(m, []).append(alias)
-    routes_of = {f"{n}/{p}": alias for alias, (n, p) in edge.catalog.routes.items()}
+    routes_of = {f"{n}/{p}": alias for alias, (n, p) in src.catalog.routes.items()}
     nodes = []
-    for node in edge.deployment.nodes:
-        st = edge.registry.nodes[node.id]
+    for node in src.deployment.nodes:
+        st = src.registry.nodes[node.id]
         providers: list[ProviderStatus] = []
         for p in node.providers:
             adapter = node.adapter(p.adapter)
             live = st.live.get(p.id) if st.connected else None
             in_flight = live.in_flight if live else 0
-            slots = edge.scheduler.providers.get(p.id)
+            slots = src.scheduler.providers.get(p.id)
             common: _Common = {
                 "id": p.id,
                 "adapter": p.adapter,
@@ -110,7 +126,7 @@ def status_of(edge: Observed) -> Status:
                         breaker_open_for_s=round(slots.open_until - mono, 1) if slots.open_until > mono else None,
                         consecutive_failures=slots.failures,
                         qualifying=slots.drained,
-                        qualification=edge.qualifications.get(p.id),
+                        qualification=src.qualifications.get(p.id),
                     )
                 )
             else:
@@ -129,11 +145,11 @@ def status_of(edge: Observed) -> Status:
             )
         )
     pools = []
-    affinity = edge.scheduler.sessions.counts
-    for alias, members in edge.catalog.pools.items():
-        members_slots = [edge.scheduler.providers[m] for m in members]
-        p50_ms, p95_ms = wait_quantiles_ms(edge.scheduler.pools[alias].waits_s)
-        members_live = [lv for ms in members_slots if (lv := _live(edge, ms.node, ms.id)) is not None]
+    affinity = src.scheduler.sessions.counts
+    for alias, members in src.catalog.pools.items():
+        members_slots = [src.scheduler.providers[m] for m in members]
+        p50_ms, p95_ms = wait_quantiles_ms(src.scheduler.pools[alias].waits_s)
+        members_live = [lv for ms in members_slots if (lv := _live(src, ms.node, ms.id)) is not None]
         pools.append(
             PoolStatus(
                 alias=alias,
@@ -143,41 +159,41 @@ def status_of(edge: Observed) -> Status:
                 connected_capacity=sum(ms.capacity for ms in members_slots if ms.connected),
                 # What can take work now: connected and not out of rotation (breaker open).
                 usable_capacity=sum(ms.capacity for ms in members_slots if ms.connected and ms.breaker(mono) != "open"),
-                retry_after_s=retry_after_of(edge.scheduler, alias),
+                retry_after_s=retry_after_of(src.scheduler, alias),
                 in_flight=sum(lv.in_flight for lv in members_live),
                 dispatched_in_flight=sum(ms.in_flight for ms in members_slots),
-                waiting=edge.scheduler.waiting(alias),
-                running=edge.scheduler.pools[alias].running,
-                peak_running=edge.scheduler.pools[alias].peak_running,
+                waiting=src.scheduler.waiting(alias),
+                running=src.scheduler.pools[alias].running,
+                peak_running=src.scheduler.pools[alias].peak_running,
                 queue_wait_p50_ms=p50_ms,
                 queue_wait_p95_ms=p95_ms,
-                affinity_wait_ms=round(edge.catalog.affinity_wait_s.get(alias, 0.0) * 1000, 3),
+                affinity_wait_ms=round(src.catalog.affinity_wait_s.get(alias, 0.0) * 1000, 3),
                 affinity_hits=affinity[alias].hits if alias in affinity else 0,
                 affinity_misses=affinity[alias].misses if alias in affinity else 0,
             )
         )
     routes = [
-        RouteStatus(alias=alias, node=n, resource=p, connected=edge.registry.connected(n))
-        for alias, (n, p) in edge.catalog.routes.items()
+        RouteStatus(alias=alias, node=n, resource=p, connected=src.registry.connected(n))
+        for alias, (n, p) in src.catalog.routes.items()
     ]
     return Status(
-        edge=edge_info(edge, now),
+        edge=edge_info(src, now),
         nodes=nodes,
         pools=pools,
         routes=routes,
     )
 
 
-def edge_info(edge: Observed, now: float) -> EdgeInfo:
+def edge_info(src: StatusSources, now: float) -> EdgeInfo:
     """The edge's own line, the same in the full document and in the summary."""
     return EdgeInfo(
-        id=edge.edge_id,
+        id=src.edge_id,
         version=__version__,
-        uptime_s=round(now - edge.started_at, 3),
-        nats=edge.nats_url,
-        nats_connected=edge.nats_connected,
-        drift=edge.drift,
-        storage_error=edge.storage_error,
+        uptime_s=round(now - src.started_at, 3),
+        nats=src.nats_url,
+        nats_connected=src.nats_connected,
+        drift=src.drift,
+        storage_error=src.storage_error,
     )
 
 
@@ -200,8 +216,8 @@ def wait_quantiles_ms(waits_s: Iterable[float]) -> tuple[float | None, float | N
     return round(p50 * 1000, 1), round(p95 * 1000, 1)
 
 
-def _live(edge: Observed, node: str, provider: str) -> wire.ProviderLive | None:
-    st = edge.registry.nodes[node]
+def _live(src: StatusSources, node: str, provider: str) -> wire.ProviderLive | None:
+    st = src.registry.nodes[node]
     return st.live.get(provider) if st.connected else None
 
 

@@ -15,7 +15,7 @@ from typing import Literal
 
 from iop import wire
 from iop.edge.scheduler import ProviderSlots
-from iop.edge.status import Observed, edge_info, retry_after_of, wait_quantiles_ms
+from iop.edge.status import StatusSources, edge_info, retry_after_of, wait_quantiles_ms
 from iop.edge.status_schema import (
     NodeAttention,
     PoolSummary,
@@ -48,11 +48,11 @@ def provider_state(live: wire.ProviderLive | None, slots: ProviderSlots | None, 
     return "ready" if slots.free > 0 else "full"
 
 
-def summary_of(edge: Observed) -> StatusSummary:
+def summary_of(src: StatusSources) -> StatusSummary:
     """One pass over the catalog: counts for everything, an entry only for what is not healthy."""
     now = time.time()
     mono = time.monotonic()
-    sched = edge.scheduler
+    sched = src.scheduler
     providers: dict[str, int] = {}
     cli: dict[str, int] = {}
     state_of: dict[str, State] = {}
@@ -60,8 +60,8 @@ def summary_of(edge: Observed) -> StatusSummary:
     attention: list[NodeAttention] = []
     pools_of: dict[str, list[str]] | None = None
     nodes_connected = in_flight = 0
-    for node in edge.deployment.nodes:
-        st = edge.registry.nodes[node.id]
+    for node in src.deployment.nodes:
+        st = src.registry.nodes[node.id]
         lives = st.live if st.connected else {}
         nodes_connected += st.connected
         unhealthy: list[ProviderAttention] = []
@@ -81,8 +81,8 @@ def summary_of(edge: Observed) -> StatusSummary:
             if state == "ready" or state == "full" or not st.connected:
                 continue
             if pools_of is None:
-                pools_of = _pools_of(edge)
-            unhealthy.append(_attention(edge, node.id, p.id, p.capacity, state, live, slots, pools_of, mono))
+                pools_of = _pools_of(src)
+            unhealthy.append(_attention(src, node.id, p.id, p.capacity, state, live, slots, pools_of, mono))
         in_flight += node_in_flight
         if unhealthy or not st.connected:
             attention.append(
@@ -98,7 +98,7 @@ def summary_of(edge: Observed) -> StatusSummary:
             )
     pools = []
     total_capacity = usable_capacity = waiting = 0
-    for alias, members in edge.catalog.pools.items():
+    for alias, members in src.catalog.pools.items():
         queue = sched.pools[alias]
         by_state: dict[str, int] = {}
         total = usable = dispatched = running_there = 0
@@ -134,16 +134,16 @@ def summary_of(edge: Observed) -> StatusSummary:
         total_capacity += cap
         if state in ("ready", "full", "half_open"):
             usable_capacity += cap
-    routes = edge.catalog.routes
+    routes = src.catalog.routes
     return StatusSummary(
         built_at=round(now, 3),
-        edge=edge_info(edge, now),
-        nodes=len(edge.deployment.nodes),
+        edge=edge_info(src, now),
+        nodes=len(src.deployment.nodes),
         nodes_connected=nodes_connected,
         providers=StateCounts(**providers),
         cli_resources=StateCounts(**cli),
         routes=len(routes),
-        routes_connected=sum(1 for n, _ in routes.values() if edge.registry.connected(n)),
+        routes_connected=sum(1 for n, _ in routes.values() if src.registry.connected(n)),
         total_capacity=total_capacity,
         usable_capacity=usable_capacity,
         in_flight=in_flight,
@@ -153,16 +153,16 @@ def summary_of(edge: Observed) -> StatusSummary:
     )
 
 
-def _pools_of(edge: Observed) -> dict[str, list[str]]:
+def _pools_of(src: StatusSources) -> dict[str, list[str]]:
     pools_of: dict[str, list[str]] = {}
-    for alias, members in edge.catalog.pools.items():
+    for alias, members in src.catalog.pools.items():
         for m in members:
             pools_of.setdefault(m, []).append(alias)
     return pools_of
 
 
 def _attention(
-    edge: Observed,
+    src: StatusSources,
     node: str,
     pid: str,
     capacity: int | None,
@@ -173,7 +173,7 @@ def _attention(
     mono: float,
 ) -> ProviderAttention:
     if slots is None:
-        route = next((alias for alias, (n, p) in edge.catalog.routes.items() if (n, p) == (node, pid)), None)
+        route = next((alias for alias, (n, p) in src.catalog.routes.items() if (n, p) == (node, pid)), None)
         return ProviderAttention(
             id=pid, kind="cli", state=state, route=route, refused=(live.refused or None) if live else None
         )
@@ -193,8 +193,8 @@ def _attention(
 class SummaryCache:
     """The encoded summary, rebuilt by the first request after it is `max_age_s` old."""
 
-    def __init__(self, edge: Observed, max_age_s: float = MAX_AGE_S) -> None:
-        self.edge = edge
+    def __init__(self, src: StatusSources, max_age_s: float = MAX_AGE_S) -> None:
+        self.sources = src
         self.max_age_s = max_age_s
         self.builds = 0
         self._body = b""
@@ -203,7 +203,7 @@ class SummaryCache:
     def body(self) -> bytes:
         mono = time.monotonic()
         if mono - self._built > self.max_age_s:
-            self._body = encode_summary(summary_of(self.edge))
+            self._body = encode_summary(summary_of(self.sources))
             self._built = mono
             self.builds += 1
         return self._body

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib.resources
-from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Scope
 
-from iop.edge.status import Observed, status_of
+from iop.edge.keys import EdgeKeys
+from iop.edge.status import StatusSources, status_of
 from iop.edge.status_schema import encode_status
 from iop.errors import NotFound, Unavailable
 
@@ -51,12 +50,6 @@ _FILES = {
 }
 
 
-class UiEdge(Observed, Protocol):
-    """What the page's endpoints need beyond the status document: the client-key check."""
-
-    def authorize(self, scope: Scope) -> object: ...
-
-
 def _static(name: str) -> bytes:
     return importlib.resources.files("iop.edge").joinpath("static", name).read_bytes()
 
@@ -67,8 +60,8 @@ class StatusFeed:
     A page that reads slowly skips to the newest document rather than queueing old ones.
     """
 
-    def __init__(self, edge: Observed, period_s: float = PERIOD_S) -> None:
-        self.edge = edge
+    def __init__(self, src: StatusSources, period_s: float = PERIOD_S) -> None:
+        self.sources = src
         self.period_s = period_s
         self.closing = False
         self._pages: set[asyncio.Queue[bytes]] = set()
@@ -79,7 +72,7 @@ class StatusFeed:
         return len(self._pages)
 
     def frame(self) -> bytes:
-        return b"event: status\ndata: " + encode_status(status_of(self.edge)) + b"\n\n"
+        return b"event: status\ndata: " + encode_status(status_of(self.sources)) + b"\n\n"
 
     def subscribe(self) -> asyncio.Queue[bytes]:
         page: asyncio.Queue[bytes] = asyncio.Queue(maxsize=1)
@@ -116,12 +109,10 @@ class StatusFeed:
                 self._put(page, frame)
 
 
-def ui_routes(
-    edge: UiEdge, feed: StatusFeed, *, keys_on: Callable[[], bool], ledger_on: Callable[[], bool]
-) -> list[Route]:
+def ui_routes(keys: EdgeKeys, feed: StatusFeed, *, ledger_on: bool) -> list[Route]:
     """`/ui`, its files under `/ui/`, and `/status/events`.
 
-    `keys_on`: client keys are required; `ledger_on`: the edge serves `/usage` and `/usage/tail`.
+    `ledger_on`: the edge serves `/usage` and `/usage/tail` (the page shows them).
     """
     page_template = _static("index.html")
     files = {name: (_static(name), media) for name, media in _FILES.items()}
@@ -129,8 +120,8 @@ def ui_routes(
     async def page(request: Request) -> Response:
         # Whether a key is needed, and whether the ledger's endpoints answer, is told in the page, so it
         # requests nothing that must fail: a refused request is a console error and a flash of nothing.
-        body = page_template.replace(b"{{keys}}", b"required" if keys_on() else b"none")
-        body = body.replace(b"{{ledger}}", b"on" if ledger_on() else b"off")
+        body = page_template.replace(b"{{keys}}", b"required" if keys.clients else b"none")
+        body = body.replace(b"{{ledger}}", b"on" if ledger_on else b"off")
         return Response(body, media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS)
 
     async def slash(request: Request) -> Response:
@@ -145,7 +136,7 @@ def ui_routes(
         return Response(found[0], media_type=found[1], headers=SECURITY_HEADERS)
 
     async def events(request: Request) -> Response:
-        edge.authorize(request.scope)
+        keys.client(request.scope)
         if feed.closing:
             raise Unavailable("the edge is shutting down", code="shutting_down")
         queue = feed.subscribe()

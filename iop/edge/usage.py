@@ -5,18 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
 
+from nats.js.client import JetStreamContext
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Scope
 
+from iop.edge.keys import EdgeKeys
 from iop.edge.ledger import RequestRecord
-from iop.edge.report import Aggregate, follow, parse_query, parse_time, read_records, record_json, to_csv
+from iop.edge.usage_query import Aggregate, follow, parse_query, parse_time, read_records, record_json, to_csv
 from iop.errors import BadRequest, Unavailable
-
-if TYPE_CHECKING:
-    from iop.edge.server import Edge
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 Sink = Callable[[list[RequestRecord]], None]
@@ -24,7 +22,7 @@ TAIL_BUFFER = 10_000
 """Records a slow `--tail` reader may fall behind by before the oldest are skipped."""
 
 
-def _reader(edge: Edge, scope: Scope) -> str | None:
+def _reader(keys: EdgeKeys, scope: Scope) -> str | None:
     """Whose records the caller may read: None for everyone's (an admin key, or an edge without
     client keys), else the name of its own client key (Unauthorized without one).
 
@@ -32,9 +30,10 @@ def _reader(edge: Edge, scope: Scope) -> str | None:
     /admin/*, being on the edge's machine is no admin key here: with client keys on, a caller
     without a key reads nothing.
     """
-    if edge.keys.holds_admin_key(scope):
+    if keys.holds_admin_key(scope):
         return None
-    return edge.authorize(scope) or None
+    key = keys.client(scope)
+    return key.name if key is not None else None
 
 
 def _only(who: str | None, sink: Sink) -> Sink:
@@ -43,31 +42,35 @@ def _only(who: str | None, sink: Sink) -> Sink:
     return lambda records: sink([r for r in records if r.key == who])
 
 
-def usage_endpoint(edge: Edge) -> Endpoint:
+def usage_endpoint(keys: EdgeKeys, js: JetStreamContext, *, ledger_on: bool) -> Endpoint:
+    """`ledger_on`: this edge writes the ledger (else both endpoints answer 503)."""
+
     async def usage(request: Request) -> Response:
-        who = _reader(edge, request.scope)
+        who = _reader(keys, request.scope)
         q = request.query_params
         fmt = q.get("format", "json")
         if fmt not in ("json", "csv"):
             raise BadRequest(f"'format' must be json or csv; got {fmt!r}", param="format")
         query = parse_query(q.get("since"), q.get("until"), q.get("by"))
-        if edge.ledger is None:
+        if not ledger_on:
             raise Unavailable("the ledger is off on this edge (edge.ledger.enabled: false)", code="ledger_disabled")
         agg = Aggregate(query)
-        await read_records(edge.js, query, _only(who, agg.add))
-        report = agg.report()
-        report["records"] = agg.records
+        await read_records(js, query, _only(who, agg.add))
+        table = agg.table()
+        table["records"] = agg.records
         if fmt == "csv":
-            return Response(to_csv(report), media_type="text/csv")
-        return JSONResponse(report)
+            return Response(to_csv(table), media_type="text/csv")
+        return JSONResponse(table)
 
     return usage
 
 
-def usage_tail_endpoint(edge: Edge) -> Endpoint:
+def usage_tail_endpoint(keys: EdgeKeys, js: JetStreamContext, closing: asyncio.Event, *, ledger_on: bool) -> Endpoint:
+    """`closing` is set when the edge starts to stop: every open tail ends at once."""
+
     async def tail(request: Request) -> Response:
-        who = _reader(edge, request.scope)
-        if edge.ledger is None:
+        who = _reader(keys, request.scope)
+        if not ledger_on:
             raise Unavailable("the ledger is off on this edge (edge.ledger.enabled: false)", code="ledger_disabled")
         alias = request.query_params.get("model") or None
         since_text = request.query_params.get("since")
@@ -82,15 +85,15 @@ def usage_tail_endpoint(edge: Edge) -> Endpoint:
                     queue.get_nowait()  # a reader that cannot keep up sees the newest records
                 queue.put_nowait(r)
 
-        sub = await follow(edge.js, alias, _only(who, sink), since)
+        sub = await follow(js, alias, _only(who, sink), since)
 
         async def lines() -> AsyncIterator[bytes]:
-            closing = asyncio.ensure_future(edge.closing.wait())
+            stopping = asyncio.ensure_future(closing.wait())
             try:
                 yield b""  # the headers go out at once: the client knows it is following
                 while True:
                     get = asyncio.ensure_future(queue.get())
-                    await asyncio.wait((get, closing), return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait((get, stopping), return_when=asyncio.FIRST_COMPLETED)
                     if not get.done():
                         # The edge is stopping: end the stream, or its graceful shutdown waits for
                         # every follower (a status page holds one) until the grace period is over.
@@ -98,7 +101,7 @@ def usage_tail_endpoint(edge: Edge) -> Endpoint:
                         return
                     yield record_json(get.result()) + b"\n"
             finally:
-                closing.cancel()
+                stopping.cancel()
                 await sub.unsubscribe()
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")

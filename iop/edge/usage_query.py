@@ -56,13 +56,21 @@ class Query:
     by: tuple[str, ...]
 
 
+LATEST_TIME = 253402300799.0
+"""The last second of the year 9999: a time the ledger's reader (and `datetime`) can still name."""
+
+
 def parse_time(value: str, param: str, now: float) -> float:
-    """`7d`, `24h`, `30m`, `90s`, `2w` (that long ago), an ISO 8601 time, or a Unix time."""
+    """`7d`, `24h`, `30m`, `90s`, `2w` (that long ago), an ISO 8601 time, or a Unix time.
+
+    The result is a time from 1970 to 9999: `nan`, `inf`, `1e20` or `99999999999d` are refused here,
+    naming the parameter, rather than failing later where a time becomes a date.
+    """
     text = value.strip()
     if m := _DURATION.match(text):
-        return now - float(m.group(1)) * _UNITS[m.group(2)]
+        return _in_range(now - float(m.group(1)) * _UNITS[m.group(2)], param, value)
     try:
-        return float(text)
+        return _in_range(float(text), param, value)
     except ValueError:
         pass
     try:
@@ -74,7 +82,13 @@ def parse_time(value: str, param: str, now: float) -> float:
         ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
-    return when.timestamp()
+    return _in_range(when.timestamp(), param, value)
+
+
+def _in_range(t: float, param: str, value: str) -> float:
+    if not 0.0 <= t <= LATEST_TIME:  # also false for nan
+        raise BadRequest(f"'{param}' must name a time between 1970 and 9999; got {value[:64]!r}", param=param)
+    return t
 
 
 def parse_query(since: str | None, until: str | None, by: str | None, now: float | None = None) -> Query:
@@ -203,13 +217,29 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _cell(value: object) -> object:
+    """A CSV cell a spreadsheet shows as text: a name starting like a formula gets a leading `'`.
+
+    Aliases and key names are free text; opened in a spreadsheet, `=HYPERLINK(...)` or `@SUM(...)`
+    in a cell would run (OWASP's CSV injection). Numbers stay numbers.
+    """
+    if value is None:
+        return ""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
+
+
 def to_csv(table: dict[str, Any]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     by = table["by"]
     w.writerow([*by, *COLUMNS])
     for row in table["rows"]:
-        w.writerow(["" if row[c] is None else row[c] for c in (*by, *COLUMNS)])
+        w.writerow([_cell(row[c]) for c in (*by, *COLUMNS)])
     return buf.getvalue()
 
 

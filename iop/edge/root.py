@@ -1,0 +1,205 @@
+"""The edge's composition root: every part built once, each given its collaborators when it is made.
+
+Only the app (iop/edge/app.py) and the process (iop/edge/process.py) import this module; every
+other part of the edge sees only the few objects it was handed here, never `Edge`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from nats.aio.client import Client as NATS
+from starlette.types import Scope
+
+from iop import bus, config
+from iop.edge import http as edge_http
+from iop.edge.current import CurrentDeployment
+from iop.edge.keys import EdgeKeys
+from iop.edge.ledger import LedgerWriter, ensure_ledger_stream
+from iop.edge.memory import BurstTrim
+from iop.edge.metrics import Metrics
+from iop.edge.observe import Observer
+from iop.edge.qualify import QualifyDesk
+from iop.edge.refresh import Refresher, RefreshResult, publish_catalog
+from iop.edge.registry import Registry
+from iop.edge.relay import Relay
+from iop.edge.scheduler import Scheduler
+from iop.edge.status import StatusSources
+from iop.edge.storage import WorkStream
+from iop.edge.summary import SummaryCache
+from iop.edge.ui import StatusFeed
+from iop.openai.compaction import Sealer
+
+
+class Edge:
+    """One edge: its parts, built from a validated deployment and a NATS connection, started and stopped in order."""
+
+    def __init__(
+        self,
+        deployment: config.Deployment,
+        nc: NATS,
+        *,
+        edge_id: str | None = None,
+        nats_url: str = "",
+        keys: EdgeKeys | None = None,
+        deployment_file: Path | None = None,
+        authorize_nodes: Callable[[list[config.Node]], Awaitable[None]] | None = None,
+        sealer: Sealer | None = None,
+    ) -> None:
+        """`deployment_file`: what SIGHUP reads again and drift is measured against; `authorize_nodes`:
+        gives node users to the embedded nats-server when a refresh changes the nodes; `sealer`: seals
+        iop's compaction items (a key of this process when not given)."""
+        settings = deployment.edge
+        self.edge_id = edge_id or secrets.token_hex(4)
+        self.nats_url = nats_url
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.started_at = time.time()
+        self.current = CurrentDeployment(deployment)
+        """What every part reads the running deployment from; a refresh changes it in place."""
+        self.nats_down = ""
+        """Why the edge's own (embedded) NATS is down right now; empty while it runs."""
+        self.fatal = ""
+        """Set when the edge must stop with an error (its embedded NATS cannot be kept alive)."""
+        h = settings.http
+        self.http_limits = edge_http.HttpLimits(
+            max_head_bytes=h.max_head_kb * 1024,
+            max_headers=h.max_headers,
+            head_timeout_s=h.head_timeout_s,
+            body_idle_timeout_s=h.body_idle_timeout_s,
+            max_connections=h.max_connections,
+        )
+        # Every stream and bucket made in this edge's tasks (ledger, qualification) gets this many copies.
+        bus.default_replicas.set(settings.nats.replicas)
+        self.keys = keys if keys is not None else EdgeKeys.from_settings(settings)
+        self.metrics_public = settings.metrics_public
+        """Read once, like the keys: a refresh reports a change as needing a restart."""
+        self.closing = asyncio.Event()
+        """Set when the edge starts to stop: open streams (status pages, usage tails) end at once."""
+
+        self.scheduler = Scheduler(settings.queue.max_waiting, int(settings.queue.max_waiting_mb * 1024 * 1024))
+        catalog = self.current.catalog
+        for pid, ref in catalog.providers.items():
+            if ref.provider.capacity is not None:
+                self.scheduler.add_provider(pid, ref.node.id, ref.provider.capacity)
+        for alias, members in catalog.pools.items():
+            self.scheduler.add_pool(alias, members)
+        self.work_stream = WorkStream(self.js, self.current.capacities)
+        self.relay = Relay(nc, self.js, self.edge_id, self.work_stream)
+        self.registry = Registry(
+            deployment,
+            self.scheduler,
+            self.edge_id,
+            self.relay.node_lost,
+            on_reconnected=self.relay.bus_reconnected,
+            on_tick=self.relay.sweep,
+        )
+        self.refresher = Refresher(
+            self.current, self.scheduler, self.registry, nc, self.js, authorize_nodes=authorize_nodes
+        )
+        if deployment_file is not None:
+            self.refresher.started_from(deployment_file, deployment)
+        self.ledger = (
+            LedgerWriter(nc, self.js, self.edge_id, buffer_records=settings.ledger.buffer_records)
+            if settings.ledger.enabled
+            else None
+        )
+        self.metrics = Metrics(self.scheduler, self.registry, self.ledger, nc, self.started_at)
+        self.observer = Observer(self.edge_id, self.metrics, self.ledger)
+        self.qualify = QualifyDesk(self)
+        self.status_sources = StatusSources(
+            edge_id=self.edge_id,
+            nats_url=nats_url,
+            started_at=self.started_at,
+            current=self.current,
+            registry=self.registry,
+            scheduler=self.scheduler,
+            nc=nc,
+            work_stream=self.work_stream,
+            refresher=self.refresher,
+            qualifications=self.qualify.summaries,
+        )
+        self.status_feed = StatusFeed(self.status_sources)
+        """`/status/events`: the live status the `/ui` page reads."""
+        self.summary = SummaryCache(self.status_sources)
+        """`/status?view=summary`: built at most once per 0.25 s, whatever the number of readers."""
+        self.sealer = sealer if sealer is not None else Sealer.random()
+        """Seals iop's compaction items; `run_edge` derives it from the deployment's secret (docs/security.md)."""
+        self.burst_trim = BurstTrim(self.waiting_requests, self.scheduler.changed)
+        """Hands the memory of a drained burst of waiting requests back to the OS (iop/edge/memory.py)."""
+
+    # What a request reads (api.py's `Serving`, qualify.py's `Qualified`): from `current`, so a refresh applies.
+
+    @property
+    def deployment(self) -> config.Deployment:
+        return self.current.deployment
+
+    @property
+    def catalog(self) -> config.Catalog:
+        return self.current.catalog
+
+    @property
+    def queue_timeout_s(self) -> float:
+        return self.current.queue_timeout_s
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.current.max_body_bytes
+
+    def authorize(self, scope: Scope) -> str:
+        """Check the client key; returns its name for the ledger ("" when the edge has no keys)."""
+        key = self.keys.client(scope)
+        return key.name if key is not None else ""
+
+    async def refresh_to(self, new: config.Deployment) -> RefreshResult:
+        return await self.refresher.apply(new)
+
+    async def start(self) -> None:
+        settings = self.current.deployment.edge
+        if self.ledger is not None:
+            await ensure_ledger_stream(self.js, settings.ledger.max_age, settings.ledger.max_bytes)
+            self.ledger.start()
+        await bus.ensure_work_stream(self.js, replicas=settings.nats.replicas)
+        for pid, capacity in self.current.capacities().items():
+            await bus.ensure_provider_consumer(self.js, pid, capacity)
+        await publish_catalog(self.nc, self.js, self.current.deployment)
+        await self.relay.start()
+        await self.registry.start(self.nc)
+        # Serving starts once the server has the reply and presence subscriptions.
+        await bus.flush(self.nc)
+        await self.qualify.start()
+        self.burst_trim.start()
+
+    def waiting_requests(self) -> int:
+        """Requests waiting in this edge's pool queues now."""
+        return sum(len(pool.waiters) for pool in self.scheduler.pools.values())
+
+    def readiness(self) -> list[str]:
+        """Why this edge should not get traffic now; empty when ready."""
+        reasons = []
+        if not self.nc.is_connected or self.nats_down:
+            reasons.append(self.nats_down or "not connected to NATS")
+        if self.work_stream.error:
+            reasons.append(self.work_stream.error)
+        mono = time.monotonic()
+        for alias, pool in self.scheduler.pools.items():
+            if not any(p.connected and p.breaker(mono) != "open" for p in pool.providers):
+                reasons.append(f"pool '{alias}' has no usable provider")
+        return reasons
+
+    def end_streams(self) -> None:
+        """The edge starts to stop: open streams (status pages, usage tails) end now, or they would
+        hold the graceful shutdown until its grace period is over."""
+        self.closing.set()
+        self.status_feed.close()
+
+    async def stop(self) -> None:
+        self.burst_trim.stop()
+        await self.qualify.stop()
+        await self.registry.stop()
+        if self.ledger is not None:
+            await self.ledger.stop()
