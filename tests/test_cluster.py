@@ -21,6 +21,7 @@ import pytest_asyncio
 from nats.js import JetStreamContext
 
 from iop import bus, config, wire
+from iop.edge.qualify import RESULTS_BUCKET
 from iop.errors import BusError
 from tests.fakes import FakeUpstream, bound_socket, fake_upstream
 from tests.harness import deployment, edge_process, eventually, iop_process, running_edge, running_node
@@ -355,3 +356,13 @@ nodes: []
     finally:
         for s in other.servers:
             await s.stop()
+
+
+async def test_with_replicas_3_the_qualification_bucket_is_made_r3(cluster: Cluster) -> None:
+    async with fake_upstream() as up_a, fake_upstream() as up_b:
+        dep = deployment(two_nodes_yaml(cluster, "q", up_a, up_b))
+        async with running_edge(dep, cluster.url) as h:
+            # Before: R1 on one server, so losing that one server stopped any other edge's start.
+            info = await h.edge.js.stream_info("KV_" + RESULTS_BUCKET)
+            assert info.config.num_replicas == 3
+            assert info.cluster is not None and len(info.cluster.replicas or []) == 2

@@ -36,7 +36,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from iop import config
+from iop import bus, config
 from iop.edge.api import (
     ApiEndpoint,
     Serving,
@@ -139,11 +139,11 @@ class QualifyDesk:
 
     async def start(self) -> None:
         """Open (or create) the results bucket and load the latest report of every provider."""
-        js = self.edge.js
-        try:
-            self._kv = await js.key_value(RESULTS_BUCKET)
-        except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
-            self._kv = await js.create_key_value(js_api.KeyValueConfig(bucket=RESULTS_BUCKET, history=RESULTS_HISTORY))
+        # Through the one bucket helper: made with the deployment's replicas (an R1 bucket on a
+        # cluster kept every other edge from starting while its one server was down).
+        self._kv = await bus.ensure_bucket(
+            self.edge.js, js_api.KeyValueConfig(bucket=RESULTS_BUCKET, history=RESULTS_HISTORY)
+        )
         await self._load()
 
     async def _load(self) -> None:
