@@ -902,3 +902,52 @@ async def test_nats_creds_server_config_gives_an_external_nats_the_same_least_pr
         await proc.wait()
         if drain is not None:
             await asyncio.wait_for(drain, 5)
+
+
+async def test_node_reported_strings_reach_log_and_status_bounded_and_escaped(
+    nats_server: bus.EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    dep = deployment(TWO_NODES.replace("UPSTREAM", "http://127.0.0.1:9"))
+    await nats_server.authorize(dep.nodes)
+    forged_line = "\n2026-01-01 00:00:00,000 ERROR iop.edge: admin key leaked \x1b[2J"
+    async with running_edge(dep, nats_server.url) as h, rogue(nats_server, "a") as a:
+        # A malformed instance (it would be a subject token of the edge's verdict) is dropped.
+        bad = wire.NodeHeartbeat(node="a", instance="x" + forged_line, started_at=0, seq=1, providers=[])
+        await a.nc.publish(wire.heartbeat_subject("a"), wire.encode(bad))
+        device = wire.Device(
+            os="linux" + forged_line,
+            cpu_model="c" * (4 * 1024 * 1024),
+            accelerators=[wire.Accelerator(name=f"gpu{i}\r\n") for i in range(1000)],
+        )
+        junk = [wire.ProviderLive(id=f"junk{i}", kind="pool") for i in range(1000)]
+        live = wire.ProviderLive(id="a-prov", kind="pool", capacity=2, refused="no" + forged_line * 1000)
+        hb = wire.NodeHeartbeat(
+            node="a",
+            instance="i1",
+            started_at=0,
+            seq=2,
+            providers=[live, *junk],
+            version="v" + forged_line,
+            device=device,
+        )
+        await a.nc.publish(wire.heartbeat_subject("a"), wire.encode(hb))
+        await bus.flush(a.nc)
+        await h.edge.registry.wait_connected(["a"], timeout_s=10)
+        st = h.edge.registry.nodes["a"]
+        assert st.instance == "i1"
+        async with h.http() as http:
+            raw = (await http.get("/status")).content
+        # Before: the 4 MiB cpu model made every /status frame 4 MiB, and the forged line reached the log.
+        assert len(raw) < 64 * 1024, len(raw)
+        assert st.device is not None and len(st.device.cpu_model) <= 200 and len(st.device.accelerators) <= 16
+        assert "\n" not in st.device.os and "\x1b" not in st.version and "\\x0a" in st.device.os
+        assert set(st.live) == {"a-prov"} and len(st.live["a-prov"].refused) <= 200
+    text = _our_log_text(caplog)
+    assert "malformed instance" in text
+    assert "admin key leaked" not in "\n".join(line for line in text.splitlines() if line.startswith("20")), (
+        "a node's string began a log line of its own"
+    )
+    assert all(
+        "\x1b" not in r.getMessage() and "\n" not in r.getMessage() for r in caplog.records if r.name.startswith("iop")
+    )

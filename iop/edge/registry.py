@@ -13,12 +13,15 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from iop import config, wire
+from iop.edge import intake
 from iop.edge.scheduler import Scheduler
 from iop.edge.share import SlotShare
 
 log = logging.getLogger("iop.edge")
 
 LOST_AFTER_S = wire.HEARTBEAT_INTERVAL_S * wire.HEARTBEATS_MISSED
+MALFORMED_LOG_EVERY_S = 10.0
+"""A node sending malformed messages is named in the log at most this often, not once per message."""
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Registry:
         self.on_tick = on_tick
         """Called every watch tick (the relay looks for requests whose answer was lost)."""
         self._refused_logged: dict[tuple[str, str], float] = {}
+        self._malformed_logged = -MALFORMED_LOG_EVERY_S
         self._nc: NATS | None = None
         self._task: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()
@@ -135,7 +139,9 @@ class Registry:
         # Once per instance: a refused node is told (see _on_heartbeat) and goes quiet or away.
         key = (node_id, instance)
         if key not in self._refused_logged:
-            log.warning("refused node %s (instance %s): %s", node_id, instance, reason)
+            log.warning(
+                "refused node %s (instance %s): %s", intake.printable(node_id), instance, intake.printable(reason)
+            )
             self._refused_logged[key] = time.monotonic()
             if len(self._refused_logged) > 10_000:
                 self._refused_logged.clear()
@@ -148,11 +154,13 @@ class Registry:
             return
         if msg.subject != wire.hello_subject(hello.node):
             return  # a node speaking for another: NATS lets each publish only under its own id
+        if not self._well_formed(hello.node, hello.instance):
+            return
         st, reason, refusal = self._admit(hello.node, hello.instance)
         if st is None:
             self._refuse(hello.node, hello.instance, reason)
         if st is not None and hello.device is not None:
-            st.device = hello.device
+            st.device = intake.device(hello.device)
         if msg.reply and self._nc is not None:
             welcome = wire.Welcome(accepted=st is not None, edge=self.edge_id, reason=reason, refusal=refusal)
             await self._nc.publish(msg.reply, wire.encode(welcome))
@@ -165,6 +173,8 @@ class Registry:
             return
         if msg.subject != wire.heartbeat_subject(hb.node):
             return  # see _on_hello
+        if not self._well_formed(hb.node, hb.instance):
+            return
         st, reason, refusal = self._admit(hb.node, hb.instance)
         if st is None:
             self._refuse(hb.node, hb.instance, reason)
@@ -173,6 +183,7 @@ class Registry:
                 welcome = wire.Welcome(accepted=False, edge=self.edge_id, reason=reason, refusal=refusal)
                 await self._nc.publish(msg.reply, wire.encode(welcome))
             return
+        hb = intake.heartbeat(hb, {p.id for p in st.cfg.providers})
         if hb.leaving:
             if st.connected:
                 self._lose(st, "node stopped")
@@ -198,6 +209,20 @@ class Registry:
                 # A provider the node's own policy refused is not served there: not connected.
                 self.scheduler.set_connected(p.id, live is not None and not live.refused)
         self.changed.set()
+
+    def _well_formed(self, node_id: str, instance: str) -> bool:
+        """A real node's instance is a short token (it becomes a subject token): anything else is dropped."""
+        if intake.valid_instance(instance):
+            return True
+        now = time.monotonic()
+        if now - self._malformed_logged >= MALFORMED_LOG_EVERY_S:
+            self._malformed_logged = now
+            log.warning(
+                "node %s: a message with a malformed instance (%s) dropped",
+                intake.printable(node_id),
+                intake.printable(instance, 40),
+            )
+        return False
 
     def _lose(self, st: NodeState, reason: str) -> None:
         st.connected = False
