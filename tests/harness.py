@@ -40,6 +40,9 @@ except ImportError:  # older SDKs use httpx
 from iop import bus, config, wire
 from iop.client import EdgeClient
 from iop.edge.app import build_app
+from iop.edge.http import bind
+from iop.edge.keys import EdgeKeys
+from iop.edge.process import http_server
 from iop.edge.root import Edge
 from iop.edge.status_schema import Status
 from iop.node.runtime import NodeRuntime
@@ -163,6 +166,35 @@ async def deployment_running(dep: config.Deployment, nats_url: str) -> AsyncIter
         finally:
             for cm in reversed(entered):
                 await cm.__aexit__(None, None, None)
+
+
+@asynccontextmanager
+async def edge_server_running(
+    dep: config.Deployment, nats_url: str, keys: EdgeKeys | None = None
+) -> AsyncIterator[EdgeHandle]:
+    """An edge on the uvicorn server `iop edge` runs (its protocol classes, limits and WebSockets),
+    plus every node of the deployment, once the edge sees them all."""
+    nc = await bus.connect(nats_url, "test-edge", wait_s=5)
+    edge = Edge(dep, nc, nats_url=nats_url, keys=keys)
+    await edge.start()
+    sock = bind("127.0.0.1:0")
+    server = http_server(edge, grace_s=1)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    handle = EdgeHandle(f"http://127.0.0.1:{sock.getsockname()[1]}", edge)
+    try:
+        async with contextlib.AsyncExitStack() as nodes:
+            for n in dep.nodes:
+                await nodes.enter_async_context(running_node(dep, n.id, nats_url))
+            await edge.registry.wait_connected([n.id for n in dep.nodes], timeout_s=10)
+            yield handle
+            for client in handle.clients:
+                await client.close()
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+        await edge.stop()
+        await nc.close()
 
 
 # --- `python -m iop` as child processes -------------------------------------------------------

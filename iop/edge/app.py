@@ -24,6 +24,7 @@ from iop.edge.status import status_of
 from iop.edge.status_schema import encode_status
 from iop.edge.ui import ui_routes
 from iop.edge.usage import usage_endpoint, usage_tail_endpoint
+from iop.edge.websocket import Sockets
 from iop.errors import (
     BadRequest,
     ConfigError,
@@ -154,4 +155,5 @@ def build_app(edge: Edge) -> ASGIApp:
         "/v1/responses": responses,
         "/v1/responses/compact": CompactEndpoint(responses),
     }
-    return RequestIds(edge_http.SameOrigin(ApiRoutes(api, app)))
+    posts = frozenset({"/v1/chat/completions", "/v1/responses/compact"})
+    return RequestIds(edge_http.SameOrigin(Sockets(edge, responses, posts, ApiRoutes(api, app))))

@@ -22,6 +22,7 @@ import socket
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.websockets.wsproto_impl import WSProtocol
 
 from iop.errors import (
     BadRequest,
@@ -137,6 +138,31 @@ def protocol_class(limits: HttpLimits) -> type[asyncio.Protocol]:
     return Bound
 
 
+def ws_protocol_class(limits: HttpLimits) -> type[asyncio.Protocol]:
+    """The WebSocket protocol a connection upgrades to, for `uvicorn.Config(ws=...)`, bound to `limits`."""
+
+    class Bound(LimitedWebSocketProtocol):
+        pass
+
+    Bound.limits = limits
+    return Bound
+
+
+class LimitedWebSocketProtocol(WSProtocol):
+    """uvicorn's wsproto protocol, counted in `limits` like the HTTP connection it was upgraded from.
+
+    The upgrade hands the transport over, so the HTTP protocol never hears the connection close:
+    this one counts it instead (the connection cap itself counts both kinds, in uvicorn's set).
+    """
+
+    limits: HttpLimits = HttpLimits()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.limits.open -= 1
+        self.limits.closed.set()
+        super().connection_lost(exc)
+
+
 class LimitedHttpProtocol(HttpToolsProtocol):
     limits: HttpLimits = HttpLimits()
 
@@ -227,6 +253,15 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._disarm()
         if not self._refusing:
             super().on_message_complete()
+
+    def handle_websocket_upgrade(self) -> None:
+        if self._refusing:
+            return  # refused while the head came in (e.g. too many headers): the answer is on its way
+        # The head is whole and the body timer must not fire on a connection that is now a socket;
+        # from here the WebSocket protocol owns the transport (and counts its close).
+        self._head_open = self._body_open = False
+        self._disarm()
+        super().handle_websocket_upgrade()
 
     # Refusals
 
@@ -347,7 +382,8 @@ class SameOrigin:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
+        # A WebSocket handshake too: browsers let any page open a socket to any host (with its Origin).
+        if scope["type"] in ("http", "websocket"):
             origin = host = None
             for name, value in scope["headers"]:
                 if name == b"origin":
@@ -364,8 +400,10 @@ class SameOrigin:
                 )
                 headers = [(b"content-type", b"application/json")]
                 headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
-                await send({"type": "http.response.start", "status": err.status, "headers": headers})
-                await send({"type": "http.response.body", "body": err.body})
+                # A handshake is refused with an HTTP answer too (the ASGI extension uvicorn offers).
+                kind = "http" if scope["type"] == "http" else "websocket.http"
+                await send({"type": f"{kind}.response.start", "status": err.status, "headers": headers})
+                await send({"type": f"{kind}.response.body", "body": err.body})
                 return
         await self.app(scope, receive, send)
 

@@ -34,6 +34,10 @@ def http_config(edge: Edge, *, host: str = "127.0.0.1", port: int = 0, grace_s: 
         lifespan="off",
         timeout_graceful_shutdown=int(grace_s),
         http=edge_http.protocol_class(edge.http_limits),
+        # WebSocket mode of /v1/responses (iop/edge/websocket.py): wsproto, pure Python on h11,
+        # which the archive already carries; an event may be as large as a request body.
+        ws=edge_http.ws_protocol_class(edge.http_limits),
+        ws_max_size=edge.max_body_bytes,
         timeout_keep_alive=edge.deployment.edge.http.keepalive_s,
     )
 

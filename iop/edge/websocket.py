@@ -1,0 +1,254 @@
+"""WebSocket mode of `/v1/responses`: `response.create` events in, the streamed events out as JSON text frames.
+
+As OpenAI serves it and Codex CLI uses it first (`OpenAI-Beta: responses_websockets=…`): the
+client opens `GET /v1/responses` as a WebSocket with its key, then sends one `response.create`
+event per turn (the request's fields beside `"type"`); each runs through the same path as an HTTP
+request with `stream: true` (front, endpoint, queue, ledger), and every server-sent event it
+produces goes out as one text frame. Responses run one after another; a message that arrives
+while one runs waits its turn (up to `MAX_WAITING` of them).
+
+The socket keeps its last response's input and output, so the next turn may send
+`previous_response_id` and only the new items, with `store: false` too; a socket forgets it
+when it closes. An id the socket did not make goes on to the endpoint as it is (the store, where
+there is one, answers it). A client that closes the socket cancels the running response.
+
+Refusals before the handshake (a wrong key, a path without WebSocket mode) are HTTP answers of
+the usual shape; a refused event after it is an `error` event, and the socket stays open.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Protocol
+
+import msgspec
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from iop import config
+from iop.edge.observe import new_request_id
+from iop.edge.responses_front import call_endpoint
+from iop.errors import (
+    BadRequest,
+    MethodNotAllowed,
+    NotFound,
+    RequestError,
+    error_response,
+)
+from iop.openai.sse import SseDecoder
+
+MAX_WAITING = 16
+"""`response.create` events a socket may send ahead of the one running (more closes it: 1008)."""
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+_ENDED = frozenset({"response.completed", "response.incomplete", "response.failed"})
+# The handshake's headers that describe the socket, not a request body.
+_NOT_FORWARDED = frozenset(
+    {b"content-length", b"content-type", b"upgrade", b"connection", b"sec-websocket-key", b"sec-websocket-version"}
+)
+
+
+class SocketEdge(Protocol):
+    @property
+    def catalog(self) -> config.Catalog: ...
+
+    def authorize(self, scope: Scope) -> str: ...
+
+
+class Sockets:
+    """WebSocket handshakes: `/v1/responses` gets its socket, every other path an HTTP refusal."""
+
+    def __init__(self, edge: SocketEdge, responses: ASGIApp, posts: frozenset[str], app: ASGIApp) -> None:
+        self.edge = edge
+        self.responses = responses
+        self.posts = posts
+        """Paths that answer POST only: a handshake there is a 405 with `Allow: POST`."""
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "websocket":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if path == "/v1/responses":
+            await ResponsesSocket(self.edge, self.responses, scope, receive, send).run()
+        elif path in self.posts:
+            await refuse(send, MethodNotAllowed(f"{path} has no WebSocket mode; use POST", headers={"Allow": "POST"}))
+        else:
+            await refuse(send, NotFound(f"no WebSocket endpoint at {path}; WebSocket mode is on /v1/responses"))
+
+
+async def refuse(send: Send, exc: RequestError) -> None:
+    """Refuse a handshake with the HTTP answer (status, headers, OpenAI error JSON) any request gets."""
+    response = error_response(exc)
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in response.headers.items()]
+    await send({"type": "websocket.http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "websocket.http.response.body", "body": response.body})
+
+
+def error_frame(exc: RequestError) -> str:
+    """A refused event's answer: OpenAI's WebSocket `error` event, with the HTTP status it would have had."""
+    body = _decode(error_response(exc).body)
+    return _encode({"type": "error", "status": exc.status, "error": body["error"]}).decode()
+
+
+class _Last(msgspec.Struct):
+    """The socket's last response: what a `previous_response_id` naming it stands for."""
+
+    id: str
+    items: list[Any]
+
+
+class ResponsesSocket:
+    """One WebSocket connection on `/v1/responses` (see the module's docstring)."""
+
+    def __init__(self, edge: SocketEdge, responses: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        self.edge = edge
+        self.responses = responses
+        self.scope = scope
+        self._receive = receive
+        self.send = send
+        self.waiting: deque[Message] = deque()
+        self.closed = False
+        self.last: _Last | None = None
+        self.made: set[str] = set()
+        """Every response id this socket made: an older one than the last is not found any more."""
+        headers = [(k, v) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
+        self.headers = [*headers, (b"content-type", b"application/json")]
+
+    async def run(self) -> None:
+        connect = await self._receive()
+        if connect["type"] != "websocket.connect":
+            return
+        try:
+            self.edge.authorize(self.scope)
+        except RequestError as exc:
+            await refuse(self.send, exc)
+            return
+        await self.send({"type": "websocket.accept"})
+        while not self.closed:
+            message = self.waiting.popleft() if self.waiting else await self._receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            if message["type"] == "websocket.receive":
+                await self.turn(message)
+
+    async def turn(self, message: Message) -> None:
+        """One client event: a response run to its end, or an `error` frame."""
+        try:
+            request = self.request_of(message)
+        except RequestError as exc:
+            await self.frame(error_frame(exc))
+            return
+        await self.respond(request)
+
+    def request_of(self, message: Message) -> dict[str, Any]:
+        text = message.get("text")
+        data = text.encode() if isinstance(text, str) else message.get("bytes") or b""
+        try:
+            event = _decode(data)
+        except msgspec.DecodeError as exc:
+            raise BadRequest(f"the event is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(event, dict) or event.get("type") != "response.create":
+            raise BadRequest("send events of type 'response.create'", param="type", code="invalid_event")
+        # The request's fields beside "type"; an earlier form nested them under "response".
+        nested = event.get("response")
+        request = dict(nested) if isinstance(nested, dict) else {k: v for k, v in event.items() if k != "type"}
+        request["stream"] = True  # a socket's answer is its events
+        return self.continued(request)
+
+    def continued(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The request with the socket's last response in front of its input, when it continues that one."""
+        previous = request.get("previous_response_id")
+        if not isinstance(previous, str):
+            return request
+        if self.last is not None and previous == self.last.id:
+            del request["previous_response_id"]
+            request["input"] = [*self.last.items, *_items(request.get("input"))]
+            # OpenAI: the previous response's instructions are not carried over; the new ones apply.
+            return request
+        if previous in self.made:
+            raise BadRequest(
+                f"previous response '{previous}' is not the last one on this socket; only the last is kept",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        return request  # not this socket's: the endpoint (and the store) decide
+
+    async def respond(self, request: dict[str, Any]) -> None:
+        """Run `request` through the endpoint, each SSE event out as a text frame."""
+        scope = {**self.scope, "type": "http", "method": "POST", "headers": self.headers}
+        scope["iop.request_id"] = new_request_id()
+        decoder = SseDecoder()
+        status = 200
+        refused: list[bytes] = []
+        ended: dict[str, Any] | None = None
+
+        async def relay(message: Message) -> None:
+            nonlocal status, ended
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                return
+            data = message.get("body", b"")
+            if status != 200:
+                refused.append(data)
+                return
+            events = decoder.feed(data) if data else []
+            if not message.get("more_body", False):
+                events += decoder.finish()
+            for event in events:
+                if event.data == b"[DONE]":
+                    continue
+                if event.event in _ENDED:
+                    ended = _decode(event.data)
+                await self.frame(event.data.decode())
+
+        await call_endpoint(self.responses, scope, self.receive_during, _encode(request), relay)
+        if status != 200:
+            await self.frame(_refused_frame(status, b"".join(refused)))
+            return
+        self.remember(request, ended)
+
+    def remember(self, request: dict[str, Any], ended: dict[str, Any] | None) -> None:
+        response = ended.get("response") if ended is not None else None
+        if not isinstance(response, dict) or not isinstance(response.get("id"), str):
+            return
+        self.made.add(response["id"])
+        if response.get("status") in ("completed", "incomplete"):
+            self.last = _Last(response["id"], [*_items(request.get("input")), *(response.get("output") or [])])
+        else:
+            self.last = None
+
+    async def receive_during(self) -> Message:
+        """What the running response hears of the client: only that it left; its next events wait."""
+        while True:
+            message = await self._receive()
+            if message["type"] == "websocket.disconnect":
+                self.closed = True
+                return {"type": "http.disconnect"}
+            if len(self.waiting) >= MAX_WAITING:
+                self.closed = True
+                await self.send({"type": "websocket.close", "code": 1008, "reason": "too many events ahead"})
+                return {"type": "http.disconnect"}
+            self.waiting.append(message)
+
+    async def frame(self, text: str) -> None:
+        if not self.closed:
+            await self.send({"type": "websocket.send", "text": text})
+
+
+def _items(value: object) -> list[Any]:
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
+    return list(value) if isinstance(value, list) else []
+
+
+def _refused_frame(status: int, body: bytes) -> str:
+    """The endpoint's error answer (OpenAI error JSON) as the socket's `error` event."""
+    try:
+        error = _decode(body).get("error")
+    except (msgspec.DecodeError, AttributeError):
+        error = None
+    if not isinstance(error, dict):
+        error = {"message": body.decode(errors="replace")[:500], "type": "server_error", "code": None}
+    return _encode({"type": "error", "status": status, "error": error}).decode()
