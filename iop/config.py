@@ -166,6 +166,26 @@ class LedgerSettings(_Strict):
     ] = 100_000
 
 
+class ResponsesSettings(_Strict):
+    """Stored responses: what `store: true` keeps, in the JetStream KV bucket iop_responses."""
+
+    enabled: Annotated[
+        bool,
+        Meta(
+            description="Keep every response whose request has `store` true (the default), for "
+            "`previous_response_id`, `item_reference` and `GET /v1/responses/{id}`. Off: `store: true` is "
+            "accepted and nothing is kept."
+        ),
+    ] = True
+    max_age: Annotated[
+        Seconds, Meta(description="Seconds a stored response is kept (default 30 days); older ones are removed.")
+    ] = 30 * 86400.0
+    max_bytes: Annotated[
+        int,
+        Meta(ge=1024 * 1024, description="Most bytes the stored responses take (default 1 GiB); the oldest go first."),
+    ] = 1024**3
+
+
 class EdgeSettings(_Strict):
     """The HTTP front: where it listens, how it reaches NATS, how pools queue."""
 
@@ -203,6 +223,7 @@ class EdgeSettings(_Strict):
         ),
     ] = 32.0
     ledger: LedgerSettings = msgspec.field(default_factory=LedgerSettings)
+    responses: ResponsesSettings = msgspec.field(default_factory=ResponsesSettings)
     metrics_public: Annotated[
         bool, Meta(description="Serve /metrics without a client key (for a Prometheus that holds none).")
     ] = False

@@ -197,12 +197,13 @@ class FakeUpstream:
             yield b"data: " + json.dumps(usage).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
-    def _response_obj(self, body: dict[str, Any], status: str, text: str | None) -> dict[str, Any]:
+    def _response_obj(self, body: dict[str, Any], status: str, text: str | None, n: int = 0) -> dict[str, Any]:
+        """A response object; `n` tells this request's ids from others' (ids are unique, as a store needs)."""
         output = []
         if text is not None:
             output = [
                 {
-                    "id": "msg_fake",
+                    "id": f"msg_fake{n}",
                     "type": "message",
                     "status": "completed",
                     "role": "assistant",
@@ -210,7 +211,7 @@ class FakeUpstream:
                 }
             ]
         return {
-            "id": "resp_fake",
+            "id": f"resp_fake{n}",
             "object": "response",
             "created_at": int(time.time()),
             "status": status,
@@ -237,7 +238,7 @@ class FakeUpstream:
         }
 
     def _responses_body(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._response_obj(body, "completed", self.text())
+        return self._response_obj(body, "completed", self.text(), self.total)
 
     async def _responses_stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
         seq = 0
@@ -248,24 +249,25 @@ class FakeUpstream:
             seq += 1
             return f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
 
-        yield ev("response.created", response=self._response_obj(body, "in_progress", None))
-        item = {"id": "msg_fake", "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+        n = self.total
+        yield ev("response.created", response=self._response_obj(body, "in_progress", None, n))
+        item = {"id": f"msg_fake{n}", "type": "message", "status": "in_progress", "role": "assistant", "content": []}
         yield ev("response.output_item.added", output_index=0, item=item)
         part = {"type": "output_text", "text": "", "annotations": []}
-        yield ev("response.content_part.added", item_id="msg_fake", output_index=0, content_index=0, part=part)
+        yield ev("response.content_part.added", item_id=f"msg_fake{n}", output_index=0, content_index=0, part=part)
         for i in range(self.tokens):
             if self.token_interval_s:
                 await asyncio.sleep(self.token_interval_s)
             piece = ("" if i == 0 else " ") + f"w{i}"
             yield ev(
                 "response.output_text.delta",
-                item_id="msg_fake",
+                item_id=f"msg_fake{n}",
                 output_index=0,
                 content_index=0,
                 delta=piece,
                 logprobs=[],
             )
-        yield ev("response.completed", response=self._response_obj(body, "completed", self.text()))
+        yield ev("response.completed", response=self._response_obj(body, "completed", self.text(), n))
 
 
 def bound_socket() -> socket.socket:

@@ -168,9 +168,9 @@ async def test_refusal_names_its_param_and_provider(nats_server: EmbeddedNats) -
         deployment_running(deployment(one_provider(up.url, "chat")), nats_server.url) as h,
         h.http() as http,
     ):
-        r = await http.post("/v1/responses", json={"model": "m", "input": "hi", "previous_response_id": "resp_1"})
+        r = await http.post("/v1/responses", json={"model": "m", "input": "hi", "conversation": "conv_1"})
     assert r.status_code == 400
-    assert r.json()["error"]["param"] == "previous_response_id"
+    assert r.json()["error"]["param"] == "conversation"
     assert r.json()["error"]["code"] == "unsupported_parameter"
     assert r.headers["x-iop-provider"] == "p"
     assert up.total == 0

@@ -30,6 +30,8 @@ from iop.errors import (
     error_response,
 )
 from iop.openai.responses_request import responses_to_chat_request
+from iop.responses.expand import Responses
+from iop.responses.tap import KeepingSend
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -81,11 +83,20 @@ class ResponsesHead(msgspec.Struct):
     tools: list[_Object] | None = None
     include: list[str] | None = None
     prompt_cache_key: str | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+
+    def stateful(self) -> bool:
+        """The request names or makes state the edge holds (iop/responses): it is expanded first."""
+        if self.store is not False or self.previous_response_id is not None:
+            return True
+        return not isinstance(self.input, str) and any(i.type == "item_reference" for i in self.input)
 
 
 _chat_head = msgspec.json.Decoder(ChatHead).decode
 _responses_head = msgspec.json.Decoder(ResponsesHead).decode
 _decode_json = msgspec.json.Decoder().decode
+_encode_json = msgspec.json.Encoder().encode
 
 
 class Head(NamedTuple):
@@ -95,6 +106,8 @@ class Head(NamedTuple):
     """`prompt_cache_key`: the client's session key (prefix-cache affinity)."""
     user: str | None
     """Chat's `user`: the session key of last resort (after the session-id headers)."""
+    stateful: bool = False
+    """A Responses request the edge expands and whose answer it may keep (iop/responses)."""
 
 
 def parse_head(api: wire.Api, body: bytes) -> Head:
@@ -112,7 +125,7 @@ def parse_head(api: wire.Api, body: bytes) -> Head:
                 raise BadRequest("'messages' must not be empty", param="messages")
             return Head(chat.model, chat.stream, chat.prompt_cache_key, chat.user)
         resp = _responses_head(body)
-        return Head(resp.model, resp.stream, resp.prompt_cache_key, None)
+        return Head(resp.model, resp.stream, resp.prompt_cache_key, None, resp.stateful())
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid request body: {_path_message(exc)}", param=_param(exc)) from None
     except msgspec.DecodeError as exc:
@@ -152,9 +165,15 @@ class Serving(Protocol):
     def relay(self) -> Relay: ...
     @property
     def observer(self) -> Observer: ...
+    @property
+    def responses(self) -> Responses: ...
 
     def authorize(self, scope: Scope) -> str:
         """The client key's name ("" without keys); raises Unauthorized."""
+        ...
+
+    def owner(self, scope: Scope) -> str:
+        """The id stored responses of this request's client key are filed under (iop/responses/store.py)."""
         ...
 
 
@@ -178,9 +197,11 @@ class ApiEndpoint:
             check_content_type(scope)
             body = await _read_body(scope, receive, self.edge.max_body_bytes)
             trace.bytes_in = len(body)
-            model, stream, cache_key, user = parse_head(self.api, body)
+            model, stream, cache_key, user, stateful = parse_head(self.api, body)
             trace.stream = stream
             session = cache_key or _session_header(scope) or user
+            if stateful:
+                body = await self._expand(scope, body, stream, out)
             await self._serve(body, model, stream, receive, out, session)
         except RequestError as exc:
             trace.error = exc.code
@@ -193,6 +214,14 @@ class ApiEndpoint:
             raise
         finally:
             self._finished(trace, out.started)
+
+    async def _expand(self, scope: Scope, body: bytes, stream: bool, out: _TrackedSend) -> bytes:
+        """The stateless request to dispatch; the answer's send then keeps and echoes the state."""
+        responses = self.edge.responses
+        owner = self.edge.owner(scope)
+        turn = await responses.expand(_decode_json(body), owner)
+        out.send = KeepingSend(out.send, responses, owner, turn, stream)
+        return _encode_json(turn.body)
 
     def _finished(self, trace: Trace, responded: bool) -> None:
         res = trace.result

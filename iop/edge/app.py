@@ -34,6 +34,7 @@ from iop.errors import (
     RequestError,
     error_response,
 )
+from iop.responses.endpoints import response_routes
 
 log = logging.getLogger("iop.edge")
 _json = msgspec.json.Encoder().encode
@@ -140,6 +141,7 @@ def build_app(edge: Edge) -> ASGIApp:
         Route("/usage", usage, methods=["GET"]),
         Route("/usage/tail", usage_tail, methods=["GET"]),
         Route("/admin/refresh", refresh, methods=["POST"]),
+        *response_routes(edge),
         *ui_routes(edge.keys, edge.status_feed, ledger_on=ledger_on),
         *qualify_routes(edge, lambda: edge.qualify, lambda: encode_status(status_of(edge.status_sources))),
     ]

@@ -33,6 +33,8 @@ from iop.edge.storage import WorkStream
 from iop.edge.summary import SummaryCache
 from iop.edge.ui import StatusFeed
 from iop.openai.compaction import Sealer
+from iop.responses.expand import Responses
+from iop.responses.store import ResponseStore, owner_of
 
 
 class Edge:
@@ -111,6 +113,8 @@ class Edge:
         self.metrics = Metrics(self.scheduler, self.registry, self.ledger, nc, self.started_at)
         self.observer = Observer(self.edge_id, self.metrics, self.ledger)
         self.qualify = QualifyDesk(self)
+        self.responses = Responses(None)
+        """Stored responses (iop/responses); its store opens at start when `edge.responses` is on."""
         self.status_sources = StatusSources(
             edge_id=self.edge_id,
             nats_url=nats_url,
@@ -155,6 +159,14 @@ class Edge:
         key = self.keys.client(scope)
         return key.name if key is not None else ""
 
+    def owner(self, scope: Scope) -> str:
+        """Whose stored responses this request reaches (iop/responses/store.py)."""
+        key = self.keys.client(scope)
+        return owner_of(key.secret if key is not None else None)
+
+    def is_admin(self, scope: Scope) -> bool:
+        return self.keys.holds_admin_key(scope)
+
     async def refresh_to(self, new: config.Deployment) -> RefreshResult:
         return await self.refresher.apply(new)
 
@@ -164,6 +176,9 @@ class Edge:
             await ensure_ledger_stream(self.js, settings.ledger.max_age, settings.ledger.max_bytes)
             self.ledger.start()
         await bus.ensure_work_stream(self.js, replicas=settings.nats.replicas)
+        if settings.responses.enabled:
+            replicas = settings.nats.replicas
+            self.responses.store = await ResponseStore.open(self.nc, settings.responses, replicas=replicas)
         for pid, capacity in self.current.capacities().items():
             await bus.ensure_provider_consumer(self.js, pid, capacity)
         await publish_catalog(self.nc, self.js, self.current.deployment)

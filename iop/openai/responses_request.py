@@ -2,8 +2,9 @@
 
 Codex CLI is the client this is built against (its observed requests are the test tables): every
 tool it offers becomes a chat function through the request's `ToolMap`, every item of its history
-becomes chat messages, hosted tools and items a chat server cannot use are dropped. What needs
-state iop does not keep is refused, naming the field.
+becomes chat messages, hosted tools and items a chat server cannot use are dropped. State (stored
+responses, references) is expanded by the edge first; what needs state iop does not keep is
+refused, naming the field.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from iop.errors import BadRequest
 from iop.openai.responses_events import new_id
 from iop.openai.tool_names import Origin, ToolMap
 
-NO_STATE = "iop keeps no responses or conversations; send the whole conversation in `input`"
+NO_STATE = "iop keeps no conversations or prompts; send the conversation in `input` or use `previous_response_id`"
+# The edge expands stored state before dispatch (iop/responses): what reaches a node still naming
+# it came around the edge, and a node has no store to read.
+UNEXPANDED = "it is expanded by the edge, and this request did not come through one"
 IMAGE_PLACEHOLDER = "[image omitted: this model takes text only]"
 # Items of other APIs' hosted tools and of server-side compaction: a chat model cannot use them,
 # and Codex only sends them in sessions begun with another provider.
@@ -62,8 +66,10 @@ def check_stateless(request: Mapping[str, Any]) -> None:
     must get the same decision whichever provider the pool picks.
     """
     if request.get("store") is True:
-        raise refuse("store", "store: true is not supported: iop keeps no responses; send store: false")
-    for field in ("previous_response_id", "conversation", "prompt"):
+        raise refuse("store", f"store: true is not supported here: {UNEXPANDED}")
+    if _present(request.get("previous_response_id")):
+        raise refuse("previous_response_id", f"previous_response_id is not supported here: {UNEXPANDED}")
+    for field in ("conversation", "prompt"):
         if _present(request.get(field)):
             raise refuse(field, f"{field} is not supported: {NO_STATE}")
     if request.get("background") is True:
@@ -74,7 +80,7 @@ def check_stateless(request: Mapping[str, Any]) -> None:
     if isinstance(items, Sequence) and not isinstance(items, str):
         for i, item in enumerate(items):
             if isinstance(item, Mapping) and item.get("type") == "item_reference":
-                raise refuse(f"input[{i}]", f"input items of type item_reference are not supported: {NO_STATE}")
+                raise refuse(f"input[{i}]", f"input items of type item_reference are not supported here: {UNEXPANDED}")
 
 
 def responses_to_chat_request(
@@ -181,7 +187,7 @@ class _Messages:
             if self.replay_reasoning and (text := _reasoning_text(item)):
                 self.reasoning.append(text)
         elif kind == "item_reference":
-            raise refuse(where, f"input items of type item_reference are not supported: {NO_STATE}")
+            raise refuse(where, f"input items of type item_reference are not supported here: {UNEXPANDED}")
         elif kind in DROPPED_ITEMS or isinstance(kind, str):
             return  # hosted-tool, compaction and unknown items: nothing a chat model can use
         else:

@@ -1,0 +1,1 @@
+"""Stored responses: what `store: true` keeps, and the state the edge expands from it before dispatch."""

@@ -1,0 +1,126 @@
+"""State in a Responses request, expanded by the edge before dispatch, and the keeping of its answer.
+
+`previous_response_id` becomes the whole chain's input and output items (the earlier turns'
+`instructions` are not carried over, as OpenAI specifies), `item_reference` items become the items
+they name. What goes to the node is then a stateless request any upstream serves — chat-only,
+Responses-native or a mix — with `store: false`: iop keeps the response, the upstream does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from iop.errors import BadRequest, NotFound
+from iop.responses.store import ResponseStore, Stored
+
+log = logging.getLogger("iop.responses")
+
+MAX_CHAIN = 10_000
+"""Turns a `previous_response_id` chain may have (ids never repeat; this only bounds a broken store)."""
+
+
+class PreviousResponseNotFound(BadRequest):
+    code = "previous_response_not_found"
+
+
+@dataclass
+class Turn:
+    """A request's own state: what `keep` needs once its answer is known."""
+
+    body: dict[str, Any]
+    """The request to dispatch: stateless, whole input, `store: false`."""
+    items: list[dict[str, Any]]
+    """This turn's input items, references resolved."""
+    previous: str | None
+    store: bool
+    """The answer is to be kept (the request asked, and the edge keeps responses)."""
+    referenced: set[str] = field(default_factory=set)
+    """Ids of items that came from references (already in the store)."""
+
+
+class Responses:
+    """The edge's stored-response state; `store` None when the deployment keeps none."""
+
+    def __init__(self, store: ResponseStore | None) -> None:
+        self.store = store
+
+    async def expand(self, body: Mapping[str, Any], owner: str) -> Turn:
+        """The stateless request for `body`, its references resolved for `owner`.
+
+        Unknown ids (or another owner's) are `previous_response_not_found` (400) for
+        `previous_response_id` and 404 for an `item_reference`: a client learns nothing of others'.
+        """
+        out = dict(body)
+        previous = out.pop("previous_response_id", None)
+        if previous is not None and not isinstance(previous, str):
+            raise BadRequest("previous_response_id must be a string", param="previous_response_id")
+        asked = out.get("store", True)
+        if not isinstance(asked, bool):
+            raise BadRequest("store must be a boolean", param="store")
+        out["store"] = False
+        items = await self._resolve(_input_items(out.get("input")), owner)
+        referenced = {str(item.get("id")) for item, ref in items if ref}
+        turn_items = [item for item, _ in items]
+        history = await self._history(previous, owner) if previous else []
+        out["input"] = history + turn_items
+        return Turn(out, turn_items, previous or None, asked and self.store is not None, referenced)
+
+    async def keep(self, owner: str, turn: Turn, response: dict[str, Any]) -> None:
+        """Keep an answered turn (when it is to be kept); a store that cannot is logged, never raised."""
+        if not turn.store or self.store is None:
+            return
+        # Items with ids are indexed for item_reference: those the client sent (but not the ones
+        # that came from a reference, already there) and every output item.
+        new = [i for i in turn.items if isinstance(i, dict) and i.get("id") not in turn.referenced]
+        new += [i for i in response.get("output") or [] if isinstance(i, dict)]
+        try:
+            kept = await self.store.keep(owner, Stored(response, list(turn.items), turn.previous), new)
+        except Exception as exc:  # NATS down, a bucket at its limit: the answer still goes out
+            log.warning("response store: %s not kept: %s", response.get("id"), type(exc).__name__)
+            return
+        if not kept:
+            log.warning("response store: an answer without a usable response id is not kept")
+
+    async def _resolve(self, items: list[Any], owner: str) -> list[tuple[Any, bool]]:
+        async def one(i: int, item: Any) -> tuple[Any, bool]:
+            if not isinstance(item, Mapping) or item.get("type") != "item_reference":
+                return item, False
+            ref = item.get("id")
+            found = await self.store.item(owner, ref) if self.store is not None and isinstance(ref, str) else None
+            if found is None:
+                raise NotFound(f"Item with id '{ref}' not found.", param=f"input[{i}]", code="item_not_found")
+            return found, True
+
+        return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(items))))
+
+    async def _history(self, previous: str, owner: str) -> list[Any]:
+        """The input and output items of `previous` and every response before it, oldest first."""
+        turns: list[Stored] = []
+        at: str | None = previous
+        while at is not None and len(turns) < MAX_CHAIN:
+            stored = await self.store.response(owner, at) if self.store is not None else None
+            if stored is None:
+                raise PreviousResponseNotFound(
+                    f"Previous response with id '{at}' not found.", param="previous_response_id"
+                )
+            turns.append(stored)
+            at = stored.previous
+        history: list[Any] = []
+        for stored in reversed(turns):
+            history += stored.input
+            history += stored.response.get("output") or []
+        return history
+
+
+def _input_items(value: object) -> list[Any]:
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if value is None:
+        return []
+    if isinstance(value, Sequence):
+        return list(value)
+    raise BadRequest("input must be a string or a list of items", param="input")

@@ -1,0 +1,118 @@
+"""The send of a Responses answer whose state the edge holds: the response object it relays says
+`store` and `previous_response_id` as the edge applied them, and the final one is kept before its
+last bytes leave, so the client's next turn (on any edge) finds it."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+from starlette.types import Message, Send
+
+from iop.responses.expand import Responses, Turn
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+_FRAME_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_LIFECYCLE = frozenset(
+    {
+        "response.created",
+        "response.queued",
+        "response.in_progress",
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+    }
+)
+_FINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+class KeepingSend:
+    """Wraps the ASGI send of one answered Responses request (200 answers only; errors pass as they are)."""
+
+    def __init__(self, send: Send, responses: Responses, owner: str, turn: Turn, stream: bool) -> None:
+        self.send = send
+        self.responses = responses
+        self.owner = owner
+        self.turn = turn
+        self.stream = stream
+        self.ok = False
+        self.pending = b""
+        self.kept = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.ok = message["status"] == 200
+            await self.send(message)
+            return
+        if not self.ok or message["type"] != "http.response.body":
+            await self.send(message)
+            return
+        data = self.pending + message.get("body", b"")
+        more = bool(message.get("more_body", False))
+        if not self.stream:
+            # A whole answer may arrive in several sends: it is one JSON object.
+            self.pending = data if more else b""
+            if not more:
+                await self.send({"type": "http.response.body", "body": await self._whole(data)})
+            return
+        frames, self.pending = _split(data) if more else (data, b"")
+        out = await self._frames(frames)
+        if out or not more:
+            await self.send({"type": "http.response.body", "body": out, "more_body": more})
+
+    def _patch(self, response: dict[str, Any]) -> None:
+        response["store"] = self.turn.store
+        response["previous_response_id"] = self.turn.previous
+
+    async def _whole(self, data: bytes) -> bytes:
+        try:
+            response = _decode(data)
+        except msgspec.DecodeError:
+            return data
+        if not isinstance(response, dict) or response.get("object") != "response":
+            return data
+        self._patch(response)
+        await self._keep(response)
+        return _encode(response)
+
+    async def _frames(self, data: bytes) -> bytes:
+        if b'"response":' not in data:
+            return data  # deltas and item events: nothing to change, nothing decoded
+        out: list[bytes] = []
+        pos = 0
+        for end in _FRAME_END.finditer(data):
+            out.append(await self._frame(data[pos : end.end()]))
+            pos = end.end()
+        out.append(data[pos:])
+        return b"".join(out)
+
+    async def _frame(self, frame: bytes) -> bytes:
+        if b'"response":' not in frame:
+            return frame
+        lines = frame.splitlines()
+        payload = b"\n".join(line[5:].lstrip(b" ") for line in lines if line.startswith(b"data:"))
+        try:
+            event = _decode(payload)
+        except msgspec.DecodeError:
+            return frame
+        kind = event.get("type") if isinstance(event, dict) else None
+        if kind not in _LIFECYCLE or not isinstance(event.get("response"), dict):
+            return frame
+        self._patch(event["response"])
+        if kind in _FINAL:
+            await self._keep(event["response"])
+        return b"event: " + str(kind).encode() + b"\ndata: " + _encode(event) + b"\n\n"
+
+    async def _keep(self, response: dict[str, Any]) -> None:
+        if not self.kept:
+            self.kept = True
+            await self.responses.keep(self.owner, self.turn, response)
+
+
+def _split(data: bytes) -> tuple[bytes, bytes]:
+    """`data` as its whole SSE frames and the start of the next one."""
+    ends = [m.end() for m in _FRAME_END.finditer(data)]
+    cut = ends[-1] if ends else 0
+    return data[:cut], data[cut:]
