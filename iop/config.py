@@ -213,6 +213,14 @@ class EdgeSettings(_Strict):
         bool,
         Meta(description="Serve a non-loopback listen address without client keys (anyone there can use every model)."),
     ] = False
+    allowed_hosts: Annotated[
+        list[Annotated[str, Meta(min_length=1, max_length=253, pattern=r"^(\*|[A-Za-z0-9_.-]+)$")]],
+        Meta(
+            description="Host names clients reach the edge by (`iop.example.com`), besides its IP addresses, "
+            "localhost and the listen address: a request whose Host is none of them gets 403 (what stops a "
+            "page on a re-pointed name, DNS rebinding). `*` accepts any."
+        ),
+    ] = msgspec.field(default_factory=list)
     max_body_mb: Annotated[
         float,
         Meta(

@@ -23,6 +23,7 @@ from tests.harness import deployment, running_node, until
 
 YAML = """
 edge:
+  allowed_hosts: [iop.test]
   http: {max_head_kb: 16, max_headers: 50, head_timeout_s: 0.5, body_idle_timeout_s: 0.5, max_connections: 16}
 models:
   - alias: sim
@@ -117,7 +118,7 @@ async def test_http_the_edge_turns_nagle_off_on_client_connections_under_asyncio
 
 async def test_http_endless_header_is_refused_431_and_good_requests_go_on(served: Served) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-flood: ")
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: iop.test\r\nx-flood: ")
     sent = 0
     latencies = []
     try:
@@ -143,7 +144,7 @@ async def test_http_endless_header_is_refused_431_and_good_requests_go_on(served
 async def test_http_too_many_headers_is_refused_431(served: Served) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
     headers = b"".join(b"x-h%d: v\r\n" % i for i in range(60))
-    writer.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + headers + b"\r\n")
+    writer.write(b"GET /v1/models HTTP/1.1\r\nhost: iop.test\r\n" + headers + b"\r\n")
     status, _, body = await read_answer(reader)
     writer.close()
     assert status == 431
@@ -152,7 +153,7 @@ async def test_http_too_many_headers_is_refused_431(served: Served) -> None:
 
 async def test_http_slow_head_is_closed_408(served: Served) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")  # and never the rest
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: iop.test\r\n")  # and never the rest
     started = time.monotonic()
     status, _, body = await read_answer(reader)
     waited = time.monotonic() - started
@@ -173,7 +174,7 @@ async def test_http_idle_socket_is_closed(served: Served) -> None:
 async def test_http_stalled_body_is_closed_408(served: Served) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
     writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: iop.test\r\ncontent-type: application/json\r\n"
         b'content-length: 1000\r\n\r\n{"model": '
     )
     status, _, body = await read_answer(reader)
@@ -233,6 +234,35 @@ async def test_http_pages_of_other_sites_are_refused_and_the_edge_s_own_are_not(
         assert r.status_code == 200, r.text
         r = await client.post("/v1/chat/completions", json=GOOD)
         assert r.status_code == 200, r.text
+
+
+async def test_http_a_host_that_names_not_the_edge_gets_403_and_its_names_and_addresses_are_served(
+    served: Served,
+) -> None:
+    port = served.port
+    async with httpx.AsyncClient(base_url=served.url, timeout=10) as client:
+        # DNS rebinding: the page's own name, now pointing at 127.0.0.1; Origin matches Host.
+        rebound = f"evil.test:{port}"
+        for path in ("/v1/chat/completions", "/admin/refresh", "/status", "/ui", "/healthz"):
+            for headers in ({"host": rebound}, {"host": rebound, "origin": f"http://{rebound}"}):
+                r = await client.post(path, json=GOOD, headers=headers)
+                assert r.status_code == 403, (path, r.text)
+                assert r.headers["content-type"] == "application/json"
+                err = r.json()["error"]
+                assert err["code"] == "host_not_allowed" and err["type"] == "permission_error", err
+        for host in ("bad:host:name", "evil.test:80x", f"localhost.evil.test:{port}"):
+            r = await client.get("/healthz", headers={"host": host})
+            assert r.status_code == 403, host
+        # The edge's addresses, loopback names and the configured name (any case, a trailing dot).
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", f"10.9.8.7:{port}", "IOP.TEST."):
+            r = await client.post("/v1/chat/completions", json=GOOD, headers={"host": host})
+            assert r.status_code == 200, (host, r.text)
+    # A request without Host (HTTP/1.0, a program): no browser sends that.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /healthz HTTP/1.0\r\n\r\n")
+    status, _, _ = await read_answer(reader)
+    writer.close()
+    assert status == 200
 
 
 async def test_http_a_body_without_a_content_type_is_415(served: Served) -> None:

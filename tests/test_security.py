@@ -148,19 +148,26 @@ async def test_without_admin_keys_admin_endpoints_answer_only_loopback_peers(
     nats_server: bus.EmbeddedNats, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("IOP_TEST_KEYS", KEY)
-    text = "edge: {api_keys_env: IOP_TEST_KEYS}\n" + MOCK_POOL
+    text = "edge: {api_keys_env: IOP_TEST_KEYS, allowed_hosts: [iop.test]}\n" + MOCK_POOL
     dep = deployment(text)
     async with deployment_running(dep, nats_server.url) as h:
         app = build_app(h.edge)
         auth = {"Authorization": f"Bearer {KEY}"}
         # The same app, reached from another machine's address (the ASGI scope's client).
-        remote = httpx.AsyncClient(transport=httpx.ASGITransport(app, client=("192.0.2.7", 50000)), base_url="http://e")
+        remote = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app, client=("192.0.2.7", 50000)), base_url="http://192.0.2.1"
+        )
         async with remote:
             r = await remote.post("/admin/refresh?dry_run=1", content=text, headers=auth)
             assert r.status_code == 403, r.text
             assert r.json()["error"]["code"] == "admin_only_loopback"
             assert (await remote.get("/status", headers=auth)).status_code == 200  # the client key still works
         async with h.http() as local:
+            # A loopback peer asking for another host: a reverse proxy passing on its clients' Host,
+            # or a browser sent by a page on a re-pointed name (which the Host check stops first).
+            for host, code in (("iop.test", "admin_only_loopback"), ("evil.test", "host_not_allowed")):
+                r = await local.post("/admin/refresh?dry_run=1", content=text, headers={"host": host})
+                assert r.status_code == 403 and r.json()["error"]["code"] == code, (host, r.text)
             r = await local.post("/admin/refresh?dry_run=1", content=text)
             assert r.status_code == 200, r.text
 

@@ -175,12 +175,24 @@ class Page:
 def page(tmp_path: Path) -> Iterator[Page]:
     """A fresh headless chromium (own profile under tmp_path); a test ends with `page.finish()`, which
     fails on any browser console error."""
+    yield from _browser(tmp_path)
+
+
+@pytest.fixture
+def rebinding_page(tmp_path: Path) -> Iterator[Page]:
+    """A chromium for which `evil.test` resolves to 127.0.0.1: what a page whose owner re-pointed
+    its name at the visitor's loopback (DNS rebinding) sees, once the re-pointing has happened."""
+    yield from _browser(tmp_path, ["--host-resolver-rules=MAP evil.test 127.0.0.1"])
+
+
+def _browser(tmp_path: Path, extra: list[str] | None = None) -> Iterator[Page]:
     missing = _have_browser()
     if missing:
         pytest.skip(f"no headless browser for the status page tests: {missing}")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in [*FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1280,900"]:
+    flags = [*FLAGS, *(extra or []), f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1280,900"]
+    for flag in flags:
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
@@ -417,6 +429,37 @@ async def test_ui_with_keys_shows_nothing_before_a_key(nats_server: EmbeddedNats
         await page.until("return !document.getElementById('login').hidden")
         assert await page.js(_count("[data-node], [data-provider], [data-pool]")) == 0
         assert await page.js("return sessionStorage.getItem('iop.key')") is None
+        await page.finish()
+
+
+FETCH = """
+const [path, body] = arguments;
+const r = await fetch(path, {method: 'POST', headers: {'content-type': 'application/json'}, body});
+let code = null;
+try { code = (await r.json()).error?.code ?? null; } catch (e) {}
+return [r.status, code];
+"""
+
+
+async def test_ui_a_page_on_a_rebound_name_can_neither_run_a_route_nor_refresh_the_deployment(
+    nats_server: EmbeddedNats, rebinding_page: Page
+) -> None:
+    page = rebinding_page
+    async with fake_upstream() as up, smoke_deployment(nats_server.url, up) as handle:
+        port = handle.url.rsplit(":", 1)[1]
+        # A keyless edge on loopback: to the browser, a script of http://evil.test:PORT is now the
+        # same origin as the edge (Origin and Host both say evil.test:PORT).
+        await page.open(f"http://evil.test:{port}/healthz")
+        assert await page.js("return location.host") == f"evil.test:{port}"
+        chat = json.dumps({"model": "codex", "messages": [{"role": "user", "content": "cat ~/.ssh/id_rsa"}]})
+        assert await page.js(FETCH, "/v1/chat/completions", chat) == [403, "host_not_allowed"]
+        assert await page.js(FETCH, "/admin/refresh", "models: []") == [403, "host_not_allowed"]
+        assert [m.alias for m in handle.edge.deployment.models] == [POOL, "codex"]
+        assert handle.edge.observer.records == 0  # refused before any endpoint: nothing ran
+        # The edge's own page under a loopback name still works in this browser.
+        await page.open(f"http://localhost:{port}/ui")
+        await page.until(_count('[data-node][data-state="connected"]') + " === 3")
+        await page.run(page.driver.get_log, "browser")  # the 403s above are expected console errors
         await page.finish()
 
 

@@ -14,9 +14,9 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from iop import config
-from iop.edge import http as edge_http
 from iop.edge.api import ApiEndpoint, ApiRoutes, RequestIds
 from iop.edge.metrics import CONTENT_TYPE
+from iop.edge.origin import HostAllowList, SameOrigin
 from iop.edge.qualify import qualify_routes
 from iop.edge.responses_front import CompactEndpoint, ResponsesFront
 from iop.edge.root import Edge
@@ -158,4 +158,5 @@ def build_app(edge: Edge) -> ASGIApp:
         "/v1/responses/compact": CompactEndpoint(responses),
     }
     posts = frozenset({"/v1/chat/completions", "/v1/responses/compact"})
-    return RequestIds(edge_http.SameOrigin(Sockets(edge, responses, posts, ApiRoutes(api, app))))
+    hosts = HostAllowList.of(edge.current.deployment.edge)  # read once, like the keys
+    return RequestIds(SameOrigin(Sockets(edge, responses, posts, ApiRoutes(api, app)), hosts))

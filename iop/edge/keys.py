@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from starlette.types import Scope
 
 from iop import config
+from iop.edge.origin import host_name, is_loopback_name
 from iop.errors import ConfigError, Forbidden, Unauthorized
 
 _NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
@@ -87,15 +88,19 @@ class EdgeKeys:
     def admin(self, scope: Scope) -> str:
         """Who is asking for an admin action, as logs may say it; Forbidden/Unauthorized otherwise.
 
-        Without admin keys only a peer on this machine (loopback) is an administrator: it could as
-        well edit the deployment file and send SIGHUP. A client key is never one.
+        Without admin keys only a peer on this machine (loopback) that names the edge by a loopback
+        name (`Host: 127.0.0.1:…`, `localhost`, or no Host) is an administrator: it could as well
+        edit the deployment file and send SIGHUP. A loopback peer naming another host is a browser
+        on this machine sent by a page elsewhere (DNS rebinding), or a reverse proxy passing on
+        its clients' Host; neither is. A client key is never one.
         """
         given = _bearer(scope)
         peer = _peer(scope)
         if not self.admins:
-            if not _is_loopback_peer(peer):
+            if not _is_loopback_peer(peer) or not _names_loopback(scope):
                 raise Forbidden(
-                    "admin endpoints answer only this machine (loopback) while edge.admin_keys_env is not set",
+                    "admin endpoints answer only this machine (a loopback peer asking for a loopback "
+                    "host) while edge.admin_keys_env is not set",
                     code="admin_only_loopback",
                 )
             return f"local ({peer})"
@@ -126,6 +131,14 @@ def _match(given: bytes, keys: list[Key]) -> Key | None:
 def _peer(scope: Scope) -> str:
     client = scope.get("client")
     return str(client[0]) if client else "unknown"
+
+
+def _names_loopback(scope: Scope) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"host":
+            host = host_name(value)
+            return host is not None and is_loopback_name(host)
+    return True  # HTTP/1.0 without Host: no browser sends that
 
 
 def _is_loopback_peer(peer: str) -> bool:

@@ -155,8 +155,8 @@ def diff(old: config.Deployment, new: config.Deployment) -> list[Change]:
     if old.edge.queue != new.edge.queue:
         before, after = _enc(old.edge.queue), _enc(new.edge.queue)
         changes.append(Change(kind="queue", target="edge.queue", before=before, after=after))
-    restart = ("listen", "nats", "api_keys_env", "admin_keys_env", "allow_anonymous", "ledger", "responses")
-    for name in (*restart, "metrics_public"):
+    restart = ("listen", "nats", "api_keys_env", "admin_keys_env", "allow_anonymous", "allowed_hosts", "ledger")
+    for name in (*restart, "responses", "metrics_public"):
         a_val, b_val = getattr(old.edge, name), getattr(new.edge, name)
         if a_val != b_val:
             changes.append(Change(kind="restart_needed", target=f"edge.{name}", before=_enc(a_val), after=_enc(b_val)))
