@@ -26,7 +26,6 @@ from uvicorn.protocols.websockets.wsproto_impl import WSProtocol
 
 from iop.errors import (
     BadRequest,
-    Forbidden,
     HeadersTooLarge,
     IopError,
     RequestError,
