@@ -248,7 +248,7 @@ def run_cost(n: int) -> dict[str, Any]:
             observer.finish(trace)
         per_us = (time.process_time() - t0) / n * 1e6
         out[label] = round(per_us, 2)
-        writer._buffer.clear()
+        writer.clear()
         log(f"cost per request {label}: {per_us:.1f} us")
     access.removeHandler(sink)
     sink.close()
