@@ -224,7 +224,15 @@ async def test_responses_store_an_admin_key_may_read_and_delete_any(nats_server:
         h.http() as http,
     ):
         made = (await create(http, input="hi")).json()
+        other = (await create(http, KEY_B, input="hi")).json()
         path = f"/v1/responses/{made['id']}"
+        listed = (await http.get("/admin/responses", headers=auth(ADMIN))).json()
+        assert {r["id"] for r in listed["data"]} == {made["id"], other["id"]} and listed["has_more"] is False
+        owner = next(r["owner"] for r in listed["data"] if r["id"] == made["id"])
+        assert KEY_A not in owner  # an id of the key, never the key
+        mine = (await http.get(f"/admin/responses?owner={owner}&limit=1", headers=auth(ADMIN))).json()
+        assert [r["id"] for r in mine["data"]] == [made["id"]]
+        assert (await http.get("/admin/responses", headers=auth(KEY_A))).status_code == 403
         assert (await http.get(path, headers=auth(ADMIN))).json()["id"] == made["id"]
         assert (await http.delete(path, headers=auth(ADMIN))).json()["deleted"] is True
         assert (await http.get(path, headers=auth(KEY_A))).status_code == 404

@@ -721,6 +721,11 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                         wire.heartbeat_subject("b"),  # speak as b
                         "$KV.iop_catalog.a",  # rewrite its own catalog
                         "$JS.API.DIRECT.GET.KV_iop_catalog.$KV.iop_catalog.b",  # read b's
+                        # Stored responses are the edges' alone: no read, no listing, no write.
+                        "$JS.API.DIRECT.GET.KV_iop_responses.$KV.iop_responses.r.anonymous.resp_1",
+                        "$JS.API.STREAM.MSG.GET.KV_iop_responses",
+                        "$JS.API.CONSUMER.CREATE.KV_iop_responses",
+                        "$KV.iop_responses.r.anonymous.resp_1",
                         "$JS.API.STREAM.CREATE.EVIL",
                         f"$JS.API.CONSUMER.MSG.NEXT.{wire.WORK_STREAM}.{wire.consumer_name('b-prov')}",
                     ]

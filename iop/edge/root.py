@@ -167,6 +167,9 @@ class Edge:
     def is_admin(self, scope: Scope) -> bool:
         return self.keys.holds_admin_key(scope)
 
+    def admin(self, scope: Scope) -> str:
+        return self.keys.admin(scope)
+
     async def refresh_to(self, new: config.Deployment) -> RefreshResult:
         return await self.refresher.apply(new)
 

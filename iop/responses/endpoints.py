@@ -1,7 +1,8 @@
 """`/v1/responses/{id}`, its `input_items` and `cancel`: a client reads and removes its own stored responses.
 
 A client key reaches only the responses it stored (another key's are 404, exactly as unknown
-ones); an admin key may read and delete any, by id. With the store off every id is unknown.
+ones); an admin key may read and delete any, by id, and list them (`GET /admin/responses`, ids
+and owner ids only). With the store off every id is unknown.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ class Stateful(Protocol):
 
     def is_admin(self, scope: Scope) -> bool:
         """The request carries an admin key."""
+        ...
+
+    def admin(self, scope: Scope) -> str:
+        """Who asks for an admin action; Forbidden/Unauthorized for anyone else (iop/edge/keys.py)."""
         ...
 
 
@@ -123,7 +128,17 @@ def response_routes(edge: Stateful) -> list[Route]:
         # Every stored response was answered while its client waited: there is nothing running to stop.
         raise BadRequest("Only background responses can be cancelled.", param="response_id")
 
+    async def listing(request: Request) -> Response:
+        edge.admin(request.scope)
+        limit = _int(request, "limit", 100, 1, 10_000)
+        store = edge.responses.store
+        owner = request.query_params.get("owner")
+        found, more = await store.listing(limit, owner) if store is not None else ([], False)
+        data = [{"id": response_id, "object": "response", "owner": who} for who, response_id in found]
+        return JSONResponse({"object": "list", "data": data, "has_more": more})
+
     return [
+        Route("/admin/responses", listing, methods=["GET"]),
         Route("/v1/responses/{response_id}", get, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"]),

@@ -128,6 +128,26 @@ class ResponseStore:
             await watcher.stop()
         return owners
 
+    async def listing(self, limit: int, owner: str | None = None) -> tuple[list[tuple[str, str]], bool]:
+        """Up to `limit` (owner, response id) pairs, oldest first, and whether there are more (for an administrator)."""
+        if owner is not None and not valid_id(owner):
+            return [], False
+        watcher = await self.kv.watch(f"r.{owner or '*'}.*", ignore_deletes=True, meta_only=True)
+        found: list[tuple[str, str]] = []
+        more = False
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    break
+                if len(found) == limit:
+                    more = True
+                    break
+                _, who, response_id = entry.key.split(".")
+                found.append((who, response_id))
+        finally:
+            await watcher.stop()
+        return found, more
+
     async def _get(self, key: str) -> bytes | None:
         try:
             entry = await self.kv.get(key)
