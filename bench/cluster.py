@@ -26,7 +26,10 @@ import time
 from pathlib import Path
 
 from bench.procs import cpu_s, free_port
-from iop import bus, config
+from iop import config
+from iop.nats import connection
+from iop.nats.access import SECRET_FILE, Credentials
+from iop.nats.server import EmbeddedNats
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
@@ -138,26 +141,26 @@ async def stop_all(procs: list[asyncio.subprocess.Process]) -> None:
             await p.wait()
 
 
-async def start_cluster(base: Path, name: str) -> list[bus.EmbeddedNats]:
+async def start_cluster(base: Path, name: str) -> list[EmbeddedNats]:
     """Three bundled nats-servers routed into one JetStream cluster under `base`, once it has a leader.
 
     The caller stops them; when this raises, it has stopped those it started."""
     routes = [f"127.0.0.1:{free_port()}" for _ in range(3)]
-    servers: list[bus.EmbeddedNats] = []
+    servers: list[EmbeddedNats] = []
     for i, listen in enumerate(routes):
         store = base / f"s{i}"
         store.mkdir()
         if i == 0:
-            bus.Credentials.load(store)
+            Credentials.load(store)
         else:
-            shutil.copy(base / "s0" / bus.SECRET_FILE, store / bus.SECRET_FILE)
+            shutil.copy(base / "s0" / SECRET_FILE, store / SECRET_FILE)
         cluster = config.ClusterSettings(name=name, listen=listen, routes=routes, server_name=f"s{i}")
-        servers.append(bus.EmbeddedNats("127.0.0.1:0", store, cluster=cluster))
+        servers.append(EmbeddedNats("127.0.0.1:0", store, cluster=cluster))
     try:
         await asyncio.gather(*(s.start() for s in servers))
-        nc = await bus.connect(",".join(s.url for s in servers), "bench", wait_s=10)
+        nc = await connection.connect(",".join(s.url for s in servers), "bench", wait_s=10)
         try:
-            print(f"cluster: JetStream usable after {await bus.wait_jetstream(nc, 30):.1f}s", flush=True)
+            print(f"cluster: JetStream usable after {await connection.wait_jetstream(nc, 30):.1f}s", flush=True)
         finally:
             await nc.close()
     except BaseException:
@@ -169,7 +172,7 @@ async def start_cluster(base: Path, name: str) -> list[bus.EmbeddedNats]:
 
 async def run(seconds: float, concurrency: int, levels: list[int]) -> list[dict[str, float]]:
     base = Path(tempfile.mkdtemp(prefix="iop-bench-cluster-"))
-    servers: list[bus.EmbeddedNats] = []
+    servers: list[EmbeddedNats] = []
     procs: list[asyncio.subprocess.Process] = []
     try:
         servers = await start_cluster(base, "bench")

@@ -36,7 +36,7 @@ from typing import Any
 from bench.capacity import utilisation
 from bench.cluster import _client, _drain, _iop, _line, start_cluster, stop_all
 from bench.procs import free_port, http, http_json, loadavg
-from iop import bus
+from iop.nats.server import EmbeddedNats
 
 CAPACITIES = (2, 3, 3)
 
@@ -217,7 +217,7 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 async def run(opts: Options) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="iop-bench-edgeshare-"))
-    servers: list[bus.EmbeddedNats] = []
+    servers: list[EmbeddedNats] = []
     try:
         servers = await start_cluster(base, "bench-share")
         url = ",".join(s.url for s in servers)

@@ -31,10 +31,10 @@ from bench import load
 from bench.abtest import start_upstream
 from bench.procs import Owned, free_port, http_json, install_signal_handlers, log
 from bench.stack import Stack, openai_pool_node, start_stack
-from iop import bus
-from iop.bus import EmbeddedNats
 from iop.edge.ledger import BATCH_RECORDS, RequestRecord, encode_batch, ensure_ledger_stream, ledger_subject
 from iop.edge.usage_query import Aggregate, parse_query, read_records
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
 
 
 def _measure(stack: Stack, concurrency: int, seconds: float, requests: int) -> load.LoadResult:
@@ -188,7 +188,7 @@ async def run_aggregate(workdir: Path, n: int) -> dict[str, Any]:
         server = EmbeddedNats("127.0.0.1:0", workdir / f"agg-{label}")
         await server.start()
         try:
-            nc = await bus.connect(server.url, "bench-ledger", wait_s=10)
+            nc = await connection.connect(server.url, "bench-ledger", wait_s=10)
             js = nc.jetstream()
             await ensure_ledger_stream(js, 30 * 86400.0, 8 * 1024**3)
             fill_s = await _fill(js, nc, records[:count], per_message)

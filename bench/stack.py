@@ -148,20 +148,21 @@ def start_stack(
 
 def start_memory_nats(owned: Owned, workdir: Path, name: str, port: int) -> Proc:
     """A nats-server of our own with the work stream created in memory (iop keeps an existing stream)."""
-    from iop import bus
-    from iop.bundle import nats_server_path
+    from iop.nats import connection, streams
+    from iop.nats.bundle import nats_server_path
+    from iop.nats.server import MAX_PAYLOAD
 
     conf = workdir / f"{name}-nats.conf"
     store = workdir / f"{name}-nats-mem"
     conf.write_text(
-        f'host: "127.0.0.1"\nport: {port}\nmax_payload: {bus.MAX_PAYLOAD}\njetstream {{ store_dir: "{store}" }}\n'
+        f'host: "127.0.0.1"\nport: {port}\nmax_payload: {MAX_PAYLOAD}\njetstream {{ store_dir: "{store}" }}\n'
     )
     proc = owned.start(f"{name}-nats", [nats_server_path(), "-c", str(conf)])
 
     async def create() -> None:
-        nc = await bus.connect(f"nats://127.0.0.1:{port}", "iop-bench", wait_s=15.0)
+        nc = await connection.connect(f"nats://127.0.0.1:{port}", "iop-bench", wait_s=15.0)
         try:
-            await bus.ensure_work_stream(nc.jetstream(), memory=True)
+            await streams.ensure_work_stream(nc.jetstream(), memory=True)
         finally:
             await nc.close()
 

@@ -119,7 +119,7 @@ def main() -> None:
     # Warm starts depend on the bytecode Python caches beside the unpacked sources; this folder is
     # ours, not the user's source tree, so PYTHONDONTWRITEBYTECODE's reason to skip it does not apply.
     sys.dont_write_bytecode = False
-    # An explicit IOP_NATS_SERVER from the user still wins; see iop.bundle.nats_server_path.
+    # An explicit IOP_NATS_SERVER from the user still wins; see iop.nats.bundle.nats_server_path.
     os.environ.setdefault("IOP_NATS_SERVER", nats_server)
     # How iop starts copies of itself (`iop smoke` runs an edge and nodes as separate processes):
     # always this archive, so an inherited value from another archive never wins.

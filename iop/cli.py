@@ -152,7 +152,7 @@ def edge_cmd(
 def _check_cluster(dep: config_mod.Deployment, nats_url: str | None) -> None:
     import asyncio
 
-    from iop import cluster
+    from iop.nats import cluster
 
     try:
         url, access = cluster.target(dep, nats_url)
@@ -280,7 +280,7 @@ def nats_creds_cmd(config_file: str, node_id: str | None, for_edge: bool, server
     secret. For an external NATS, --server-config prints the users and permissions to put in that
     server's configuration, and --edge the edge's own lines.
     """
-    from iop import bus
+    from iop.nats.access import Credentials
 
     if [node_id is not None, for_edge, server_config].count(True) != 1:
         _fail("give exactly one of --node ID, --edge, --server-config", 2)
@@ -290,7 +290,7 @@ def nats_creds_cmd(config_file: str, node_id: str | None, for_edge: bool, server
         _fail(f"node '{node_id}' is not in {config_file} (its nodes: {known})", 2)
     nats = dep.edge.nats
     try:
-        creds = bus.Credentials.load(nats.store_dir)
+        creds = Credentials.load(nats.store_dir)
     except (IopError, OSError) as exc:
         _fail(str(exc))
         return
@@ -450,7 +450,7 @@ def refresh_cmd(config_file: str, edge_url: str | None, dry_run: bool, api_key: 
     from pathlib import Path
 
     from iop.client import EdgeClient
-    from iop.edge.refresh import RefreshResult
+    from iop.contracts.refresh import RefreshResult
 
     url = _edge_address(edge_url, config_file)
     _load_or_exit(config_file)  # an invalid file never leaves this machine

@@ -16,8 +16,8 @@ import httpx
 import msgspec
 
 from iop import config
-from iop.edge.refresh import RefreshResult
-from iop.edge.status_schema import Status, StatusSummary, decode_status, decode_summary
+from iop.contracts.refresh import RefreshResult
+from iop.contracts.status import Status, StatusSummary, decode_status, decode_summary
 from iop.errors import ConfigError, IopError
 
 DEFAULT_EDGE = "http://127.0.0.1:8080"

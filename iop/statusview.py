@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from iop.edge.status_schema import PoolProviderStatus, PoolStatus, StateCounts, Status, StatusSummary
+from iop.contracts.status import PoolProviderStatus, PoolStatus, StateCounts, Status, StatusSummary
 from iop.wire import Device
 
 

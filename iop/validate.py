@@ -533,7 +533,7 @@ class CrossCheck:
                     "applies to an external NATS (url: tls://...); the embedded server does not serve TLS",
                 )
         if token:
-            # The embedded server always requires credentials, one user per node (iop/natsauth.py).
+            # The embedded server always requires credentials, one user per node (iop/auth.py).
             self.bad(
                 (*at, "token_env"),
                 "the embedded server gives each node its own user, and one token cannot say which node: "

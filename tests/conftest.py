@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from iop.bus import EmbeddedNats
+from iop.nats.server import EmbeddedNats
 from tests.harness import build_archive, have_openssl, make_pki, snapshot_sources
 
 

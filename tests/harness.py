@@ -37,14 +37,17 @@ try:
 except ImportError:  # older SDKs use httpx
     import httpx as httpx2  # type: ignore[no-redef]
 
-from iop import bus, config, wire
+from iop import config, wire
 from iop.client import EdgeClient
+from iop.contracts.status import Status
 from iop.edge.app import build_app
 from iop.edge.http import bind
 from iop.edge.keys import EdgeKeys
 from iop.edge.process import http_server
 from iop.edge.root import Edge
-from iop.edge.status_schema import Status
+from iop.nats import connection
+from iop.nats.access import NatsAccess
+from iop.nats.server import EmbeddedNats
 from iop.node.runtime import NodeRuntime
 from tests.fakes import serve_asgi
 
@@ -105,7 +108,7 @@ class EdgeHandle:
 
 @asynccontextmanager
 async def running_edge(dep: config.Deployment, nats_url: str) -> AsyncIterator[EdgeHandle]:
-    nc = await bus.connect(nats_url, "test-edge", wait_s=5)
+    nc = await connection.connect(nats_url, "test-edge", wait_s=5)
     edge = Edge(dep, nc, nats_url=nats_url)
     await edge.start()
     try:
@@ -123,7 +126,7 @@ async def running_edge(dep: config.Deployment, nats_url: str) -> AsyncIterator[E
 
 @asynccontextmanager
 async def running_node(
-    dep: config.Deployment, node_id: str, nats_url: str, access: bus.NatsAccess | None = None
+    dep: config.Deployment, node_id: str, nats_url: str, access: NatsAccess | None = None
 ) -> AsyncIterator[NodeRuntime]:
     """A node in the test's loop; `access`: its own NATS user (least privilege) instead of the URL's."""
     node = NodeRuntime(dep, node_id, nats_url, access=access)
@@ -174,7 +177,7 @@ async def edge_server_running(
 ) -> AsyncIterator[EdgeHandle]:
     """An edge on the uvicorn server `iop edge` runs (its protocol classes, limits and WebSockets),
     plus every node of the deployment, once the edge sees them all."""
-    nc = await bus.connect(nats_url, "test-edge", wait_s=5)
+    nc = await connection.connect(nats_url, "test-edge", wait_s=5)
     edge = Edge(dep, nc, nats_url=nats_url, keys=keys)
     await edge.start()
     sock = bind("127.0.0.1:0")
@@ -368,7 +371,7 @@ class NatsCut:
     another server of a cluster. NATS itself is real: only the network between is cut.
     """
 
-    def __init__(self, server: bus.EmbeddedNats) -> None:
+    def __init__(self, server: EmbeddedNats) -> None:
         self.server = server
         self.is_open = True
         self.cuts = 0

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
-from iop.bus import EmbeddedNats
 from iop.edge.affinity import Sessions
 from iop.edge.ledger import RequestRecord
 from iop.edge.usage_query import follow
+from iop.nats.server import EmbeddedNats
 from tests.harness import deployment, deployment_running, until
 from tests.test_scheduler import granted, scheduler, soon, waiting
 

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from iop import config, wire
-from iop.bus import EmbeddedNats
 from iop.errors import BadRequest
+from iop.nats.server import EmbeddedNats
 from iop.node.adapters.openai import OpenAIAdapter
 from tests.harness import deployment, deployment_running
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from iop import _bootstrap
-from iop.bundle import nats_server_path
 from iop.errors import BusError
+from iop.nats.bundle import nats_server_path
 from tests.harness import build_archive
 
 # The interpreter behind the test venv: it has none of iop's dependencies on its path when run with -S.

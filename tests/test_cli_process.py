@@ -9,8 +9,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from iop import bus, wire
-from iop.bus import EmbeddedNats
+from iop import wire
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
 from tests.harness import deployment, eventually, node_process, running_edge, running_node
 
 DEPLOYMENT = """
@@ -67,14 +68,14 @@ async def test_a_failing_command_s_stderr_reaches_the_client_but_not_the_log(
 async def test_a_cli_request_whose_cancel_overtook_it_is_accepted_but_never_run(nats_server: EmbeddedNats) -> None:
     # The Cancel and the request travel on different subjects, so a node may see the Cancel first
     # (a client that left at once). Accepted, so the edge is not left waiting, but never run.
-    nc = await bus.connect(nats_server.url, "test-edge", wait_s=5)
+    nc = await connection.connect(nats_server.url, "test-edge", wait_s=5)
     try:
         async with running_node(deployment(DEPLOYMENT), "n", nats_server.url) as node:
             assert node._running is not None
             running = node._running
             rid = secrets.token_hex(12)
             await nc.publish(wire.cancel_subject("n"), wire.encode(wire.Cancel(rid)))
-            await bus.flush(nc)
+            await connection.flush(nc)
 
             async def seen() -> bool:
                 return running.was_cancelled(rid)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from iop.bus import EmbeddedNats
 from iop.cli import main
 from iop.client import EdgeAddressError, edge_url, edge_url_of
-from iop.edge.status_schema import CliResourceStatus, PoolProviderStatus, decode_status
+from iop.contracts.status import CliResourceStatus, PoolProviderStatus, decode_status
+from iop.nats.server import EmbeddedNats
 from tests.harness import deployment, deployment_running
 
 MIXED = """

@@ -20,9 +20,12 @@ import pytest
 import pytest_asyncio
 from nats.js import JetStreamContext
 
-from iop import bus, config, wire
+from iop import config, wire
 from iop.edge.qualify import RESULTS_BUCKET
 from iop.errors import BusError
+from iop.nats import connection, streams
+from iop.nats.access import SECRET_FILE, Credentials
+from iop.nats.server import EmbeddedNats
 from tests.fakes import FakeUpstream, bound_socket, fake_upstream
 from tests.harness import deployment, edge_process, eventually, iop_process, running_edge, running_node
 
@@ -34,7 +37,7 @@ RETRYABLE = {429, 503}
 
 @dataclass
 class Cluster:
-    servers: list[bus.EmbeddedNats]
+    servers: list[EmbeddedNats]
     routes: list[str]
 
     @property
@@ -46,7 +49,7 @@ class Cluster:
     def addresses(self) -> str:
         return ",".join(s.address for s in self.servers)
 
-    def by_name(self, name: str) -> bus.EmbeddedNats:
+    def by_name(self, name: str) -> EmbeddedNats:
         return next(s for s in self.servers if s.server_name == name)
 
 
@@ -66,11 +69,11 @@ async def start_cluster(base: Path, name: str = "iop-test") -> Cluster:
         store.mkdir(parents=True)
         # The members share one secret: a node's (and the routes') password works on any of them.
         if i == 0:
-            bus.Credentials.load(store)
+            Credentials.load(store)
         else:
-            shutil.copy(base / "s0" / bus.SECRET_FILE, store / bus.SECRET_FILE)
+            shutil.copy(base / "s0" / SECRET_FILE, store / SECRET_FILE)
         cluster = config.ClusterSettings(name=name, listen=listen, routes=routes, server_name=f"s{i}")
-        servers.append(bus.EmbeddedNats("127.0.0.1:0", store, cluster=cluster))
+        servers.append(EmbeddedNats("127.0.0.1:0", store, cluster=cluster))
     await asyncio.gather(*(s.start() for s in servers))
     return Cluster(servers, routes)
 
@@ -79,9 +82,9 @@ async def start_cluster(base: Path, name: str = "iop-test") -> Cluster:
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
     c = await start_cluster(tmp_path_factory.mktemp("cluster"))
     try:
-        nc = await bus.connect(c.url, "test-cluster", wait_s=10)
+        nc = await connection.connect(c.url, "test-cluster", wait_s=10)
         try:
-            waited = await bus.wait_jetstream(nc, 30)
+            waited = await connection.wait_jetstream(nc, 30)
         finally:
             await nc.close()
         print(f"\n3-server cluster: JetStream usable {waited:.1f}s after the servers were ready")
@@ -193,7 +196,7 @@ async def test_stream_leader_killed_mid_load_nothing_lost_nothing_twice(cluster:
             js = e1.edge.js
             info = await js.stream_info(wire.WORK_STREAM)
             assert info.config.num_replicas == 3
-            kv = await js.stream_info("KV_" + bus.CATALOG_BUCKET)
+            kv = await js.stream_info("KV_" + streams.CATALOG_BUCKET)
             assert kv.config.num_replicas == 3
 
             load = Load()
@@ -344,7 +347,7 @@ nodes: []
     # A member of another cluster name: its routes are rejected, named as such.
     other = await start_cluster(tmp_path / "other", name="other-cluster")
     try:
-        shutil.copy(other.servers[0].store_dir / bus.SECRET_FILE, store / bus.SECRET_FILE)
+        shutil.copy(other.servers[0].store_dir / SECRET_FILE, store / SECRET_FILE)
         mismatched = tmp_path / "mismatched.yaml"
         mismatched.write_text(
             cluster_yaml("mine", 1, other.routes).replace(f'listen: "{routes[0]}"', f'listen: "{routes[1]}"')

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from iop.bus import EmbeddedNats
+from iop.nats.server import EmbeddedNats
 from tests.codex_upstream import Call, ScriptedChat, Turn, scripted_chat
 from tests.harness import EdgeHandle, deployment, deployment_running
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from iop.bus import EmbeddedNats
+from iop.nats.server import EmbeddedNats
 from iop.openai.compaction import COMPACTION_PROMPT, SUMMARY_PREFIX, Sealer
 from tests.codex_upstream import Call, ScriptedChat, Turn, scripted_chat
 from tests.harness import EdgeHandle, deployment, deployment_running, responses_events

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from iop import wire
-from iop.bus import EmbeddedNats
-from iop.edge.status_schema import decode_status
+from iop.contracts.status import decode_status
+from iop.nats.server import EmbeddedNats
 from iop.node import device
 from iop.statusview import describe_device
 from tests.harness import deployment, iop_process, running_edge

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from iop import bus, wire
-from iop.bus import EmbeddedNats
+from iop import wire
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
 from tests.fakes import fake_upstream
 from tests.harness import deployment, eventually, running_edge, running_node, two_edges, until
 
@@ -136,7 +137,7 @@ async def test_an_announcement_past_a_providers_capacity_counts_as_oversubscribe
             await e.edge.registry.wait_connected(["n"], timeout_s=10)
             first = asyncio.create_task(http.post("/v1/chat/completions", json=ask("mine")))
             await up.wait_for(lambda u: u.in_flight == 1)
-            nc = await bus.connect(url, "test-other-edge")
+            nc = await connection.connect(url, "test-other-edge")
             try:
                 share, x = e.edge.registry.share, e.edge.scheduler.providers["x"]
                 await nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(wire.EdgeSlots("other", True, {"x": 1})))

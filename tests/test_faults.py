@@ -13,9 +13,10 @@ import httpx
 import nats
 
 from iop import wire
-from iop.bus import EmbeddedNats
 from iop.client import EdgeClient
-from iop.edge.status_schema import NodeStatus, Status
+from iop.contracts.status import NodeStatus, Status
+from iop.nats import streams
+from iop.nats.server import EmbeddedNats
 from tests.fakes import fake_upstream
 from tests.harness import (
     broker_counts,
@@ -221,8 +222,6 @@ async def test_node_and_edge_killed_together_the_redelivery_never_runs(
 ) -> None:
     from nats.js import api as js_api
 
-    from iop import bus
-
     async with fake_upstream(tokens=100_000, token_interval_s=0.02) as live, fake_upstream() as held:
         cfg = tmp_path / "iop.yaml"
         cfg.write_text(node_yaml(live.url, held.url))
@@ -231,7 +230,7 @@ async def test_node_and_edge_killed_together_the_redelivery_never_runs(
         try:
             # A short ack_wait, so that the broker redelivers within the test; nobody updates it,
             # since the capacity matches what the deployment says.
-            await bus.ensure_work_stream(js)
+            await streams.ensure_work_stream(js)
             await js.add_consumer(
                 wire.WORK_STREAM,
                 js_api.ConsumerConfig(

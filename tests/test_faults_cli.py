@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from iop.bus import MAX_PAYLOAD, EmbeddedNats
+from iop.nats.server import MAX_PAYLOAD, EmbeddedNats
 from tests.fakes import FakeUpstream, fake_upstream
 from tests.harness import EdgeHandle, deployment, pid_gone, running_edge, running_node, sse_events, wait_gone
 

@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 import nats
 
-from iop import bus, wire
-from iop.bus import EmbeddedNats
+from iop import wire
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
 from iop.node.adapters.mock import mock_token
 from iop.node.running import Running
 from iop.node.runtime import NodeRuntime
@@ -188,7 +189,7 @@ async def test_node_stops_waiting_for_credit_when_its_edge_is_gone(nats_server: 
         async with running_node(dep, "n", nats_server.url) as node:
             node.probe_interval_s = 0.2
             assert node.nc is not None
-            await bus.flush(node.nc)  # the server has its subscriptions: nothing answered "no responders"
+            await connection.flush(node.nc)  # the server has its subscriptions: nothing answered "no responders"
             reply_to = wire.reply_prefix("gone-edge") + ".r1"
             inbox = await nc.subscribe(reply_to)  # receives answers and probes, answers nothing
             item = wire.WorkItem(

@@ -9,8 +9,8 @@ from pathlib import Path
 import nats
 from nats.js import JetStreamContext
 
-from iop.bus import EmbeddedNats
 from iop.edge.registry import LOST_AFTER_S
+from iop.nats.server import EmbeddedNats
 from tests.fakes import fake_upstream
 from tests.harness import (
     broker_counts,

@@ -16,8 +16,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from iop import bus, config, wire
-from iop.bus import EmbeddedNats
+from iop import config, wire
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
 from iop.node.adapters.mock import MockAdapter
 from iop.node.flow import ClientStalled, FlowWindow
 from iop.node.resource import Resource
@@ -189,7 +190,7 @@ async def one_long_answer(nats_url: str) -> AsyncIterator[OneRequest]:
     edge = PlayedEdge(request_id)
     reply_to = wire.reply_prefix("played-edge") + "." + request_id
     edge.sub = await edge_nc.subscribe(reply_to, cb=edge.on_message)
-    await bus.flush(edge_nc)
+    await connection.flush(edge_nc)
     item = wire.WorkItem(
         id=request_id,
         api="chat",
@@ -205,7 +206,7 @@ async def one_long_answer(nats_url: str) -> AsyncIterator[OneRequest]:
         assert run.window.sent_chunks == wire.WINDOW_CHUNKS and run.window.credit_chunks == 0
         # The node has sent the window; wait until the played edge has it all too, so that no probe
         # queues behind chunks still on their way (under load that took longer than a probe waits).
-        await bus.flush(node_nc)
+        await connection.flush(node_nc)
         await until(lambda: edge.chunks == wire.WINDOW_CHUNKS, edge.changed, WAIT_S)
         yield OneRequest(running, resource, run, edge, edge_nc)
     finally:
@@ -258,7 +259,7 @@ async def test_probe_without_responder_stops_the_request_only_the_second_time(na
     async with one_long_answer(nats_server.url) as one:
         assert one.edge.sub is not None
         await one.edge.sub.unsubscribe()
-        await bus.flush(one.edge_nc)  # the server no longer has a responder for the reply subject
+        await connection.flush(one.edge_nc)  # the server no longer has a responder for the reply subject
         await one.running.probe(one.run)
         # Once may be an edge reconnecting to NATS: the request goes on.
         assert one.run.unanswered == 1
@@ -266,12 +267,12 @@ async def test_probe_without_responder_stops_the_request_only_the_second_time(na
 
         # Answered again: the count starts over.
         one.edge.sub = await one.edge_nc.subscribe(one.run.item.reply_to, cb=one.edge.on_message)
-        await bus.flush(one.edge_nc)
+        await connection.flush(one.edge_nc)
         await one.running.probe(one.run)
         assert one.run.unanswered == 0
 
         await one.edge.sub.unsubscribe()
-        await bus.flush(one.edge_nc)
+        await connection.flush(one.edge_nc)
         for _ in range(PROBES_UNANSWERED):
             await one.running.probe(one.run)
         await until(lambda: one.resource.in_flight == 0, one.running.changed, WAIT_S)

@@ -14,11 +14,11 @@ import httpx
 import pytest
 import uvicorn
 
-from iop import bus
-from iop.bus import EmbeddedNats
 from iop.edge.http import HeadWithBody, bind
 from iop.edge.process import http_server
 from iop.edge.root import Edge
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
 from tests.harness import deployment, running_node, until
 
 YAML = """
@@ -49,7 +49,7 @@ class Served:
 async def edge_on_limits(nats_url: str) -> AsyncIterator[Served]:
     """A real edge behind the same uvicorn server `iop edge` runs, and its node."""
     dep = deployment(YAML)
-    nc = await bus.connect(nats_url, "test-edge", wait_s=5)
+    nc = await connection.connect(nats_url, "test-edge", wait_s=5)
     edge = Edge(dep, nc, nats_url=nats_url)
     await edge.start()
     sock = bind("127.0.0.1:0")

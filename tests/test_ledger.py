@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from iop import bus
-from iop.bus import EmbeddedNats
 from iop.edge.ledger import LEDGER_STREAM, RequestRecord
 from iop.edge.usage_query import Aggregate, parse_query, read_records, to_csv
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
 from tests.fakes import FakeUpstream, fake_upstream
 from tests.harness import EdgeHandle, deployment, edge_process, running_edge, running_node, until
 
@@ -429,7 +429,7 @@ async def test_an_edge_sigkilled_right_after_a_burst_keeps_its_ledger_records(
         edge.kill()  # SIGKILL at once after the last answer, by PID, a process this test started
         killed = time.monotonic()
     assert statuses == [200] * n
-    nc = await bus.connect(nats_server.url, "test-reader", wait_s=5)
+    nc = await connection.connect(nats_server.url, "test-reader", wait_s=5)
     try:
         got: list[RequestRecord] = []
         await read_records(nc.jetstream(), parse_query("1h", None, None), got.extend)

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from iop.edge.status_schema import decode_status
+from iop.contracts.status import decode_status
 from tests.harness import REPO, IopProcess, eventually, free_port, iop_process
 
 GUIDE = REPO / "docs" / "edge-local-dev-guide.md"

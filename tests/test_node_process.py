@@ -19,7 +19,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from iop import wire
-from iop.bus import EmbeddedNats
+from iop.nats.server import EmbeddedNats
 from iop.node.catalog import differences
 from tests.fakes import fake_upstream
 from tests.harness import (

@@ -15,7 +15,7 @@ import httpx
 import pydantic
 from openresponses_types import types as spec
 
-from iop.bus import EmbeddedNats
+from iop.nats.server import EmbeddedNats
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, sse_events
 

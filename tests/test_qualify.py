@@ -20,12 +20,13 @@ import msgspec
 import nats.errors
 import pytest
 
-from iop import bus, wire
-from iop.bus import EmbeddedNats
+from iop import wire
 from iop.client import EdgeClient
+from iop.contracts.status import PoolProviderStatus, QualificationSummary
 from iop.edge.keys import EdgeKeys, Key
 from iop.edge.scheduler import Scheduler
-from iop.edge.status_schema import PoolProviderStatus, QualificationSummary
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
 from iop.qualify import runner
 from iop.qualify.probes import Target, run_checks
 from iop.qualify.schema import Check, Recommendation, Report, decode_report, encode_report
@@ -365,7 +366,7 @@ async def test_a_node_credential_cannot_write_qualification_results(nats_server:
         async with deployment_running(dep, nats_server.url) as h:
             summary = QualificationSummary(date="2026-12-01T05:00:00Z", verdict="edge's own")
             await h.edge.qualify._kv.put("q", msgspec.json.encode({"provider": "q", "summary": summary}))
-            nc = await bus.connect(
+            nc = await connection.connect(
                 nats_server.address, "rogue", access=nats_server.node_access("n1"), wait_s=5, inbox_prefix="_INBOX_n1"
             )
             try:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from iop import wire
-from iop.bus import EmbeddedNats
 from iop.client import EdgeClient
-from iop.edge.refresh import diff
+from iop.contracts.refresh import diff
+from iop.nats.server import EmbeddedNats
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, iop_process, running_edge, running_node, until
 

@@ -6,9 +6,10 @@ import asyncio
 
 import httpx
 
-from iop import bus, wire
-from iop.bus import EmbeddedNats
+from iop import wire
 from iop.edge.reorder import Reorder
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
 from iop.node import replay
 from iop.node.replay import ReplayStore
 from iop.node.runtime import NodeRuntime
@@ -51,7 +52,7 @@ async def answer_lost_while_the_edge_is_cut_off(
     gate.set()
     await until(lambda: not node.requests(), node.changed)
     assert node.nc is not None
-    await bus.flush(node.nc, 5)  # the server has processed (and dropped) every reply
+    await connection.flush(node.nc, 5)  # the server has processed (and dropped) every reply
     cut.heal()
     return await asyncio.wait_for(sent, 30)
 

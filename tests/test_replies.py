@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import nats
 from nats.aio.msg import Msg
 
-from iop import bus, config, wire
-from iop.bus import EmbeddedNats
+from iop import config, wire
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
 from iop.node.adapters.mock import MockAdapter
 from iop.node.resource import Resource
 from iop.node.running import RunningRequests
@@ -52,7 +53,7 @@ async def answered(nats_url: str, *, stream: bool, latency_ms: int, tokens: int 
         inbox = Inbox()
         reply_to = wire.reply_subject("played-edge", "n", request_id)
         await edge_nc.subscribe(reply_to, cb=inbox.on_message)
-        await bus.flush(edge_nc)
+        await connection.flush(edge_nc)
         body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
         item = wire.WorkItem(
             id=request_id, api="chat", stream=stream, alias="m", body=body, reply_to=reply_to, deadline=time.time() + 60
@@ -60,7 +61,7 @@ async def answered(nats_url: str, *, stream: bool, latency_ms: int, tokens: int 
         run = running.start(resource, item, None)
         assert run.task is not None
         await asyncio.wait_for(run.task, WAIT_S)
-        await bus.flush(node_nc)
+        await connection.flush(node_nc)
         async with asyncio.timeout(WAIT_S):
             await inbox.ended.wait()
         yield inbox

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from iop import bus
-from iop.bus import EmbeddedNats
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
 from iop.responses.store import ResponseStore, Stored
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, running_edge, running_node, sse_events
@@ -275,7 +275,7 @@ async def test_responses_store_off_accepts_store_and_keeps_nothing(nats_server: 
 
 
 async def test_responses_store_keeps_a_response_larger_than_one_nats_message(nats_server: EmbeddedNats) -> None:
-    nc = await bus.connect(nats_server.url, "test-store", wait_s=5)
+    nc = await connection.connect(nats_server.url, "test-store", wait_s=5)
     try:
         from iop import config
 
@@ -296,7 +296,7 @@ async def test_responses_store_keeps_a_response_larger_than_one_nats_message(nat
 
 @pytest.mark.parametrize("bad", ["../x", "resp.a", "r*", "", "x" * 200])
 async def test_responses_store_ids_that_are_not_one_key_token_are_unknown(nats_server: EmbeddedNats, bad: str) -> None:
-    nc = await bus.connect(nats_server.url, "test-store", wait_s=5)
+    nc = await connection.connect(nats_server.url, "test-store", wait_s=5)
     try:
         from iop import config
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import openai
 
-from iop.bus import EmbeddedNats
-from iop.edge.status_schema import PoolProviderStatus
+from iop.contracts.status import PoolProviderStatus
+from iop.nats.server import EmbeddedNats
 from iop.node.adapters.mock import mock_token
 from iop.statusview import render_status
 from tests.fakes import fake_upstream

@@ -19,8 +19,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from iop import bus, errors, wire
-from iop.bus import EmbeddedNats
+from iop import errors, wire
 from iop.edge import scheduler as scheduler_module
 from iop.edge.dispatch import DirectDispatch, DispatchResult, PoolDispatch
 from iop.edge.relay import Channel, Relay
@@ -35,6 +34,8 @@ from iop.errors import (
     error_of,
     failure_of,
 )
+from iop.nats import connection, streams
+from iop.nats.server import EmbeddedNats
 from tests.harness import eventually, stream_messages, until
 
 
@@ -573,16 +574,16 @@ def _item(relay: Relay, ch: Channel) -> wire.WorkItem:
 async def rig(
     nats_server: EmbeddedNats, providers: dict[str, int], script: dict[str, Callable[[wire.WorkItem], list[object]]]
 ) -> AsyncIterator[Rig]:
-    nc = await bus.connect(nats_server.url, "test-dispatch", wait_s=5)
+    nc = await connection.connect(nats_server.url, "test-dispatch", wait_s=5)
     try:
         js = nc.jetstream()
-        await bus.ensure_work_stream(js, memory=True)
+        await streams.ensure_work_stream(js, memory=True)
         relay = Relay(nc, js, "edge1")
         await relay.start()
         node = Node(nc, script)
         await nc.subscribe(wire.WORK_SUBJECTS, cb=node.on_work)
         await nc.subscribe("iop.node.*.cancel", cb=node.on_cancel)
-        await bus.flush(nc)
+        await connection.flush(nc)
         yield Rig(scheduler(providers, {"m": list(providers)}), relay, node, [])
     finally:
         await nc.close()
@@ -785,7 +786,7 @@ async def test_direct_dispatch_reports_once(nats_server: EmbeddedNats) -> None:
                 await r.node.nc.publish(item.reply_to, wire.encode(reply))
 
         await r.node.nc.subscribe(wire.cli_subject("n1", "agent"), cb=cli)
-        await bus.flush(r.node.nc)
+        await connection.flush(r.node.nc)
         dispatch = DirectDispatch(r.relay, "agent", "n1", "agent", on_finished=r.finished.append)
         got: list[bytes] = []
 

@@ -23,11 +23,14 @@ import pytest
 import yaml
 from nats.aio.client import Client as NATS
 
-from iop import bus, config, wire
-from iop.bundle import nats_server_path
+from iop import config, wire
 from iop.edge.app import build_app
 from iop.edge.keys import EdgeKeys, parse_keys
 from iop.errors import BusError, ConfigError
+from iop.nats import connection
+from iop.nats.access import SECRET_FILE, Credentials, NatsAccess
+from iop.nats.bundle import nats_server_path
+from iop.nats.server import EmbeddedNats
 from iop.node import policy as node_policy
 from iop.node.runtime import NodeRuntime
 from tests.fakes import fake_upstream
@@ -59,7 +62,7 @@ def _our_log_text(caplog: pytest.LogCaptureFixture) -> str:
 
 
 async def test_client_keys_guard_every_v1_path_and_status_but_not_healthz(
-    nats_server: bus.EmbeddedNats, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("IOP_TEST_KEYS", f"{OTHER_KEY}, {KEY}")
@@ -114,7 +117,7 @@ async def test_client_keys_guard_every_v1_path_and_status_but_not_healthz(
 
 
 async def test_admin_refresh_needs_an_admin_key_and_a_client_key_gets_403(
-    nats_server: bus.EmbeddedNats, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
     monkeypatch.setenv("IOP_TEST_KEYS", KEY)
@@ -145,7 +148,7 @@ async def test_admin_refresh_needs_an_admin_key_and_a_client_key_gets_403(
 
 
 async def test_without_admin_keys_admin_endpoints_answer_only_loopback_peers(
-    nats_server: bus.EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("IOP_TEST_KEYS", KEY)
     text = "edge: {api_keys_env: IOP_TEST_KEYS, allowed_hosts: [iop.test]}\n" + MOCK_POOL
@@ -268,14 +271,14 @@ def test_keys_are_named_entries_and_a_named_variable_without_keys_fails_closed()
 
 def test_nats_access_reads_secrets_from_the_named_variables_only() -> None:
     settings = config.NatsSettings(user_env="IOP_U", password_env="IOP_P")
-    access = bus.NatsAccess.from_settings(settings, {"IOP_U": "iop", "IOP_P": NATS_SECRET})
+    access = NatsAccess.from_settings(settings, {"IOP_U": "iop", "IOP_P": NATS_SECRET})
     assert (access.user, access.password, access.has_credentials) == ("iop", NATS_SECRET, True)
     assert NATS_SECRET not in repr(access)
     with pytest.raises(BusError, match=r"^edge\.nats\.password_env: environment variable IOP_P is not set"):
-        bus.NatsAccess.from_settings(settings, {"IOP_U": "iop"})
+        NatsAccess.from_settings(settings, {"IOP_U": "iop"})
     with pytest.raises(BusError, match="control characters"):
-        bus.NatsAccess.from_settings(config.NatsSettings(token_env="T"), {"T": "a\nb"})
-    assert not bus.NatsAccess.from_settings(config.NatsSettings(), {}).has_credentials
+        NatsAccess.from_settings(config.NatsSettings(token_env="T"), {"T": "a\nb"})
+    assert not NatsAccess.from_settings(config.NatsSettings(), {}).has_credentials
 
 
 # --- the embedded server's credentials -----------------------------------------------------------
@@ -285,10 +288,10 @@ async def test_embedded_nats_requires_credentials_on_loopback_too(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    server = bus.EmbeddedNats("127.0.0.1:0", tmp_path / "nats", nodes=deployment(MOCK_POOL).nodes)
+    server = EmbeddedNats("127.0.0.1:0", tmp_path / "nats", nodes=deployment(MOCK_POOL).nodes)
     await server.start()
     conf_dir = server._conf_dir
-    secret_file = tmp_path / "nats" / bus.SECRET_FILE
+    secret_file = tmp_path / "nats" / SECRET_FILE
     edge_password = server.access.password
     assert edge_password is not None
     try:
@@ -313,20 +316,20 @@ async def test_embedded_nats_requires_credentials_on_loopback_too(
                 await plain.close()  # a refused first connect leaves nats-py's socket open otherwise
 
         # iop's own connect fails at once with one line, rather than retrying forever.
-        for who in (None, bus.NatsAccess(user="iop-node-n1", password="guess")):
+        for who in (None, NatsAccess(user="iop-node-n1", password="guess")):
             with pytest.raises(BusError) as info:
-                await bus.connect(server.address, "intruder", access=who, wait_s=10)
+                await connection.connect(server.address, "intruder", access=who, wait_s=10)
             assert "\n" not in str(info.value)
             assert ("refused our credentials" if who else "requires credentials") in str(info.value)
 
         for access in (server.access, server.node_access("n1")):
-            nc = await bus.connect(server.address, "friend", access=access, wait_s=5)
+            nc = await connection.connect(server.address, "friend", access=access, wait_s=5)
             await nc.close()
     finally:
         await server.stop()
     assert not conf_dir.exists()  # the passwords do not outlive the server
     # A second start on the same store keeps the deployment's credentials.
-    assert bus.Credentials.load(tmp_path / "nats").edge().password == edge_password
+    assert Credentials.load(tmp_path / "nats").edge().password == edge_password
     logged = _our_log_text(caplog)
     assert "authentication error" in logged  # the server's refusals were seen ...
     assert edge_password not in logged and secret_file.read_text().strip() not in logged  # ... and no secret
@@ -504,8 +507,8 @@ async def _connect(url: str, tls: dict[str, str], wait_s: float = 5) -> NATS:
     data = yaml.safe_load(MOCK_POOL)
     data["edge"] = {"nats": {"url": url, **tls}}
     settings = config.parse(yaml.safe_dump(data)).deployment.edge.nats
-    access = bus.NatsAccess.from_settings(settings, {})
-    return await bus.connect(settings.url, "tls-test", access=access, wait_s=wait_s)
+    access = NatsAccess.from_settings(settings, {})
+    return await connection.connect(settings.url, "tls-test", access=access, wait_s=wait_s)
 
 
 async def test_tls_to_an_external_nats_with_a_ca_file(pki: Path) -> None:
@@ -534,7 +537,7 @@ async def test_tls_client_certificate_for_a_nats_that_verifies_clients(pki: Path
         with pytest.raises(BusError, match="refused the TLS handshake with no client certificate"):
             await _connect(url, {"tls_ca": ca}, wait_s=10)
     with pytest.raises(BusError, match=r"^edge\.nats\.tls_ca: cannot load"):
-        bus.NatsAccess(tls_ca=str(pki / "missing.pem")).ssl_context()
+        NatsAccess(tls_ca=str(pki / "missing.pem")).ssl_context()
 
 
 # --- the CLI adapter: argv only, prompt on stdin, explicit environment -----------------------------
@@ -546,7 +549,7 @@ _ECHO = (
 
 
 async def test_cli_prompt_cannot_inject_commands_or_arguments_and_env_is_explicit(
-    nats_server: bus.EmbeddedNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    nats_server: EmbeddedNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -594,7 +597,7 @@ nodes:
 
 
 async def test_a_second_node_process_with_a_connected_id_is_refused(
-    nats_server: bus.EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    nats_server: EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
     path = tmp_path / "deploy.yaml"
@@ -650,7 +653,7 @@ class Rogue:
 
 
 @asynccontextmanager
-async def rogue(server: bus.EmbeddedNats, node_id: str) -> AsyncIterator[Rogue]:
+async def rogue(server: EmbeddedNats, node_id: str) -> AsyncIterator[Rogue]:
     access = server.node_access(node_id)
     r: Rogue
 
@@ -674,7 +677,7 @@ async def rogue(server: bus.EmbeddedNats, node_id: str) -> AsyncIterator[Rogue]:
 
 
 async def test_one_node_credential_opens_only_that_nodes_subjects(
-    nats_server: bus.EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    nats_server: EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
     gate = asyncio.Event()
@@ -739,7 +742,7 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                     # Each piece of a Replies is checked on its own: two pieces, two drops.
                     bundle = wire.Replies([wire.Started(rid, "b", "i"), wire.Done(rid, 0)])
                     await a.nc.publish(wire.reply_subject(edge_id, "a", rid), wire.encode(bundle))
-                    await bus.flush(a.nc)
+                    await connection.flush(a.nc)
 
                     async def dropped() -> bool:
                         return h.edge.relay.forged == 3
@@ -799,7 +802,7 @@ def test_node_policy_allows_prefixes_exact_commands_hosts_and_env(tmp_path: Path
 
 
 async def test_a_catalog_command_outside_the_nodes_policy_is_not_run_and_shows_in_status(
-    nats_server: bus.EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    nats_server: EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
     pwned = tmp_path / "pwned"
@@ -839,18 +842,20 @@ nodes:
 async def test_a_refresh_gives_new_nodes_their_nats_user_and_takes_it_from_removed_ones(tmp_path: Path) -> None:
     one = deployment(MOCK_POOL).nodes
     two = deployment(MOCK_POOL.replace("  - id: n1", "  - id: n2\n  - id: n1")).nodes
-    server = bus.EmbeddedNats("127.0.0.1:0", tmp_path / "nats", nodes=one)
+    server = EmbeddedNats("127.0.0.1:0", tmp_path / "nats", nodes=one)
     await server.start()
     try:
         with pytest.raises(BusError, match="refused our credentials"):
-            await bus.connect(server.address, "n2", access=server.node_access("n2"), wait_s=10)
+            await connection.connect(server.address, "n2", access=server.node_access("n2"), wait_s=10)
         await server.authorize(two)  # what Refresher.apply does before it publishes the catalog
         dropped = asyncio.Event()
 
         async def on_disconnect() -> None:
             dropped.set()
 
-        n2 = await bus.connect(server.address, "n2", access=server.node_access("n2"), on_disconnect=on_disconnect)
+        n2 = await connection.connect(
+            server.address, "n2", access=server.node_access("n2"), on_disconnect=on_disconnect
+        )
         await server.authorize(one)
         # The server drops the connection of a user it no longer has ...
         async with asyncio.timeout(10):
@@ -860,13 +865,13 @@ async def test_a_refresh_gives_new_nodes_their_nats_user_and_takes_it_from_remov
             await n2.close()
         # ... and refuses a new one.
         with pytest.raises(BusError, match="refused our credentials"):
-            await bus.connect(server.address, "n2", access=server.node_access("n2"), wait_s=10)
+            await connection.connect(server.address, "n2", access=server.node_access("n2"), wait_s=10)
         bad = tmp_path / "other"
         bad.mkdir()
-        (bad / bus.SECRET_FILE).write_text("x" * 64)
-        (bad / bus.SECRET_FILE).chmod(0o644)
+        (bad / SECRET_FILE).write_text("x" * 64)
+        (bad / SECRET_FILE).chmod(0o644)
         with pytest.raises(BusError, match="readable by others"):
-            bus.Credentials.load(bad)
+            Credentials.load(bad)
     finally:
         await server.stop()
 
@@ -908,7 +913,7 @@ async def test_nats_creds_server_config_gives_an_external_nats_the_same_least_pr
         finally:
             await nc.close()
         with pytest.raises(BusError, match="requires credentials"):
-            await bus.connect(url, "intruder", wait_s=10)
+            await connection.connect(url, "intruder", wait_s=10)
     finally:
         proc.terminate()
         await proc.wait()
@@ -917,7 +922,7 @@ async def test_nats_creds_server_config_gives_an_external_nats_the_same_least_pr
 
 
 async def test_node_reported_strings_reach_log_and_status_bounded_and_escaped(
-    nats_server: bus.EmbeddedNats, caplog: pytest.LogCaptureFixture
+    nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
     dep = deployment(TWO_NODES.replace("UPSTREAM", "http://127.0.0.1:9"))
@@ -944,7 +949,7 @@ async def test_node_reported_strings_reach_log_and_status_bounded_and_escaped(
             device=device,
         )
         await a.nc.publish(wire.heartbeat_subject("a"), wire.encode(hb))
-        await bus.flush(a.nc)
+        await connection.flush(a.nc)
         await h.edge.registry.wait_connected(["a"], timeout_s=10)
         st = h.edge.registry.nodes["a"]
         assert st.instance == "i1"

@@ -7,9 +7,9 @@ import sys
 
 import httpx
 
-from iop.bus import EmbeddedNats
 from iop.client import EdgeClient
-from iop.edge.status_schema import NodeAttention, StateCounts, StatusSummary, decode_summary
+from iop.contracts.status import NodeAttention, StateCounts, StatusSummary, decode_summary
+from iop.nats.server import EmbeddedNats
 from iop.statusview import render_summary
 from tests.fakes import fake_upstream
 from tests.harness import EdgeHandle, deployment, deployment_running, eventually, running_edge, running_node

@@ -11,7 +11,7 @@ from openai.types.responses import (
     ResponseFunctionToolCall,
 )
 
-from iop.bus import EmbeddedNats
+from iop.nats.server import EmbeddedNats
 from tests.codex_upstream import Call, Turn, scripted_chat
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running

@@ -23,13 +23,14 @@ from typing import Any
 import httpx
 import pytest
 
-from iop import bus, wire
-from iop.bus import EmbeddedNats
+from iop import wire
 from iop.edge.app import build_app
 from iop.edge.keys import EdgeKeys, Key
 from iop.edge.registry import LOST_AFTER_S
 from iop.edge.root import Edge
 from iop.edge.ui import PERIOD_S
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
 from tests.fakes import FakeUpstream, fake_upstream, serve_asgi
 from tests.harness import EdgeHandle, deployment, edge_process, eventually, node_process, running_node, until
 
@@ -206,7 +207,7 @@ def _browser(tmp_path: Path, extra: list[str] | None = None) -> Iterator[Page]:
 
 @asynccontextmanager
 async def edge_on(dep_text: str, nats_url: str, keys: EdgeKeys | None = None) -> AsyncIterator[EdgeHandle]:
-    nc = await bus.connect(nats_url, "test-edge", wait_s=5)
+    nc = await connection.connect(nats_url, "test-edge", wait_s=5)
     edge = Edge(deployment(dep_text), nc, nats_url=nats_url, keys=keys)
     await edge.start()
     try:

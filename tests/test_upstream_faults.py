@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 
 import httpx
 
-from iop.bus import EmbeddedNats
+from iop.nats.server import EmbeddedNats
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, sse_events
 

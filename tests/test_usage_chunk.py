@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from iop.bus import EmbeddedNats
+from iop.nats.server import EmbeddedNats
 from iop.openai.usage_chunk import UsageChunkFilter, ask_for_usage
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, sse_events

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from iop.bus import EmbeddedNats
 from iop.edge.ledger import RequestRecord
 from iop.edge.usage_query import parse_query, read_records
+from iop.nats.server import EmbeddedNats
 from tests.harness import EdgeHandle, deployment, deployment_running, running_edge, until
 
 MOCK = """

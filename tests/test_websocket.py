@@ -11,11 +11,11 @@ from typing import Any
 import httpx
 
 from iop import config
-from iop.bus import EmbeddedNats
 from iop.edge.keys import EdgeKeys, Key
 from iop.edge.ledger import RequestRecord
 from iop.edge.root import Edge
 from iop.edge.usage_query import follow
+from iop.nats.server import EmbeddedNats
 from iop.openai.compaction import COMPACTION_PROMPT
 from tests.codex_upstream import Call, ScriptedChat, Turn, scripted_chat
 from tests.harness import deployment, edge_server_running, until

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from nats.js.api import StreamConfig
 
-from iop import bus, wire
-from iop.bus import EmbeddedNats
+from iop import wire
+from iop.nats import streams
+from iop.nats.server import EmbeddedNats
 from tests.harness import deployment, deployment_running, eventually
 
 YAML = """
@@ -90,4 +91,4 @@ async def test_healthz_clears_a_storage_error_by_itself_once_the_stream_is_usabl
         assert (await h.status()).edge.storage_error is None
         assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
         assert (await h.status()).edge.storage_error is None
-        await bus.ensure_work_stream(js)  # idempotent: the edge left the stream as it should be
+        await streams.ensure_work_stream(js)  # idempotent: the edge left the stream as it should be

@@ -27,7 +27,7 @@ from nats.js import api
 
 from bench.load import percentiles
 from bench.procs import free_port, wait_until
-from iop.bundle import nats_server_path
+from iop.nats.bundle import nats_server_path
 
 
 async def trial(url: str, shared: bool, capacity: int, service_s: float, items: int) -> dict[str, object]:

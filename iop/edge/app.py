@@ -14,6 +14,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from iop import config
+from iop.contracts.status import encode_status
 from iop.edge.api import ApiEndpoint, ApiRoutes, RequestIds
 from iop.edge.metrics import CONTENT_TYPE
 from iop.edge.origin import HostAllowList, SameOrigin
@@ -21,7 +22,6 @@ from iop.edge.qualify import qualify_routes
 from iop.edge.responses_front import CompactEndpoint, ResponsesFront
 from iop.edge.root import Edge
 from iop.edge.status import status_of
-from iop.edge.status_schema import encode_status
 from iop.edge.ui import ui_routes
 from iop.edge.usage import usage_endpoint, usage_tail_endpoint
 from iop.edge.websocket import Sockets

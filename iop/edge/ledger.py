@@ -26,7 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 
-from iop import bus
+from iop.nats import streams
 
 log = logging.getLogger("iop.edge")
 
@@ -122,8 +122,8 @@ async def ensure_ledger_stream(js: JetStreamContext, max_age_s: float, max_bytes
         max_bytes=max_bytes,
         duplicate_window=120.0,
     )
-    # Created with edge.nats.replicas (bus.default_replicas), or scaled in place to them.
-    await bus.ensure_stream(js, cfg)
+    # Created with edge.nats.replicas (streams.default_replicas), or scaled in place to them.
+    await streams.ensure_stream(js, cfg)
     have = (await js.stream_info(LEDGER_STREAM)).config
     if have.max_bytes != max_bytes or abs((have.max_age or 0) - max_age_s) > 1e-3:
         await js.update_stream(dataclasses.replace(cfg, num_replicas=have.num_replicas))

@@ -11,12 +11,15 @@ from pathlib import Path
 import nats.errors
 import uvicorn
 
-from iop import bus, config, validate
+from iop import config, validate
 from iop.edge import http as edge_http
 from iop.edge.app import build_app
 from iop.edge.keys import EdgeKeys
 from iop.edge.root import Edge
 from iop.errors import BusError, ConfigError
+from iop.nats import connection
+from iop.nats.access import NatsAccess
+from iop.nats.server import EmbeddedNats
 from iop.openai.compaction import Sealer
 
 log = logging.getLogger("iop.edge")
@@ -58,10 +61,10 @@ async def run_edge(
     """Run an edge until SIGINT/SIGTERM: start NATS if embedded, serve HTTP, then shut down in order."""
     dep = loaded.deployment
     settings = dep.edge
-    embedded: bus.EmbeddedNats | None = None
+    embedded: EmbeddedNats | None = None
     url = nats_url or settings.nats.url
     # Before anything starts: a missing secret is fatal. The embedded server has its own users.
-    access = bus.NatsAccess.from_settings(settings.nats) if url != "embedded" else bus.NatsAccess()
+    access = NatsAccess.from_settings(settings.nats) if url != "embedded" else NatsAccess()
     keys = EdgeKeys.from_settings(settings)  # so is a keys variable that holds no key
     bind = listen or settings.listen
     if not keys.clients and not validate.is_loopback(bind.rpartition(":")[0]):
@@ -79,18 +82,20 @@ async def run_edge(
     try:
         if url == "embedded":
             # A relative store_dir is relative to the working directory, like any path on a command line.
-            embedded = bus.EmbeddedNats(
+            embedded = EmbeddedNats(
                 settings.nats.listen, Path(settings.nats.store_dir), nodes=dep.nodes, cluster=settings.nats.cluster
             )
             await embedded.start()
             url = embedded.address
             access = embedded.access
-        nc = await bus.connect(url, "iop-edge", access=access, wait_s=15.0)
+        nc = await connection.connect(url, "iop-edge", access=access, wait_s=15.0)
         try:
             # A cluster (embedded member or external) needs its members and a JetStream leader
             # before any stream can be made: a bounded wait, then one line saying why not.
             cluster = settings.nats.cluster
-            waited = await bus.wait_jetstream(nc, cluster.start_wait_s if cluster else bus.CLUSTER_WAIT_S, embedded)
+            waited = await connection.wait_jetstream(
+                nc, cluster.start_wait_s if cluster else connection.CLUSTER_WAIT_S, embedded
+            )
         except BusError:
             await nc.close()
             raise
@@ -137,10 +142,10 @@ async def run_edge(
         await serve
         await edge.stop()
         try:
-            await bus.flush(nc, 2)
+            await connection.flush(nc, 2)
         except (nats.errors.Error, TimeoutError, OSError) as exc:
             log.info("iop edge stopping: NATS did not flush (%s)", exc)
-        await bus.close(nc)
+        await connection.close(nc)
         if edge.fatal:
             raise BusError(edge.fatal)
     finally:
@@ -149,7 +154,7 @@ async def run_edge(
             await embedded.stop()
 
 
-def _sealer(embedded: bus.EmbeddedNats | None, access: bus.NatsAccess) -> Sealer:
+def _sealer(embedded: EmbeddedNats | None, access: NatsAccess) -> Sealer:
     """The compaction sealer from what every edge of the deployment holds and no node does.
 
     The embedded server's root secret, else the edges' own NATS password or token. With neither
@@ -169,7 +174,7 @@ NATS_RESTARTS = 3
 NATS_RESTART_WINDOW_S = 60.0
 
 
-async def _supervise_nats(embedded: bus.EmbeddedNats, edge: Edge, stop: asyncio.Event) -> None:
+async def _supervise_nats(embedded: EmbeddedNats, edge: Edge, stop: asyncio.Event) -> None:
     """Restart the embedded nats-server when it dies; past the budget, stop the edge with an error.
 
     Exiting non-zero is what lets a supervisor (systemd, a container runtime) act: an edge that

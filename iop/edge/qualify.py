@@ -36,7 +36,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from iop import bus, config
+from iop import config
+from iop.contracts.refresh import RefreshResult
+from iop.contracts.status import QualificationSummary
 from iop.edge.api import (
     ApiEndpoint,
     Serving,
@@ -50,11 +52,10 @@ from iop.edge.api import (
 from iop.edge.dispatch import Answer, DispatchResult, MakeItem, _Dispatch, _Lease
 from iop.edge.keys import EdgeKeys
 from iop.edge.observe import Trace, new_request_id
-from iop.edge.refresh import RefreshResult
 from iop.edge.relay import Channel, Relay
 from iop.edge.scheduler import PinnedQueue, Scheduler
-from iop.edge.status_schema import QualificationSummary
 from iop.errors import BadRequest, MethodNotAllowed, NotFound, RequestError, Unavailable, error_response
+from iop.nats import streams
 
 log = logging.getLogger("iop.edge")
 
@@ -141,7 +142,7 @@ class QualifyDesk:
         """Open (or create) the results bucket and load the latest report of every provider."""
         # Through the one bucket helper: made with the deployment's replicas (an R1 bucket on a
         # cluster kept every other edge from starting while its one server was down).
-        self._kv = await bus.ensure_bucket(
+        self._kv = await streams.ensure_bucket(
             self.edge.js, js_api.KeyValueConfig(bucket=RESULTS_BUCKET, history=RESULTS_HISTORY)
         )
         await self._load()

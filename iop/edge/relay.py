@@ -19,10 +19,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from iop import bus, wire
+from iop import wire
 from iop.edge.reorder import Reorder
 from iop.edge.storage import WorkStream
 from iop.errors import NodeLost, RelayGap, Unavailable, error_of, failure_of
+from iop.nats.server import MAX_PAYLOAD
 
 PUBLISH_TIMEOUT_S = 2.0
 """One publish attempt to the work stream; a lost stream leader makes it time out (then retried)."""
@@ -365,8 +366,8 @@ class Relay:
 
     async def dispatch_pool(self, ch: Channel, provider: str, item: wire.WorkItem) -> None:
         """Publish the work to the provider's JetStream subject (the broker enforces its capacity)."""
-        # The work stream refuses messages over bus.MAX_PAYLOAD even where the server allows more.
-        data = self._framed(ch, item, min(self.nc.max_payload, bus.MAX_PAYLOAD))
+        # The work stream refuses messages over MAX_PAYLOAD even where the server allows more.
+        data = self._framed(ch, item, min(self.nc.max_payload, MAX_PAYLOAD))
         delay = PUBLISH_RETRY_FIRST_S
         repaired = False
         while True:

@@ -15,7 +15,8 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 from starlette.types import Scope
 
-from iop import bus, config
+from iop import config
+from iop.contracts.refresh import RefreshResult
 from iop.edge import http as edge_http
 from iop.edge.current import CurrentDeployment
 from iop.edge.keys import EdgeKeys
@@ -24,7 +25,7 @@ from iop.edge.memory import BurstTrim
 from iop.edge.metrics import Metrics
 from iop.edge.observe import Observer
 from iop.edge.qualify import QualifyDesk
-from iop.edge.refresh import Refresher, RefreshResult, publish_catalog
+from iop.edge.refresh import Refresher, publish_catalog
 from iop.edge.registry import Registry
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
@@ -32,6 +33,7 @@ from iop.edge.status import StatusSources
 from iop.edge.storage import WorkStream
 from iop.edge.summary import SummaryCache
 from iop.edge.ui import StatusFeed
+from iop.nats import connection, streams
 from iop.openai.compaction import Sealer
 from iop.responses.expand import Responses
 from iop.responses.store import ResponseStore, owner_of
@@ -76,7 +78,7 @@ class Edge:
             max_connections=h.max_connections,
         )
         # Every stream and bucket made in this edge's tasks (ledger, qualification) gets this many copies.
-        bus.default_replicas.set(settings.nats.replicas)
+        streams.default_replicas.set(settings.nats.replicas)
         self.keys = keys if keys is not None else EdgeKeys.from_settings(settings)
         self.metrics_public = settings.metrics_public
         """Read once, like the keys: a refresh reports a change as needing a restart."""
@@ -178,17 +180,17 @@ class Edge:
         if self.ledger is not None:
             await ensure_ledger_stream(self.js, settings.ledger.max_age, settings.ledger.max_bytes)
             self.ledger.start()
-        await bus.ensure_work_stream(self.js, replicas=settings.nats.replicas)
+        await streams.ensure_work_stream(self.js, replicas=settings.nats.replicas)
         if settings.responses.enabled:
             replicas = settings.nats.replicas
             self.responses.store = await ResponseStore.open(self.nc, settings.responses, replicas=replicas)
         for pid, capacity in self.current.capacities().items():
-            await bus.ensure_provider_consumer(self.js, pid, capacity)
+            await streams.ensure_provider_consumer(self.js, pid, capacity)
         await publish_catalog(self.nc, self.js, self.current.deployment)
         await self.relay.start()
         await self.registry.start(self.nc)
         # Serving starts once the server has the reply and presence subscriptions.
-        await bus.flush(self.nc)
+        await connection.flush(self.nc)
         await self.qualify.start()
         self.burst_trim.start()
 

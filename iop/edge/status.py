@@ -11,11 +11,7 @@ from typing import TypedDict
 from nats.aio.client import Client as NATS
 
 from iop import __version__, config, wire
-from iop.edge.current import CurrentDeployment
-from iop.edge.refresh import Refresher
-from iop.edge.registry import Registry
-from iop.edge.scheduler import Scheduler
-from iop.edge.status_schema import (
+from iop.contracts.status import (
     CliResourceStatus,
     EdgeInfo,
     NodeStatus,
@@ -26,6 +22,10 @@ from iop.edge.status_schema import (
     RouteStatus,
     Status,
 )
+from iop.edge.current import CurrentDeployment
+from iop.edge.refresh import Refresher
+from iop.edge.registry import Registry
+from iop.edge.scheduler import Scheduler
 from iop.edge.storage import WorkStream
 
 

@@ -18,8 +18,9 @@ import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from iop import bus, wire
+from iop import wire
 from iop.errors import BusError
+from iop.nats import streams
 
 log = logging.getLogger("iop.edge")
 
@@ -53,11 +54,11 @@ class WorkStream:
     async def _ensure(self) -> bool:
         """Make the stream and the consumers that are missing; whether any was."""
         made = await _missing(self.js.stream_info(wire.WORK_STREAM))
-        await bus.ensure_work_stream(self.js)
+        await streams.ensure_work_stream(self.js)
         for provider, capacity in self.consumers().items():
             name = wire.consumer_name(provider)
             made |= await _missing(self.js.consumer_info(wire.WORK_STREAM, name))
-            await bus.ensure_provider_consumer(self.js, provider, capacity)
+            await streams.ensure_provider_consumer(self.js, provider, capacity)
         return made
 
     def failed(self, exc: BaseException) -> None:

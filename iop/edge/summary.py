@@ -14,9 +14,7 @@ import time
 from typing import Literal
 
 from iop import wire
-from iop.edge.scheduler import ProviderSlots
-from iop.edge.status import StatusSources, edge_info, retry_after_of, wait_quantiles_ms
-from iop.edge.status_schema import (
+from iop.contracts.status import (
     NodeAttention,
     PoolSummary,
     ProviderAttention,
@@ -24,6 +22,8 @@ from iop.edge.status_schema import (
     StatusSummary,
     encode_summary,
 )
+from iop.edge.scheduler import ProviderSlots
+from iop.edge.status import StatusSources, edge_info, retry_after_of, wait_quantiles_ms
 
 MAX_AGE_S = 0.25
 """How long a built summary is served before the next request builds a fresh one. Node counts are

@@ -21,9 +21,9 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from iop.contracts.status import encode_status
 from iop.edge.keys import EdgeKeys
 from iop.edge.status import StatusSources, status_of
-from iop.edge.status_schema import encode_status
 from iop.errors import NotFound, Unavailable
 
 PERIOD_S = 1.0

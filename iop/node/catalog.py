@@ -13,8 +13,10 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from iop import bus, config, wire
+from iop import config, wire
+from iop.contracts.refresh import diff
 from iop.errors import IopError
+from iop.nats import streams
 
 log = logging.getLogger("iop.node")
 
@@ -24,9 +26,6 @@ POLL_S = 15.0
 
 def differences(local: config.Node, edge: config.Node) -> str:
     """What the edge's section of a node changes against the local file's, in `iop refresh`'s words."""
-    # The diff lives with the edge's refresh; imported here only, so a node never loads the edge otherwise.
-    from iop.edge.refresh import diff
-
     changes = diff(config.Deployment(nodes=[local]), config.Deployment(nodes=[edge]))
     lines = [c.line() for c in changes]
     if not lines:  # what a refresh does not act on (legacy concurrency, runtime settings): name the field
@@ -53,7 +52,7 @@ class CatalogSource:
     async def get(self) -> tuple[int, config.Node] | None:
         """The newest section and its revision, or None when the edge has not published one."""
         try:
-            kv = await self.js.key_value(bus.CATALOG_BUCKET)
+            kv = await self.js.key_value(streams.CATALOG_BUCKET)
             entry = await kv.get(self.node_id)
         except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
             return None

@@ -10,7 +10,9 @@ import signal
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from iop import bus, config
+from iop import config
+from iop.nats import connection
+from iop.nats.access import Credentials, NatsAccess
 from iop.node.policy import NodePolicy
 from iop.node.presence import NodeReplaced
 from iop.node.runtime import NodeRuntime
@@ -39,7 +41,7 @@ def node_access(
     from_file: bool,
     nats_url: str = "",
     environ: Mapping[str, str] | None = None,
-) -> bus.NatsAccess:
+) -> NatsAccess:
     """This node's NATS credential.
 
     For the edge's embedded server (a node started with the deployment file) it is the node's own
@@ -49,14 +51,14 @@ def node_access(
     node on the edge's machine). Otherwise the settings' variables, as for any NATS.
     """
     env = os.environ if environ is None else environ
-    if any("@" in urlsplit(u).netloc for u in bus.servers_of(nats_url)):
-        return bus.NatsAccess(where="the credentials in the NATS URL")  # given explicitly: they win
+    if any("@" in urlsplit(u).netloc for u in connection.servers_of(nats_url)):
+        return NatsAccess(where="the credentials in the NATS URL")  # given explicitly: they win
     if not from_file or settings.url != "embedded":
-        return bus.NatsAccess.from_settings(settings, env)
+        return NatsAccess.from_settings(settings, env)
     user_var, password_var = settings.user_env or "IOP_NATS_USER", settings.password_env or "IOP_NATS_PASSWORD"
     if env.get(user_var) and env.get(password_var):
-        return bus.NatsAccess.from_settings(config.NatsSettings(user_env=user_var, password_env=password_var), env)
-    return bus.Credentials.load(settings.store_dir).node(node_id)
+        return NatsAccess.from_settings(config.NatsSettings(user_env=user_var, password_env=password_var), env)
+    return Credentials.load(settings.store_dir).node(node_id)
 
 
 async def run_node(

@@ -15,8 +15,9 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from iop import __version__, bus, config, wire
+from iop import __version__, config, wire
 from iop.errors import IopError
+from iop.nats import connection
 
 log = logging.getLogger("iop.node")
 
@@ -167,7 +168,7 @@ class Presence:
         reply = "" if leaving else wire.verdict_subject(self.node_id, self.instance)
         await self.nc.publish(wire.heartbeat_subject(self.node_id), wire.encode(hb), reply=reply)
         if leaving:
-            await bus.flush(self.nc, 2)
+            await connection.flush(self.nc, 2)
 
     async def heartbeat_loop(self) -> None:
         while not self.lease.replaced.is_set():

@@ -13,7 +13,9 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from iop import bus, config, natsauth, wire
+from iop import config, wire
+from iop.nats import auth, connection, streams
+from iop.nats.access import NatsAccess
 from iop.node import adapters, device, direct, fetch, policy
 from iop.node.catalog import CatalogSource, differences
 from iop.node.flow import STALL_TIMEOUT_S
@@ -37,7 +39,7 @@ class NodeRuntime:
         node_id: str,
         nats_url: str,
         *,
-        access: bus.NatsAccess | None = None,
+        access: NatsAccess | None = None,
         follow_edge: bool = True,
         node_policy: policy.NodePolicy | None = None,
     ) -> None:
@@ -104,14 +106,13 @@ class NodeRuntime:
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self, *, connect_wait_s: float | None = None, catalog_wait_s: float = 60.0) -> None:
-        access = self.access if self.access is not None else bus.default_access.get()
-        self.nc = await bus.connect(
+        self.nc = await connection.connect(
             self.nats_url,
             f"iop-node-{self.node_id}",
-            access=access,
+            access=self.access,
             wait_s=connect_wait_s,
             # Inboxes only this node may subscribe to (its NATS permissions say so).
-            inbox_prefix=natsauth.node_inbox_prefix(self.node_id),
+            inbox_prefix=auth.node_inbox_prefix(self.node_id),
         )
         running = self._running = RunningRequests(self.nc, self.node_id, self.instance, self.changed)
         running.stall_timeout_s, running.probe_interval_s = self._stall_timeout_s, self._probe_interval_s
@@ -147,7 +148,7 @@ class NodeRuntime:
         await self.nc.subscribe(wire.received_subject(self.node_id), cb=running.on_received)
         await self._apply(self.node)
         # "Started" means the server has our subscriptions, not that they are still in our buffer.
-        await bus.flush(self.nc, 5)
+        await connection.flush(self.nc, 5)
         self._spawn(presence.heartbeat_loop())
         self._spawn(running.progress_loop())
         self._spawn(running.probe_loop())
@@ -232,8 +233,8 @@ class NodeRuntime:
             return
         assert r.cfg.capacity is not None
         try:
-            await bus.ensure_work_stream(js, scale=False)  # replicas are the edge's to set
-            await bus.ensure_provider_consumer(js, r.cfg.id, r.cfg.capacity, update=False)
+            await streams.ensure_work_stream(js, scale=False)  # replicas are the edge's to set
+            await streams.ensure_provider_consumer(js, r.cfg.id, r.cfg.capacity, update=False)
         except (nats.errors.Error, TimeoutError) as exc:
             # A node's own NATS user may read its consumer but not create it: the edge does, at
             # its start. Until then the fetch loops find nothing and keep asking.
@@ -284,10 +285,10 @@ class NodeRuntime:
         if self.nc is not None:
             # Not drain(): it waits out every idle pull request. All work has ended; flush and go.
             try:
-                await bus.flush(self.nc, 2)
+                await connection.flush(self.nc, 2)
             except (nats.errors.Error, OSError) as exc:
                 log.debug("node %s: final flush: %s", self.node_id, exc)
-            await bus.close(self.nc)
+            await connection.close(self.nc)
         for a in [*self._adapters.values(), *self._old_adapters]:
             await a.close()
 

@@ -21,7 +21,7 @@ import msgspec
 
 from iop import __version__, wire
 from iop.client import EdgeClient
-from iop.edge.status_schema import NodeStatus, PoolProviderStatus, QualificationSummary, Status
+from iop.contracts.status import NodeStatus, PoolProviderStatus, QualificationSummary, Status
 from iop.errors import IopError
 from iop.qualify.probes import Target, context_window, run_checks
 from iop.qualify.render import html_report, markdown

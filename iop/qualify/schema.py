@@ -10,7 +10,7 @@ from typing import Literal
 
 import msgspec
 
-from iop.edge.status_schema import QualificationSummary
+from iop.contracts.status import QualificationSummary
 
 SCHEMA = "iop.qualify/1"
 

@@ -22,7 +22,8 @@ from nats.aio.client import Client as NATS
 from nats.js import api as js_api
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from iop import bus, config
+from iop import config
+from iop.nats import streams
 
 log = logging.getLogger("iop.responses")
 
@@ -74,7 +75,7 @@ class ResponseStore:
         cfg = js_api.KeyValueConfig(
             bucket=BUCKET, history=1, ttl=settings.max_age, max_bytes=settings.max_bytes, direct=True
         )
-        kv = await bus.ensure_bucket(js, cfg, replicas=replicas)
+        kv = await streams.ensure_bucket(js, cfg, replicas=replicas)
         info = await js.stream_info(f"KV_{BUCKET}")
         if info.config.max_age != settings.max_age or info.config.max_bytes != settings.max_bytes:
             # Several edges share the bucket; each brings it to its own limits at start (as the ledger).

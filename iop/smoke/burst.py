@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from iop.edge.status_schema import PoolStatus
+from iop.contracts.status import PoolStatus
 
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
 KINDS: list[tuple[str, bool]] = [("chat", False), ("chat", True), ("responses", False), ("responses", True)]

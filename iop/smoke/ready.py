@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from iop.edge.status_schema import PoolStatus, Status
+from iop.contracts.status import PoolStatus, Status
 from iop.errors import PlanError
 
 

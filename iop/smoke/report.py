@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from iop.edge.status_schema import PoolProviderStatus, Status
+from iop.contracts.status import PoolProviderStatus, Status
 from iop.smoke.burst import PATHS, BurstResult, Outcome
 from iop.smoke.ready import Plan, describe_ready
 

@@ -22,7 +22,7 @@ import yaml
 
 from iop import config, wire
 from iop.client import EdgeClient
-from iop.edge.status_schema import PoolStatus, Status
+from iop.contracts.status import PoolStatus, Status
 from iop.errors import ConfigError, IopError, PlanError, UsageError
 from iop.smoke.burst import run_burst
 from iop.smoke.procs import Children, child_env, iop_command

@@ -1,4 +1,4 @@
-"""`bus.flush`: once it returns, the server has every subscription made before it (nats-py's flush alone does not)."""
+"""`connection.flush`: once it returns, the server has every subscription made before it (nats-py's alone does not)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import secrets
 
 import nats
 
-from iop import bus
-from iop.bus import EmbeddedNats
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
 
 
-async def test_bus_flush_means_the_server_has_the_subscription(nats_server: EmbeddedNats) -> None:
+async def test_connection_flush_means_the_server_has_the_subscription(nats_server: EmbeddedNats) -> None:
     publisher = await nats.connect(nats_server.url)
     missed = 0
     try:
@@ -25,9 +25,9 @@ async def test_bus_flush_means_the_server_has_the_subscription(nats_server: Embe
 
             subject = "t." + secrets.token_hex(4)
             await subscriber.subscribe(subject, cb=on_message)
-            await bus.flush(subscriber)
+            await connection.flush(subscriber)
             await publisher.publish(subject, b"first")
-            await bus.flush(publisher)
+            await connection.flush(publisher)
             try:
                 async with asyncio.timeout(2):
                     await got.wait()

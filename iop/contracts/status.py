@@ -209,9 +209,6 @@ class StateCounts(msgspec.Struct, kw_only=True):
     """Its node is gone, or the node does not run it."""
 
 
-HEALTHY_STATES = frozenset({"ready", "full"})
-
-
 class PoolSummary(msgspec.Struct, kw_only=True):
     """A pool alias in totals: its providers by state, capacities, this edge's queue."""
 

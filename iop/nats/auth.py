@@ -3,7 +3,7 @@
 The edge holds the deployment's own user (everything: it publishes work, writes the catalog,
 answers nodes). Each node has its own user, which may only take its own providers' work, serve
 its own CLI subjects, answer on reply subjects carrying its own id, heartbeat as itself and read
-its own catalog key. Passwords are derived from one per-deployment secret (see `bus.Credentials`),
+its own catalog key. Passwords are derived from one per-deployment secret (see `access.Credentials`),
 so nothing but that secret needs storing, and a node's password reveals nothing of the others.
 """
 
@@ -17,7 +17,7 @@ from iop import config, wire
 
 EDGE_USER = "iop-edge"
 CATALOG_STREAM = "KV_iop_catalog"
-"""The stream behind the catalog KV bucket (bus.CATALOG_BUCKET)."""
+"""The stream behind the catalog KV bucket (streams.CATALOG_BUCKET)."""
 
 
 def node_user(node_id: str) -> str:

@@ -14,8 +14,10 @@ from urllib.parse import urlsplit
 import nats.errors
 from nats.js import api as js_api
 
-from iop import bus, config
+from iop import config
 from iop.errors import BusError
+from iop.nats import connection
+from iop.nats.access import Credentials, NatsAccess
 
 
 @dataclass
@@ -29,11 +31,11 @@ def _endpoint(url: str) -> str:
     return f"{parts.hostname}:{parts.port or 4222}"
 
 
-async def _server_line(address: str, access: bus.NatsAccess) -> tuple[str, bool]:
+async def _server_line(address: str, access: NatsAccess) -> tuple[str, bool]:
     """Connect to this one server alone and ask JetStream through it: reachable, and how fast."""
     t0 = time.monotonic()
     try:
-        nc = await bus.connect(f"nats://{address}", "iop-check-cluster", access=access, wait_s=3.0)
+        nc = await connection.connect(f"nats://{address}", "iop-check-cluster", access=access, wait_s=3.0)
     except BusError as exc:
         return f"server {address}: DOWN ({exc})", False
     try:
@@ -73,13 +75,13 @@ def _stream_line(info: js_api.StreamInfo) -> tuple[str, bool]:
     return f"stream {cfg.name}: R{want}, {info.state.messages} messages, {', '.join(peers)}", ok
 
 
-async def check(url: str, access: bus.NatsAccess) -> Report:
+async def check(url: str, access: NatsAccess) -> Report:
     """One line per server and per stream; `healthy` False when any is down, leaderless or behind."""
     if not access.has_credentials:
-        access = bus.url_access(url, access)  # each server alone gets the URL's credential too
-    nc = await bus.connect(url, "iop-check-cluster", access=access, wait_s=5.0)
+        access = connection.url_access(url, access)  # each server alone gets the URL's credential too
+    nc = await connection.connect(url, "iop-check-cluster", access=access, wait_s=5.0)
     try:
-        known = [_endpoint(u) for u in bus.servers_of(url)]
+        known = [_endpoint(u) for u in connection.servers_of(url)]
         for u in nc.discovered_servers:
             known.append(f"{u.hostname}:{u.port or 4222}")
         servers = list(dict.fromkeys(known))
@@ -87,7 +89,9 @@ async def check(url: str, access: bus.NatsAccess) -> Report:
         try:
             streams = await js.streams_info()
         except (nats.errors.Error, TimeoutError) as exc:
-            raise BusError(f"NATS at {bus._redact(url)}: cannot list streams: {exc or type(exc).__name__}") from exc
+            raise BusError(
+                f"NATS at {connection.redact(url)}: cannot list streams: {exc or type(exc).__name__}"
+            ) from exc
     finally:
         await nc.close()
     lines, healthy = [], True
@@ -101,13 +105,13 @@ async def check(url: str, access: bus.NatsAccess) -> Report:
     return Report(lines, healthy)
 
 
-def target(dep: config.Deployment, nats_url: str | None) -> tuple[str, bus.NatsAccess]:
+def target(dep: config.Deployment, nats_url: str | None) -> tuple[str, NatsAccess]:
     """Which NATS to check and with what credential: --nats, the external URL, or this machine's embedded server."""
     settings = dep.edge.nats
     url = nats_url or settings.url
     if url != "embedded":
-        return url, bus.NatsAccess.from_settings(settings)
+        return url, NatsAccess.from_settings(settings)
     host, _, port = settings.listen.rpartition(":")
     if host in ("0.0.0.0", "", "::", "[::]"):
         host = "127.0.0.1"
-    return f"nats://{host}:{port}", bus.Credentials.load(settings.store_dir, create=False).edge()
+    return f"nats://{host}:{port}", Credentials.load(settings.store_dir, create=False).edge()

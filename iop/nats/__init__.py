@@ -1,0 +1,1 @@
+"""NATS for iop: credentials, the embedded server, connections, and the JetStream topology."""
