@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from iop.nats.server import EmbeddedNats
-from tests.fakes import fake_upstream
+from iop.node.adapters.openai import upstream_request_id
+from tests.fakes import fake_upstream, serve_asgi
 from tests.harness import deployment, deployment_running, sse_events
 
 Answer = Callable[[asyncio.StreamWriter], Awaitable[None]]
@@ -173,3 +179,62 @@ async def test_timeout_s_bounds_the_whole_request_and_idle_timeout_s_each_silenc
         f"\ntrickling stream ended at timeout_s 1 after {took:.2f}s; "
         f"silent upstream at idle_timeout_s 0.5 after {idle:.2f}s"
     )
+
+
+def strict_request_ids() -> tuple[Starlette, list[str]]:
+    """An upstream that, like llama-cpp-python's server, answers an empty 400 to any `x-request-id`
+    that is not a (version 4) UUID; the ids it accepted."""
+    seen: list[str] = []
+
+    async def chat(request: Request) -> Response:
+        rid = request.headers.get("x-request-id")
+        if rid is not None:
+            try:
+                if uuid.UUID(rid).version != 4:
+                    raise ValueError(rid)
+            except ValueError:
+                return Response(b"", 400)
+            seen.append(rid)
+        answer = {"id": "c", "object": "chat.completion", "choices": [{"index": 0, "message": {"content": "ok"}}]}
+        return JSONResponse(answer)
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])]), seen
+
+
+async def test_upstream_ids_are_uuids_a_strict_upstream_accepts(nats_server: EmbeddedNats) -> None:
+    app, seen = strict_request_ids()
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    async with (
+        serve_asgi(app) as url,
+        deployment_running(deployment(one_provider(url + "/v1")), nats_server.url) as h,
+        h.http() as http,
+    ):
+        given = "0b6f1d1e-8e43-4d8e-9f6a-3c2d1b0a9f8e"
+        for rid in ("ticket-4711", None, given):
+            headers = {"x-request-id": rid} if rid else {}
+            r = await http.post("/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+    # Derived from the request id, the same each time, so the upstream's log joins iop's; a UUID stays.
+    assert seen[0] == upstream_request_id("ticket-4711") == upstream_request_id("ticket-4711")
+    assert seen[2] == given and len(set(seen)) == 3
+
+
+async def test_an_upstream_error_with_an_empty_body_names_its_status_and_says_it_was_empty(
+    nats_server: EmbeddedNats,
+) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for status, client_status in ((400, 400), (500, 502)):
+
+        async def empty(writer: asyncio.StreamWriter, status: int = status) -> None:
+            writer.write(b"HTTP/1.1 %d Oops\r\ncontent-length: 0\r\n\r\n" % status)
+            await writer.drain()
+
+        async with (
+            broken_upstream(empty) as url,
+            deployment_running(deployment(one_provider(url)), nats_server.url) as h,
+            h.http() as http,
+        ):
+            r = await http.post("/v1/chat/completions", json=body)
+        assert r.status_code == client_status, r.text
+        message = r.json()["error"]["message"]
+        assert f"answered {status} with an empty body" in message, message

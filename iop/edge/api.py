@@ -502,7 +502,7 @@ def _session_header(scope: Scope) -> str | None:
 
 def check_content_type(scope: Scope) -> None:
     # Required, not only checked when present: a body of no declared type is what a page on another
-    # site can make a browser send without asking first (see edge/http.py's SameOrigin).
+    # site can make a browser send without asking first (see edge/origin.py's SameOrigin).
     for name, value in scope["headers"]:
         if name == b"content-type":
             kind = value.split(b";", 1)[0].strip().lower()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import re
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -183,8 +185,9 @@ class OpenAIAdapter:
             await response.aclose()
 
     async def _post(self, api: wire.Api, body: bytes, request_id: str = "") -> HttpResponse:
-        # The request id goes upstream too, so the upstream's own logs can be joined with iop's.
-        headers = {"x-request-id": request_id} if request_id and _SAFE_ID.match(request_id) else None
+        # The request id goes upstream too (as a UUID), so the upstream's own logs can be joined with iop's.
+        safe = request_id and _SAFE_ID.match(request_id)
+        headers = {"x-request-id": upstream_request_id(request_id)} if safe else None
         try:
             response = await self.pool.post(_PATHS[api], body, headers)
         except Timeout as exc:
@@ -280,8 +283,31 @@ def _usage_of(answer: Mapping[str, Any]) -> wire.Usage | None:
     return usage_from_responses(u) if "input_tokens" in u else usage_from_chat(u)
 
 
+def upstream_request_id(request_id: str) -> str:
+    """The `x-request-id` sent upstream: the request id itself when it is a UUID, else a UUID made from it.
+
+    llama-cpp-python's server answers an empty 400 to any `x-request-id` that is not a UUID, and
+    every server takes one. Derived, not random: the same request id always gives the same UUID
+    (the first 16 bytes of its SHA-256, version 4), so an upstream's log still joins iop's.
+    """
+    try:
+        return str(uuid.UUID(request_id))
+    except ValueError:
+        return str(uuid.UUID(bytes=hashlib.sha256(request_id.encode()).digest()[:16], version=4))
+
+
 def upstream_error(status: int, raw: bytes) -> RequestError:
-    """Map an upstream HTTP error: client mistakes pass through, the rest is the gateway's 502."""
+    """Map an upstream HTTP error: client mistakes pass through, the rest is the gateway's 502.
+
+    An empty body is said to be one, with the status: `upstream: ` alone told a client nothing.
+    """
+    if not raw.strip():
+        text = f"upstream answered {status} with an empty body"
+        if status in (400, 413, 422):
+            return error_for_status(400 if status == 422 else status, text, "upstream_bad_request")
+        if status == 429:
+            return error_for_status(429, text, "upstream_rate_limited")
+        return UpstreamError(text, code="upstream_error")
     message = raw[:2000].decode(errors="replace")
     try:
         err = _decode(raw).get("error")
