@@ -225,6 +225,45 @@ async def test_a_frozen_node_replaced_by_a_new_instance_stops_when_it_wakes(
     )
 
 
+async def test_work_sent_to_a_frozen_node_that_its_edge_failed_never_runs_when_it_wakes(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    async with fake_upstream() as up:
+        text = REPLACED_YAML.format(url=up.url)
+        cfg = tmp_path / "iop.yaml"
+        cfg.write_text(text)
+        async with running_edge(deployment(text), nats_server.url) as h, h.http() as http:
+            reg = h.edge.registry
+            async with node_process(cfg, "n1", nats_server.url) as node:
+                await reg.wait_connected(["n1"], timeout_s=10)
+                try:
+                    os.kill(node.pid, signal.SIGSTOP)
+                    # Sent while the node is frozen (the edge does not know yet): it waits in the
+                    # node's queue until the edge declares the node lost and fails it.
+                    gone = {"model": "m", "messages": [{"role": "user", "content": "failed-while-frozen"}]}
+                    r = await http.post("/v1/chat/completions", json=gone)
+                    assert r.status_code == 502 and r.json()["error"]["code"] == "node_lost", r.text
+                    os.kill(node.pid, signal.SIGCONT)
+                    woke = time.monotonic()
+                    await reg.wait_connected(["n1"], timeout_s=10)
+                    # The client retries, as a client does after a 502: it runs once, the retry.
+                    retry = await http.post("/v1/chat/completions", json=gone)
+                    assert retry.status_code == 200, retry.text
+                    after = {"model": "m", "messages": [{"role": "user", "content": "after"}]}
+                    assert (await http.post("/v1/chat/completions", json=after)).status_code == 200
+                    served_s = time.monotonic() - woke
+                finally:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(node.pid, signal.SIGCONT)
+    contents = [b["messages"][0]["content"] for b in up.bodies]
+    # Before: the frozen node woke and ran the failed request too (the retry made it two runs).
+    assert contents.count("failed-while-frozen") == 1, contents
+    assert any("no longer waits" in line for line in node.lines), node.lines[-20:]
+    print(
+        f"\nfrozen node woke: the request its edge had failed was not run; served again {served_s:.2f}s after SIGCONT"
+    )
+
+
 async def test_a_node_removed_by_refresh_says_so_once_and_serves_again_when_added_back(
     nats_server: EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -91,11 +91,21 @@ async def _take(running: RunningRequests, r: Resource, msg: Msg) -> None:
     if running.was_cancelled(item.id):
         await msg.term()
         return
-    if not await running.lease.wait(LEASE_CHECK_S):
-        # Delivered to a pull made before a freeze: hand it back at once for the live instance.
-        log.info("provider %s: request %s handed back (this instance is not confirmed live)", r.cfg.id, item.id)
-        await msg.nak()
-        return
+    claimed = False
+    if not running.lease.fresh() or running.lease.after_lapse():
+        if not await running.lease.wait(LEASE_CHECK_S):
+            # Delivered to a pull made before a freeze: hand it back at once for the live instance.
+            log.info("provider %s: request %s handed back (this instance is not confirmed live)", r.cfg.id, item.id)
+            await msg.nak()
+            return
+        # Taken while this instance was silent (frozen, cut off): its edge may have declared the
+        # node lost meanwhile and failed the request (502 node_lost), and its client may have
+        # retried. Only the edge knows whether the client still waits for it; no clear yes, no run.
+        if not await _claim(running, item):
+            log.info("provider %s: request %s dropped (its client no longer waits for it)", r.cfg.id, item.id)
+            await msg.term()
+            return
+        claimed = True
     if msg.metadata.num_delivered > 1 and running.redelivered(item, msg):
         # Ran (or runs) here already, its ack or progress lost with a NATS server: never again.
         # An ended one is acked now and its answer sent again, in case the edge lost it too.
@@ -103,7 +113,7 @@ async def _take(running: RunningRequests, r: Resource, msg: Msg) -> None:
             await msg.ack()
             await replay.resend(running.nc, running.replay, wire.Resend(item.id, 0, started=True))
         return
-    if msg.metadata.num_delivered > 1 and not await _claim(running, item):
+    if msg.metadata.num_delivered > 1 and not claimed and not await _claim(running, item):
         # Redelivered: the earlier delivery may have run. Only the edge knows whether the client
         # still waits for it, and it never lets a request run twice once a byte reached the client.
         log.info("provider %s: redelivered request %s dropped (its edge does not want it again)", r.cfg.id, item.id)

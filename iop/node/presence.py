@@ -34,6 +34,10 @@ State = Callable[[], tuple[config.Node, Iterable[Reported]]]
 LEASE_S = wire.HEARTBEAT_INTERVAL_S * (wire.HEARTBEATS_MISSED - 0.5)
 """How long a heartbeat sent on time vouches for this instance. An edge declares a node lost after
 HEARTBEATS_MISSED silent intervals; past this, it may have, and another instance may hold the id."""
+LAPSE_CLAIM_S = 5.0
+"""After a lapsed lease is renewed, work taken within this long is run only if its edge says its
+client still waits (a Claim): what edges sent while this instance was silent comes first out of
+the queue, and an edge that declared the node lost meanwhile has failed it (502 node_lost)."""
 
 
 REMOVED_RETRY_S = 5.0
@@ -59,6 +63,8 @@ class Lease:
 
     def __init__(self) -> None:
         self.renewed = time.monotonic()
+        self.lapse_ended = -LAPSE_CLAIM_S
+        """When the lease was last renewed after it had gone stale (monotonic)."""
         self.state: Literal["live", "removed", "replaced"] = "live"
         self.reason = ""
         self.changed = asyncio.Event()
@@ -68,6 +74,8 @@ class Lease:
         return self.state == "live" and time.monotonic() - self.renewed < LEASE_S
 
     def renew(self) -> None:
+        if not self.fresh():
+            self.lapse_ended = time.monotonic()
         self.renewed = time.monotonic()
         self.state = "live"
         self.changed.set()
@@ -79,6 +87,10 @@ class Lease:
         self.changed.set()
         if state == "replaced":
             self.replaced.set()
+
+    def after_lapse(self) -> bool:
+        """Fresh again, but so shortly after a lapse that work taken now may be work an edge gave up on."""
+        return time.monotonic() - self.lapse_ended < LAPSE_CLAIM_S
 
     async def wait(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the lease to be fresh; whether it is (False at once once replaced)."""
