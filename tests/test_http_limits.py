@@ -151,6 +151,28 @@ async def test_http_too_many_headers_is_refused_431(served: Served) -> None:
     assert error_code(body) == "header_too_large"
 
 
+async def test_http_a_head_over_the_limits_in_one_write_is_refused_431_before_the_app_sees_it(served: Served) -> None:
+    records = served.edge.observer.records
+    many = b"".join(b"x-h%d: v\r\n" % i for i in range(20_000))
+    for head in (
+        b"x-big: " + b"a" * (100 * 1024) + b"\r\n",  # 100 KiB against a 16 KiB limit
+        many,  # 20,000 headers against 50
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        request = b"POST /v1/chat/completions HTTP/1.1\r\nhost: iop.test\r\ncontent-type: application/json\r\n"
+        body = json.dumps(GOOD).encode()
+        writer.write(request + head + b"content-length: %d\r\n\r\n" % len(body) + body)
+        started = time.monotonic()
+        status, _, answer = await read_answer(reader)
+        writer.close()
+        assert status == 431, answer
+        assert error_code(answer) == "header_too_large"
+        # At once, not when the head timeout (0.5 s here, 10 s by default) would have said 408.
+        assert time.monotonic() - started < served.edge.http_limits.head_timeout_s
+    assert served.edge.observer.records == records  # neither reached the application
+    await good_request_ms(served.url)
+
+
 async def test_http_slow_head_is_closed_408(served: Served) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: iop.test\r\n")  # and never the rest

@@ -172,6 +172,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._body_open = False
         self._refusing = 0
+        self._pending: RequestError | None = None
+        """A refusal found by a parser callback, sent once the parser returns (it cannot be stopped mid-read)."""
+        self._parsed_head = 0
         self._discarded = 0
         self._timer: asyncio.TimerHandle | None = None
 
@@ -212,6 +215,11 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().data_received(data)
         if self._refusing:
             return
+        if self._pending is not None:
+            # A head over a limit inside this one read (the parser saw it whole): refuse it now,
+            # not after the head timeout, and before the application ever sees it.
+            self._refuse(self._pending)
+            return
         if self._head_open and self._head_bytes > self.limits.max_head_bytes:
             # Everything fed while the head is still open was head: refuse before it grows further.
             self._refuse(HeadersTooLarge(f"request head larger than {self.limits.max_head_bytes} bytes"))
@@ -224,37 +232,51 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             # The next request on a kept-alive connection: its head starts now.
             self._head_open = True
             self._head_bytes = 0
+            self._parsed_head = 0
             self._header_count = 0
             self._arm(self.limits.head_timeout_s)
 
+    def on_url(self, url: bytes) -> None:
+        self._parsed_head += len(url)
+        self._check_head()
+        super().on_url(url)
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        # Counted as parsed, not as read: a whole oversized head can arrive in one read.
         self._header_count += 1
-        if self._header_count > self.limits.max_headers:
-            self._refusing = 431
+        self._parsed_head += len(name) + len(value) + 4
+        self._check_head()
+        if self._pending is None:
+            super().on_header(name, value)
+
+    def _check_head(self) -> None:
+        if self._pending is not None:
             return
-        super().on_header(name, value)
+        if self._header_count > self.limits.max_headers:
+            self._pending = HeadersTooLarge(f"more than {self.limits.max_headers} request headers")
+        elif self._parsed_head > self.limits.max_head_bytes:
+            self._pending = HeadersTooLarge(f"request head larger than {self.limits.max_head_bytes} bytes")
 
     def on_headers_complete(self) -> None:
         self._head_open = False
-        if self._refusing:
-            self._refuse(HeadersTooLarge(f"more than {self.limits.max_headers} request headers"))
-            return
+        if self._refusing or self._pending is not None:
+            return  # data_received sends the refusal when the parser returns
         self._body_open = True
         self._arm(self.limits.body_idle_timeout_s)
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
-        if not self._refusing:
+        if not self._refusing and self._pending is None:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._body_open = False
         self._disarm()
-        if not self._refusing:
+        if not self._refusing and self._pending is None:
             super().on_message_complete()
 
     def handle_websocket_upgrade(self) -> None:
-        if self._refusing:
+        if self._refusing or self._pending is not None:
             return  # refused while the head came in (e.g. too many headers): the answer is on its way
         # The head is whole and the body timer must not fire on a connection that is now a socket;
         # from here the WebSocket protocol owns the transport (and counts its close).
