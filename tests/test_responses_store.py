@@ -4,6 +4,7 @@ lists and deletes, and only the client key that stored a response ever reaches i
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -307,3 +308,66 @@ async def test_responses_store_ids_that_are_not_one_key_token_are_unknown(nats_s
         assert await store.owners_of("resp_1") == ["o"]
     finally:
         await nc.close()
+
+
+async def test_responses_store_background_answers_queued_then_keeps_the_answer(nats_server: EmbeddedNats) -> None:
+    gate = asyncio.Event()
+    async with (
+        fake_upstream(api="chat", gate=gate) as up,
+        deployment_running(deployment(one_provider(up.url, "chat")), nats_server.url) as h,
+        h.http() as http,
+    ):
+        r = await create(http, input="hi", background=True)
+        assert r.status_code == 200, r.text
+        queued = r.json()
+        assert (queued["status"], queued["background"], queued["store"]) == ("queued", True, True)
+        await up.wait_for(lambda u: u.in_flight == 1)  # it runs while nobody waits
+        path = f"/v1/responses/{queued['id']}"
+        assert (await http.get(path, headers=auth(KEY_A))).json()["status"] == "queued"
+        replay = asyncio.create_task(http.get(path + "?stream=true", headers=auth(KEY_A)))
+        gate.set()
+        events = sse_events((await replay).text)  # waited for the end, then replayed it
+        final = events[-1]["response"]
+        assert events[-1]["type"] == "response.completed" and final["id"] == queued["id"]
+        assert final["background"] is True and final["output"][0]["content"][0]["text"] == "w0 w1 w2"
+        assert (await http.get(path, headers=auth(KEY_A))).json() == final
+        r = await create(http, input="more", previous_response_id=queued["id"])
+        assert r.status_code == 200, r.text
+        # Cancelling a finished one answers it as it is.
+        assert (await http.post(path + "/cancel", headers=auth(KEY_A))).json()["status"] == "completed"
+    assert chat_messages(up.bodies[1]) == [("user", "hi"), ("assistant", "w0 w1 w2"), ("user", "more")]
+
+
+async def test_responses_store_background_cancel_stops_the_work_and_keeps_it_cancelled(
+    nats_server: EmbeddedNats,
+) -> None:
+    gate = asyncio.Event()
+    async with (
+        fake_upstream(api="chat", gate=gate) as up,
+        deployment_running(deployment(one_provider(up.url, "chat")), nats_server.url) as h,
+        h.http() as http,
+    ):
+        queued = (await create(http, input="hi", background=True)).json()
+        await up.wait_for(lambda u: u.in_flight == 1)
+        path = f"/v1/responses/{queued['id']}"
+        cancelled = await http.post(path + "/cancel", headers=auth(KEY_B))
+        assert cancelled.status_code == 404  # not another key's to cancel
+        work = h.edge.responses.running[queued["id"]]
+        cancelled = await http.post(path + "/cancel", headers=auth(KEY_A))
+        assert cancelled.json()["status"] == "cancelled"
+        # The work ended while the upstream still held the request: it was cut, not waited for.
+        await asyncio.wait_for(work, timeout=10)
+        assert not gate.is_set() and queued["id"] not in h.edge.responses.running
+        gate.set()
+        assert (await http.get(path, headers=auth(KEY_A))).json()["status"] == "cancelled"
+
+
+async def test_responses_store_background_must_be_stored(nats_server: EmbeddedNats) -> None:
+    async with fake_upstream(api="chat") as up:
+        cases: list[tuple[str, dict[str, Any]]] = [("", {"store": False}), (", responses: {enabled: false}", {})]
+        for extra, body in cases:
+            dep = deployment(one_provider(up.url, "chat", extra))
+            async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+                r = await create(http, input="hi", background=True, **body)
+                assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+    assert up.total == 0

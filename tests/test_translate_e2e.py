@@ -195,9 +195,9 @@ async def test_mixed_pool_refuses_the_same_on_every_provider(nats_server: Embedd
         async with deployment_running(dep, nats_server.url) as h, h.http() as http:
             # The scheduler would pick p-resp (most free slots), which serves Responses natively.
             for _ in range(4):
-                r = await http.post("/v1/responses", json={"model": "m", "input": "hi", "background": True})
+                r = await http.post("/v1/responses", json={"model": "m", "input": "hi", "conversation": "conv_1"})
                 assert r.status_code == 400, r.text
-                assert (r.json()["error"]["param"], r.headers["x-iop-provider"]) == ("background", "p-chat")
+                assert (r.json()["error"]["param"], r.headers["x-iop-provider"]) == ("conversation", "p-chat")
             ok = [await http.post("/v1/responses", json={"model": "m", "input": "hi"}) for _ in range(2)]
             assert [r.status_code for r in ok] == [200, 200]
     assert chat.total + resp.total == 2

@@ -30,7 +30,8 @@ from iop.errors import (
     error_response,
 )
 from iop.openai.responses_request import responses_to_chat_request
-from iop.responses.expand import Responses
+from iop.responses import background
+from iop.responses.expand import Responses, Turn
 from iop.responses.tap import KeepingSend
 
 _JSON = [(b"content-type", b"application/json")]
@@ -201,7 +202,10 @@ class ApiEndpoint:
             trace.stream = stream
             session = cache_key or _session_header(scope) or user
             if stateful:
-                body = await self._expand(scope, body, stream, out)
+                body, turn, owner = await self._expand(scope, body, stream, out)
+                if turn.background and not stream:
+                    await self._background(body, model, session, owner, turn, out)
+                    return
             await self._serve(body, model, stream, receive, out, session)
         except RequestError as exc:
             trace.error = exc.code
@@ -215,13 +219,45 @@ class ApiEndpoint:
         finally:
             self._finished(trace, out.started)
 
-    async def _expand(self, scope: Scope, body: bytes, stream: bool, out: _TrackedSend) -> bytes:
+    async def _expand(self, scope: Scope, body: bytes, stream: bool, out: _TrackedSend) -> tuple[bytes, Turn, str]:
         """The stateless request to dispatch; the answer's send then keeps and echoes the state."""
         responses = self.edge.responses
         owner = self.edge.owner(scope)
-        turn = await responses.expand(_decode_json(body), owner)
+        request = _decode_json(body)
+        turn = await responses.expand(request, owner)
+        turn.request = request
         out.send = KeepingSend(out.send, responses, owner, turn, stream)
-        return _encode_json(turn.body)
+        return _encode_json(turn.body), turn, owner
+
+    async def _background(
+        self, body: bytes, model: str, session: str | None, owner: str, turn: Turn, out: _TrackedSend
+    ) -> None:
+        """Answer `queued` now; the request runs in a task with its own trace (iop/responses/background.py)."""
+        edge = self.edge
+        if model not in edge.catalog.pools and model not in edge.catalog.routes:
+            raise NotFound(f"model '{model}' does not exist; GET /v1/models lists the models", param="model")
+        queued = await background.queue(edge.responses, owner, turn, turn.request, model)
+        trace = Trace(new_request_id(), self.api)
+        trace.key = out.trace.key
+        inner = _TrackedSend(KeepingSend(_discard, edge.responses, owner, turn, False), trace)
+        never = asyncio.Event()
+
+        async def no_client() -> Message:
+            await never.wait()  # nobody waits on a background response: only a cancel ends it early
+            return {"type": "http.disconnect"}
+
+        async def work() -> None:
+            try:
+                await self._serve(body, model, False, no_client, inner, session)
+            except RequestError as exc:
+                trace.error = exc.code
+                await background.failed(edge.responses, owner, turn, queued, exc)
+            finally:
+                self._finished(trace, inner.started)
+
+        background.run(edge.responses, queued["id"], work())
+        await out({"type": "http.response.start", "status": 200, "headers": _JSON})
+        await out({"type": "http.response.body", "body": _encode_json(queued)})
 
     def _finished(self, trace: Trace, responded: bool) -> None:
         res = trace.result
@@ -432,6 +468,10 @@ class RequestIds:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+async def _discard(message: Message) -> None:
+    """The send of a request nobody waits on (a background response: its answer goes to the store)."""
 
 
 def _timing_headers(provider: str, arrived: float, started: float) -> list[tuple[bytes, bytes]]:

@@ -219,6 +219,7 @@ class Edge:
 
     async def stop(self) -> None:
         self.burst_trim.stop()
+        await self.responses.stop()
         await self.qualify.stop()
         await self.registry.stop()
         if self.ledger is not None:

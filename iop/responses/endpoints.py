@@ -16,11 +16,14 @@ from starlette.routing import Route
 from starlette.types import Scope
 
 from iop.errors import BadRequest, NotFound
+from iop.responses import background
 from iop.responses.expand import Responses
 from iop.responses.replay import replay_events, sse
 from iop.responses.store import ResponseStore, Stored
 
 _SSE = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+STREAM_WAIT_S = 600.0
+"""How long `GET …?stream=true` waits for a background response to end before replaying what there is."""
 
 
 class Stateful(Protocol):
@@ -86,9 +89,11 @@ def _item_id(response_id: str, index: int, item: dict[str, Any]) -> str:
 
 def response_routes(edge: Stateful) -> list[Route]:
     async def get(request: Request) -> Response:
-        _, _, stored = await _find(edge, request)
+        _, owner, stored = await _find(edge, request)
         if request.query_params.get("stream") not in ("true", "1"):
             return JSONResponse(stored.response)
+        # A background response still running: its events once it ended (from whichever edge ran it).
+        stored = await background.until_finished(edge.responses, owner, stored, STREAM_WAIT_S)
         after = _int(request, "starting_after", -1, -1, 1 << 31)
         events = [e for e in replay_events(stored.response) if e["sequence_number"] > after]
         return Response(sse(events), media_type="text/event-stream", headers=_SSE)
@@ -124,9 +129,8 @@ def response_routes(edge: Stateful) -> list[Route]:
         )
 
     async def cancel(request: Request) -> Response:
-        await _find(edge, request)
-        # Every stored response was answered while its client waited: there is nothing running to stop.
-        raise BadRequest("Only background responses can be cancelled.", param="response_id")
+        _, owner, stored = await _find(edge, request)
+        return JSONResponse(await background.cancel(edge.responses, owner, stored))
 
     async def listing(request: Request) -> Response:
         edge.admin(request.scope)

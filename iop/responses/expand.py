@@ -40,6 +40,11 @@ class Turn:
     """The answer is to be kept (the request asked, and the edge keeps responses)."""
     referenced: set[str] = field(default_factory=set)
     """Ids of items that came from references (already in the store)."""
+    background: bool = False
+    response_id: str | None = None
+    """The id the client was given before the answer existed (a background response): the answer takes it."""
+    request: dict[str, Any] = field(default_factory=dict)
+    """The client's request as it came (a background response echoes it before any answer)."""
 
 
 class Responses:
@@ -47,6 +52,15 @@ class Responses:
 
     def __init__(self, store: ResponseStore | None) -> None:
         self.store = store
+        self.running: dict[str, asyncio.Task[None]] = {}
+        """Background responses this edge is running, by id (iop/responses/background.py)."""
+
+    async def stop(self) -> None:
+        """End the background responses this edge runs (the edge stops): they stay `queued` in the store."""
+        tasks = list(self.running.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def expand(self, body: Mapping[str, Any], owner: str) -> Turn:
         """The stateless request for `body`, its references resolved for `owner`.
@@ -62,17 +76,31 @@ class Responses:
         if not isinstance(asked, bool):
             raise BadRequest("store must be a boolean", param="store")
         out["store"] = False
+        background = out.get("background") is True
+        if background:
+            if not asked:
+                raise BadRequest("background responses must be stored: send store: true", param="background")
+            if self.store is None:
+                raise BadRequest("background responses need the response store, which is off here", param="background")
+            out["background"] = False  # the edge runs it in the background; the upstream just answers
         items = await self._resolve(_input_items(out.get("input")), owner)
         referenced = {str(item.get("id")) for item, ref in items if ref}
         turn_items = [item for item, _ in items]
         history = await self._history(previous, owner) if previous else []
         out["input"] = history + turn_items
-        return Turn(out, turn_items, previous or None, asked and self.store is not None, referenced)
+        stored = asked and self.store is not None
+        return Turn(out, turn_items, previous or None, stored, referenced, background)
 
     async def keep(self, owner: str, turn: Turn, response: dict[str, Any]) -> None:
         """Keep an answered turn (when it is to be kept); a store that cannot is logged, never raised."""
         if not turn.store or self.store is None:
             return
+        if turn.response_id is not None:
+            # Kept under the id the client was given; unless it was cancelled meanwhile (on any edge).
+            response["id"] = turn.response_id
+            stored = await self.store.response(owner, turn.response_id)
+            if stored is not None and stored.response.get("status") == "cancelled":
+                return
         # Items with ids are indexed for item_reference: those the client sent (but not the ones
         # that came from a reference, already there) and every output item.
         new = [i for i in turn.items if isinstance(i, dict) and i.get("id") not in turn.referenced]

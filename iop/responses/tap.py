@@ -65,6 +65,9 @@ class KeepingSend:
     def _patch(self, response: dict[str, Any]) -> None:
         response["store"] = self.turn.store
         response["previous_response_id"] = self.turn.previous
+        response["background"] = self.turn.background
+        if self.turn.response_id is not None:
+            response["id"] = self.turn.response_id
 
     async def _whole(self, data: bytes) -> bytes:
         try:

@@ -1,0 +1,91 @@
+"""Background responses (`background: true`): answered at once with `queued`, run on this edge
+like any request (queue, capacity, breaker, ledger), and kept when done, for polling and replay.
+
+The work runs in a task of the edge that took the request; the stored record is what every edge
+reads, so polling, `GET …?stream=true` (which waits for the end, then replays) and cancelling work
+from any edge. Cancelling marks the record at once; the edge running it stops the work when it is
+that edge, and otherwise does not keep its result. An edge that stops leaves its running
+background responses `queued` (not yet resumed elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Mapping
+from typing import Any
+
+import nats.errors
+
+from iop.errors import BadRequest, RequestError
+from iop.openai.responses_events import response_error, response_object
+from iop.responses.expand import Responses, Turn
+from iop.responses.store import Stored
+
+log = logging.getLogger("iop.responses")
+
+UNFINISHED = frozenset({"queued", "in_progress"})
+
+
+async def queue(responses: Responses, owner: str, turn: Turn, request: Mapping[str, Any], model: str) -> dict[str, Any]:
+    """The `queued` response for a background request, kept before the client hears of it."""
+    queued = response_object(request, model)
+    queued.update(status="queued", background=True, store=True, previous_response_id=turn.previous)
+    turn.response_id = queued["id"]
+    assert responses.store is not None  # expand refuses background without a store
+    await responses.store.keep(owner, Stored(queued, list(turn.items), turn.previous), [])
+    return queued
+
+
+def run(responses: Responses, response_id: str, work: Coroutine[Any, Any, None]) -> None:
+    """Run `work` as the background response `response_id` (this edge can then cancel it)."""
+    task = asyncio.create_task(work)
+    responses.running[response_id] = task
+    task.add_done_callback(lambda _: responses.running.pop(response_id, None))
+
+
+async def failed(responses: Responses, owner: str, turn: Turn, queued: dict[str, Any], exc: RequestError) -> None:
+    """A background response whose request failed before any answer: kept as `failed`."""
+    response = {**queued, "status": "failed", "error": response_error(exc.message, exc.code)}
+    await responses.keep(owner, turn, response)
+
+
+async def cancel(responses: Responses, owner: str, stored: Stored) -> dict[str, Any]:
+    """Cancel a background response; one already finished is answered as it is."""
+    response = stored.response
+    if not response.get("background"):
+        raise BadRequest("Only background responses can be cancelled.", param="response_id")
+    if response.get("status") not in UNFINISHED:
+        return response
+    response = {**response, "status": "cancelled", "completed_at": None}
+    assert responses.store is not None
+    await responses.store.keep(owner, Stored(response, stored.input, stored.previous), [])
+    task = responses.running.get(str(response["id"]))
+    if task is not None:
+        task.cancel()
+    return response
+
+
+async def until_finished(responses: Responses, owner: str, stored: Stored, timeout_s: float) -> Stored:
+    """`stored` once it is no longer queued or in progress (or as it is after `timeout_s`)."""
+    store = responses.store
+    if store is None or stored.response.get("status") not in UNFINISHED:
+        return stored
+    response_id = str(stored.response.get("id"))
+    deadline = time.monotonic() + timeout_s
+    watcher = await store.kv.watch(f"r.{owner}.{response_id}", meta_only=True)
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                await watcher.updates(timeout=left)
+            except nats.errors.TimeoutError:
+                break
+            now = await store.response(owner, response_id)
+            if now is None:
+                return stored
+            if now.response.get("status") not in UNFINISHED:
+                return now
+    finally:
+        await watcher.stop()
+    return stored
