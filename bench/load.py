@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+from iop.percentile import nearest_rank
+
 clock = time.monotonic
 """CLOCK_MONOTONIC: the same clock in every process, so our times line up with the upstream's."""
 
@@ -492,7 +494,7 @@ def _split(total: int, parts: int, i: int) -> int:
 
 
 def percentiles(values_ms: list[float]) -> dict[str, float] | None:
-    """p50/p90/p99 (linear interpolation between closest ranks), mean, min, max."""
+    """p50/p90/p99 (nearest rank, as everywhere in iop), mean, min, max."""
     if not values_ms:
         return None
     v = sorted(values_ms)
@@ -506,11 +508,11 @@ def percentiles(values_ms: list[float]) -> dict[str, float] | None:
     }
 
 
-def pct(sorted_values: list[float], q: float) -> float:
-    k = (len(sorted_values) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+def pct(values: list[float], q: float) -> float:
+    """iop's own percentile (nearest rank, q in percent), so a bench's p90 reads like /usage's."""
+    p = nearest_rank(values, q / 100.0)
+    assert p is not None, "a percentile of no samples"
+    return p
 
 
 def summarize(raws: list[Raw], keep_samples: bool) -> LoadResult:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from iop.edge.refresh import Refresher
 from iop.edge.registry import Registry
 from iop.edge.scheduler import Scheduler
 from iop.edge.storage import WorkStream
+from iop.percentile import nearest_rank
 
 
 @dataclass(frozen=True, eq=False)
@@ -207,12 +207,10 @@ def retry_after_of(scheduler: Scheduler, alias: str) -> float | None:
 
 def wait_quantiles_ms(waits_s: Iterable[float]) -> tuple[float | None, float | None]:
     """p50 and p95 of the recent queue waits (nearest rank), in ms; None while nothing was admitted."""
-    ordered = sorted(waits_s)
-    if not ordered:
+    waits = list(waits_s)
+    p50, p95 = nearest_rank(waits, 0.50), nearest_rank(waits, 0.95)
+    if p50 is None or p95 is None:
         return None, None
-    n = len(ordered)
-    p50 = ordered[(n - 1) // 2]
-    p95 = ordered[min(n - 1, math.ceil(0.95 * n) - 1)]
     return round(p50 * 1000, 1), round(p95 * 1000, 1)
 
 

@@ -28,6 +28,7 @@ from nats.js import api as js_api
 
 from iop.edge.ledger import LEDGER_STREAM, LEDGER_SUBJECTS, RequestRecord, decode_batch, ledger_subject
 from iop.errors import BadRequest
+from iop.percentile import nearest_rank
 
 log = logging.getLogger("iop.edge")
 
@@ -167,7 +168,7 @@ class Aggregate:
                 name: _period_name(name, v) if name in _PERIOD_S else v  # type: ignore[arg-type]
                 for name, v in zip(self.query.by, k, strict=True)
             }
-            durations, queues = sorted(g.durations), sorted(g.queues)
+            durations, queues = g.durations, g.queues
             row.update(
                 requests=g.requests,
                 errors=g.errors,
@@ -207,10 +208,8 @@ def _grouping(by: tuple[str, ...]) -> Callable[[RequestRecord], tuple[object, ..
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile of sorted values."""
-    if not values:
-        return None
-    return round(values[min(len(values) - 1, max(0, int(q * len(values) + 0.999999) - 1))], 1)
+    p = nearest_rank(values, q)
+    return None if p is None else round(p, 1)
 
 
 def _iso(t: float) -> str:

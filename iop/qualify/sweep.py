@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import time
 from dataclasses import dataclass
 
+from iop.percentile import nearest_rank
 from iop.qualify.calls import Streamed, stream
 from iop.qualify.probes import Target
 from iop.qualify.schema import Level, Recommendation
@@ -116,10 +116,8 @@ async def measure(t: Target, concurrency: int, s: SweepSettings) -> Level:
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return round(values[min(len(values) - 1, int(q * len(values)))], 2)
+    p = nearest_rank(values, q)
+    return None if p is None else round(p, 2)
 
 
 def level_of(concurrency: int, total: int, results: list[Streamed], wall_s: float) -> Level:
@@ -161,7 +159,7 @@ def level_of(concurrency: int, total: int, results: list[Streamed], wall_s: floa
         tpot_ms_p50=_pct(tpot, 0.5),
         e2e_ms_p50=_pct(e2e, 0.5),
         e2e_ms_p95=_pct(e2e, 0.95),
-        decode_tok_s_p50=round(statistics.median(decode), 2) if decode else None,
+        decode_tok_s_p50=_pct(decode, 0.5),
         usage_missing=usage_missing,
         first_error=first_error[:200],
     )

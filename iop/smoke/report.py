@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from iop.contracts.status import PoolProviderStatus, Status
+from iop.percentile import nearest_rank
 from iop.smoke.burst import PATHS, BurstResult, Outcome
 from iop.smoke.ready import Plan, describe_ready
 
@@ -275,14 +275,6 @@ def _problems(failed: list[Outcome], limit: int = 4) -> str:
 # --- figures ----------------------------------------------------------------------------------------
 
 
-def percentile(values: list[float], p: float) -> float | None:
-    """Nearest-rank percentile; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
-
-
 def _group_figures(label: str, endpoint: str, stream: bool | None, outcomes: list[Outcome]) -> dict[str, Any]:
     ok = [o for o in outcomes if o.ok]
     lat = [o.latency_ms for o in ok]
@@ -294,8 +286,8 @@ def _group_figures(label: str, endpoint: str, stream: bool | None, outcomes: lis
         "requests": len(outcomes),
         "ok": len(ok),
         "failed": len(outcomes) - len(ok),
-        "latency_ms": {"p50": _r(percentile(lat, 50)), "p99": _r(percentile(lat, 99))},
-        "queue_ms": {"p50": _r(percentile(queue, 50)), "p99": _r(percentile(queue, 99))},
+        "latency_ms": {"p50": _r(nearest_rank(lat, 0.50)), "p99": _r(nearest_rank(lat, 0.99))},
+        "queue_ms": {"p50": _r(nearest_rank(queue, 0.50)), "p99": _r(nearest_rank(queue, 0.99))},
     }
 
 
