@@ -162,6 +162,25 @@ async def test_codex_tools_through_edge_and_node_with_the_sdk_stream_helper(nats
     assert sent == ["exec_command", "multi_agent_v1__close_agent", "apply_patch"]
 
 
+async def test_hosted_tool_types_reach_the_dropped_tools_header_only_as_safe_bounded_text(
+    nats_server: EmbeddedNats,
+) -> None:
+    forged = [{"type": "web_search\r\nx-forged: 1"}]
+    many = [{"type": f"hosted_{i}"} for i in range(3000)]
+    async with (
+        scripted_chat([Turn(text="one"), Turn(text="two")]) as up,
+        deployment_running(deployment(one_provider(up.url, "chat")), nats_server.url) as h,
+        h.http() as http,
+    ):
+        r = await http.post("/v1/responses", json={"model": "m", "input": "go", "tools": forged})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-iop-dropped-tools"] == "web_search??x-forged:?1" and "x-forged" not in r.headers
+        r = await http.post("/v1/responses", json={"model": "m", "input": "go", "tools": many})
+        assert r.status_code == 200, r.text
+        dropped = r.headers["x-iop-dropped-tools"]
+        assert len(dropped) <= 600 and dropped.startswith("hosted_0,hosted_1,") and dropped.endswith(" more")
+
+
 async def test_refusal_names_its_param_and_provider(nats_server: EmbeddedNats) -> None:
     async with (
         fake_upstream(api="chat") as up,

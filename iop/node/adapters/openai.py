@@ -137,7 +137,7 @@ class OpenAIAdapter:
                     request, name, tools=tools, vision=self.cfg.vision, replay_reasoning=self.cfg.replay_reasoning
                 )
                 if tools.dropped:
-                    dropped = ",".join(tools.dropped)
+                    dropped = dropped_tools_header(tools.dropped)
                     log.debug("request %s: dropped tools a chat server cannot run: %s", item.id, dropped)
                     headers["x-iop-dropped-tools"] = dropped
             else:
@@ -281,6 +281,27 @@ def _usage_of(answer: Mapping[str, Any]) -> wire.Usage | None:
     if not isinstance(u, Mapping):
         return None
     return usage_from_responses(u) if "input_tokens" in u else usage_from_chat(u)
+
+
+DROPPED_HEADER_BYTES = 512
+"""The most `x-iop-dropped-tools` holds; the types past it are counted (`,+N more`)."""
+_NOT_TOKEN = re.compile(r"[^A-Za-z0-9_.:-]")
+
+
+def dropped_tools_header(types: list[str]) -> str:
+    """`x-iop-dropped-tools`: the dropped hosted tools' types, as the client sent them only where safe.
+
+    The types are the client's strings: a CR/LF copied into a header made the server drop the
+    connection (after the request had run), and 3,000 types made a 192 KB header. Each character
+    outside `A-Z a-z 0-9 _ . : -` becomes `?`, and the list stops at DROPPED_HEADER_BYTES.
+    """
+    out = ""
+    for i, kind in enumerate(types):
+        piece = ("," if out else "") + _NOT_TOKEN.sub("?", kind[:64])
+        if len(out) + len(piece) > DROPPED_HEADER_BYTES:
+            return f"{out},+{len(types) - i} more"
+        out += piece
+    return out
 
 
 def upstream_request_id(request_id: str) -> str:
