@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple, Protocol
@@ -24,7 +23,6 @@ from iop.errors import (
     NotFound,
     PayloadTooLarge,
     RequestError,
-    Unauthorized,
     UnsupportedMediaType,
     error_event,
     error_response,
@@ -475,6 +473,7 @@ async def _discard(message: Message) -> None:
 
 
 def _timing_headers(provider: str, arrived: float, started: float) -> list[tuple[bytes, bytes]]:
+    # `arrived` is the loop's clock, `started` time.monotonic(): asyncio's loop clock is that one.
     queue_ms = max(0.0, (started - arrived) * 1000) if started else 0.0
     return [(b"x-iop-provider", provider.encode()), (b"x-iop-queue-ms", f"{queue_ms:.1f}".encode())]
 
@@ -486,7 +485,7 @@ def _node_headers(ch: Channel) -> list[tuple[bytes, bytes]]:
 
 async def _relay_whole(replies: AsyncIterator[bytes], send: Send, provider: str, arrived: float, ch: Channel) -> None:
     parts = [data async for data in replies]
-    started = _mono_to_loop(ch.started_mono)
+    started = ch.started_mono
     body = parts[0] if len(parts) == 1 else b"".join(parts)
     headers = _JSON + _timing_headers(provider, arrived, started) + _node_headers(ch)
     await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -503,7 +502,7 @@ async def _relay_stream(
         first = await it.__anext__()
     except StopAsyncIteration:
         first = b""
-    headers = _SSE + _timing_headers(provider, arrived, _mono_to_loop(ch.started_mono)) + _node_headers(ch)
+    headers = _SSE + _timing_headers(provider, arrived, ch.started_mono) + _node_headers(ch)
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": first, "more_body": True})
     failed: RequestError | None = None
@@ -517,11 +516,6 @@ async def _relay_stream(
             await send({"type": "http.response.body", "body": error_event(api, exc), "more_body": True})
     await send({"type": "http.response.body", "body": b""})
     return failed
-
-
-def _mono_to_loop(mono: float) -> float:
-    # asyncio's loop clock is time.monotonic() on every platform we run on.
-    return mono
 
 
 async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
@@ -580,17 +574,3 @@ async def _send_error(send: Send, response: ErrorResponse) -> None:
     extra = [(k.lower().encode(), v.encode()) for k, v in response.headers.items()]
     await send({"type": "http.response.start", "status": response.status, "headers": _JSON + extra})
     await send({"type": "http.response.body", "body": response.body})
-
-
-def check_bearer(scope: Scope, keys: list[bytes]) -> None:
-    """Constant-time check of `Authorization: Bearer <key>` against every configured key."""
-    given = b""
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            given = value[7:].strip() if value[:7].lower() == b"bearer " else b""
-            break
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(given, key)
-    if not ok:
-        raise Unauthorized("missing or invalid API key (send Authorization: Bearer <key>)")
