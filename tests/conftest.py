@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,30 @@ def built_archive(archive_sources: Path, tmp_path_factory: pytest.TempPathFactor
     done = build_archive(archive_sources, out)
     assert str(out) in done.stdout and "sha256" in done.stdout
     return out
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """Mounts a tmpfs of the size asked (`64m`) and returns its directory; unmounted after the test.
+
+    A disk that really fills (ENOSPC) needs root (CI runs tests as root); elsewhere the test is
+    skipped with the reason, never faked.
+    """
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a {size} tmpfs to fill (needs root): {done.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    try:
+        yield mount
+    finally:
+        for where in reversed(mounted):
+            subprocess.run(["umount", "-l", str(where)], check=False)

@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -103,6 +104,22 @@ async def test_edge_with_an_unusable_store_dir_names_the_path(tmp_path: Path) ->
     async with iop_process("edge", "--config", str(path), cwd=tmp_path) as edge:
         assert await edge.exit_code() != 0
     assert edge.stderr == [f"iop: store_dir {store}: Not a directory"]
+
+
+async def test_edge_on_a_store_too_small_for_the_ledger_says_so_and_how_to_set_it(
+    tmp_path: Path, small_disk: Callable[[str], Path]
+) -> None:
+    store = small_disk("1200m") / "nats"  # room for JetStream, less than the ledger's 1 GiB reservation
+    path = tmp_path / "deployment.yaml"
+    path.write_text(DEPLOYMENT.format(listen="127.0.0.1:0", store=store))
+    async with iop_process("edge", "--config", str(path), "--listen", "127.0.0.1:0", cwd=tmp_path) as edge:
+        assert await edge.exit_code(30) != 0
+    (line,) = [line for line in edge.stderr if line.startswith("iop: ")]
+    # Before: "cannot keep 1 replicas ...; edge.nats.replicas must not exceed the number of servers".
+    assert "replicas" not in line, line
+    assert "stream IOP_LEDGER" in line and "1.0 GiB (edge.ledger.max_bytes)" in line, line
+    assert "lower edge.ledger.max_bytes" in line and "edge.ledger.enabled: false" in line, line
+    assert not any("Traceback" in line for line in edge.stderr), edge.stderr
 
 
 LEGACY = """

@@ -26,6 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 
+from iop.errors import BusError
 from iop.nats import streams
 
 log = logging.getLogger("iop.edge")
@@ -123,10 +124,16 @@ async def ensure_ledger_stream(js: JetStreamContext, max_age_s: float, max_bytes
         duplicate_window=120.0,
     )
     # Created with edge.nats.replicas (streams.default_replicas), or scaled in place to them.
-    await streams.ensure_stream(js, cfg)
+    # max_bytes is reserved on the store at once: a store too small gets a line naming the setting.
+    await streams.ensure_stream(js, cfg, sized_by="edge.ledger.max_bytes")
     have = (await js.stream_info(LEDGER_STREAM)).config
     if have.max_bytes != max_bytes or abs((have.max_age or 0) - max_age_s) > 1e-3:
-        await js.update_stream(dataclasses.replace(cfg, num_replicas=have.num_replicas))
+        replicas = have.num_replicas or 1
+        try:
+            await js.update_stream(dataclasses.replace(cfg, num_replicas=replicas))
+        except nats.js.errors.APIError as exc:
+            problem = streams.stream_problem(f"stream {LEDGER_STREAM}", cfg, replicas, exc, "edge.ledger.max_bytes")
+            raise BusError(problem) from exc
 
 
 class LedgerWriter:

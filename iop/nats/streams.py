@@ -36,6 +36,28 @@ def _replica_problem(what: str, replicas: int, exc: nats.js.errors.APIError) -> 
     )
 
 
+INSUFFICIENT_RESOURCES = (10023, 10047)
+"""JetStream's "insufficient resources" and "insufficient storage resources available"."""
+
+
+def stream_problem(
+    what: str, cfg: js_api.StreamConfig, replicas: int, exc: nats.js.errors.APIError, sized_by: str
+) -> str:
+    """Why a stream could not be made: a store too small for the bytes it reserves, or the replicas."""
+    if exc.err_code in INSUFFICIENT_RESOURCES and cfg.max_bytes and cfg.max_bytes > 0:
+        size = (
+            f"{cfg.max_bytes / 1024**3:.1f} GiB" if cfg.max_bytes >= 1024**3 else f"{cfg.max_bytes / 1024**2:.0f} MiB"
+        )
+        setting = f" ({sized_by})" if sized_by else ""
+        fix = f"lower {sized_by}, " if sized_by else ""
+        return (
+            f"{what}: the NATS store has less room than the {size}{setting} the stream reserves "
+            f"({exc.description or exc}): {fix}give the store (edge.nats.store_dir) more space"
+            + (", or set edge.ledger.enabled: false" if sized_by.startswith("edge.ledger.") else "")
+        )
+    return _replica_problem(what, replicas, exc)
+
+
 async def _until_led(js: JetStreamContext, stream: str, timeout_s: float = 10.0) -> None:
     """Until a new stream has a leader: on a cluster its raft group forms after the create returns,
     and reads (a KV direct get) before that find no responder."""
@@ -48,13 +70,19 @@ async def _until_led(js: JetStreamContext, stream: str, timeout_s: float = 10.0)
 
 
 async def ensure_stream(
-    js: JetStreamContext, cfg: js_api.StreamConfig, *, replicas: int | None = None, scale: bool = True
+    js: JetStreamContext,
+    cfg: js_api.StreamConfig,
+    *,
+    replicas: int | None = None,
+    scale: bool = True,
+    sized_by: str = "",
 ) -> None:
     """Create stream `cfg` if missing, with the deployment's replicas; scale an existing one in place.
 
     Idempotent and safe from several edges. `replicas` None: `default_replicas`. NATS moves a
     live stream between R1 and R3 by itself (its consumers follow); when it cannot, one BusError
     line names the stream and why. `scale` False (a node): never change an existing stream.
+    `sized_by`: the setting that gives `cfg.max_bytes`, named when the store cannot reserve it.
     """
     n = _replicas(replicas)
     name = cfg.name
@@ -69,9 +97,9 @@ async def ensure_stream(
             return
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code != 10058:  # 10058: the name is in use (another edge created it meanwhile)
-                raise BusError(_replica_problem(f"stream {cfg.name}", n, exc)) from exc
+                raise BusError(stream_problem(f"stream {cfg.name}", cfg, n, exc, sized_by)) from exc
         except nats.js.errors.APIError as exc:
-            raise BusError(_replica_problem(f"stream {cfg.name}", n, exc)) from exc
+            raise BusError(stream_problem(f"stream {cfg.name}", cfg, n, exc, sized_by)) from exc
         info = await js.stream_info(name)
     have = info.config.num_replicas or 1
     if have != n and scale:
