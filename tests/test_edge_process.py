@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,6 +122,67 @@ async def test_edge_on_a_store_too_small_for_the_ledger_says_so_and_how_to_set_i
     assert "stream IOP_LEDGER" in line and "1.0 GiB (edge.ledger.max_bytes)" in line, line
     assert "lower edge.ledger.max_bytes" in line and "edge.ledger.enabled: false" in line, line
     assert not any("Traceback" in line for line in edge.stderr), edge.stderr
+
+
+def fill(disk: Path) -> Path:
+    """Write zeros to `disk` until it has no space left; the file that filled it."""
+    filler = disk / "filler"
+    chunk = b"\0" * (1024 * 1024)
+    with filler.open("wb") as f:
+        while True:
+            try:
+                f.write(chunk)
+                f.flush()
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+                return filler
+
+
+async def test_a_full_disk_fails_pool_requests_and_health_and_both_recover_once_space_returns(
+    tmp_path: Path, small_disk: Callable[[str], Path]
+) -> None:
+    store = small_disk("64m") / "nats"
+    path = tmp_path / "deployment.yaml"
+    text = DEPLOYMENT.format(listen="127.0.0.1:0", store=store)
+    path.write_text(
+        text.replace(
+            "edge:\n", "edge:\n  queue: {timeout_s: 2}\n  ledger: {enabled: false}\n  responses: {enabled: false}\n", 1
+        )
+    )
+    async with iop_process("edge", "--config", str(path), cwd=tmp_path) as edge:
+        url = (await edge.wait_line(r"iop edge listening on (http://\S+)")).group(1)
+        nats_url = (await edge.wait_line(r"nats=(\S+)")).group(1)
+        async with (
+            iop_process("node", "--config", str(path), "--node", "n1", "--nats", nats_url, cwd=tmp_path) as node,
+            httpx.AsyncClient(base_url=url, timeout=30) as http,
+        ):
+            await node.wait_line("iop node n1 serving")
+            assert (await http.post("/v1/chat/completions", json=GOOD)).status_code == 200
+            filler = fill(store.parent)
+            big = {**GOOD, "messages": [{"role": "user", "content": "x" * 65536}]}
+
+            async def refused() -> bool:
+                return (await http.post("/v1/chat/completions", json=big)).status_code == 503
+
+            await eventually(refused, timeout_s=30, every_s=0.05)
+            health = await http.get("/healthz")
+            # Before: /healthz said storage was fine every other second while every pool request failed.
+            for _ in range(3):
+                health = await http.get("/healthz")
+                assert health.status_code == 503 and health.json()["storage"] is False, health.text
+            filler.unlink()
+            freed = time.monotonic()
+
+            async def served() -> bool:
+                return (await http.post("/v1/chat/completions", json=GOOD)).status_code == 200
+
+            # Before: 503 for every pool request for 30 s and more, until the edge was restarted.
+            await eventually(served, timeout_s=15, every_s=0.1)
+            took = time.monotonic() - freed
+            assert (await http.get("/healthz")).status_code == 200
+            assert any("room again" in line for line in edge.lines), edge.lines[-10:]
+    print(f"\nfull disk freed: pool requests served again {took:.2f}s later")
+    assert took < 5, took
 
 
 LEGACY = """

@@ -1,9 +1,7 @@
 """The work stream gone or unusable under a running edge: recovery, and what health and status say.
 
-A full disk cannot be made here without root (no small filesystem to fill, and filling a shared
-one would hurt everybody on the machine). What kept pool requests failing after the disk was
-freed was the work stream the edge had stopped being able to use and never checked again until a
-restart; these tests take the stream away for real on a real nats-server instead.
+These tests take the stream away for real on a real nats-server: deleted, or replaced by one that
+cannot hold the work. A really full disk (a filled tmpfs, root only) is in test_edge_process.py.
 """
 
 from __future__ import annotations

@@ -132,7 +132,9 @@ async def ensure_ledger_stream(js: JetStreamContext, max_age_s: float, max_bytes
         try:
             await js.update_stream(dataclasses.replace(cfg, num_replicas=replicas))
         except nats.js.errors.APIError as exc:
-            problem = streams.stream_problem(f"stream {LEDGER_STREAM}", cfg, replicas, exc, "edge.ledger.max_bytes")
+            problem = streams.stream_problem(
+                f"stream {LEDGER_STREAM}", max_bytes, replicas, exc, "edge.ledger.max_bytes"
+            )
             raise BusError(problem) from exc
 
 

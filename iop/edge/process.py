@@ -16,6 +16,7 @@ from iop.edge import http as edge_http
 from iop.edge.app import build_app
 from iop.edge.keys import EdgeKeys
 from iop.edge.root import Edge
+from iop.edge.store_recovery import recover_store
 from iop.errors import BusError, ConfigError
 from iop.nats import connection
 from iop.nats.access import NatsAccess
@@ -119,9 +120,10 @@ async def run_edge(
             loop.add_signal_handler(sig, stop.set)
         if loaded.path is not None:
             loop.add_signal_handler(signal.SIGHUP, edge.refresher.reload, loaded.path)
-        supervisor = None
+        supervisor = recovery = None
         if embedded is not None:
             supervisor = asyncio.create_task(_supervise_nats(embedded, edge, stop))
+            recovery = asyncio.create_task(recover_store(embedded, edge.work_stream))
         serve = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if serve.done():
@@ -134,8 +136,9 @@ async def run_edge(
         if ready is not None:
             ready.set()
         await stop.wait()
-        if supervisor is not None:
-            supervisor.cancel()
+        for task in (supervisor, recovery):
+            if task is not None:
+                task.cancel()
         log.info("iop edge stopping: finishing in-flight requests (up to %gs)", grace_s)
         edge.end_streams()
         server.should_exit = True
@@ -183,6 +186,9 @@ async def _supervise_nats(embedded: EmbeddedNats, edge: Edge, stop: asyncio.Even
     restarts: list[float] = []
     while True:
         status = await embedded.wait()
+        if embedded.recycling is not None:
+            await asyncio.wait({embedded.recycling})  # a restart the edge asked for, not a death
+            continue
         now = time.monotonic()
         restarts = [t for t in restarts if now - t < NATS_RESTART_WINDOW_S]
         if len(restarts) >= NATS_RESTARTS:

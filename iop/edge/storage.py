@@ -27,6 +27,9 @@ log = logging.getLogger("iop.edge")
 REPAIR_TRIES = 3
 """Tries to re-make the stream and consumers after a failed publish (0.1 s, then 0.2 s apart)."""
 REPAIR_AGAIN_S = 1.0
+PROBE_SUBJECT = "iop.work._health.probe"
+"""In the work stream, read by no consumer (a provider's filter is one token after `iop.work.`):
+a health check stores a message there and deletes it, the one proof the store takes writes."""
 """After a repair failed, publishes within this long fail at once instead of repairing again."""
 
 
@@ -44,9 +47,23 @@ class WorkStream:
         self._lock = asyncio.Lock()
         self._failed_at = 0.0
         self._repair_failed = False
+        self._store_failed = False
+
+    def store_failed(self, problem: str) -> None:
+        """The NATS server said its store failed a write (a full disk): unusable until it is back."""
+        self._store_failed = True
+        self.error = f"work stream unusable: {problem}"
+        self._failed_at = time.monotonic()
+        log.error("%s", self.error)
+
+    def store_back(self) -> None:
+        """The failed store was loaded again: the next health check or publish finds out if it writes."""
+        self._store_failed = False
 
     def ok(self) -> None:
         """A publish went through: whatever was wrong is over."""
+        if self._store_failed:
+            return
         if self.error is not None:
             log.info("work stream usable again")
             self.error = None
@@ -73,15 +90,30 @@ class WorkStream:
         health clears without waiting for the next pool request to find it usable."""
         if self.error is None or self._lock.locked() or time.monotonic() - self._failed_at < REPAIR_AGAIN_S:
             return
+        if self._store_failed:
+            self._failed_at = time.monotonic()
+            return
         if await self.repair(None) is not None and not self._repair_failed:
             try:
                 info = await self.js.stream_info(wire.WORK_STREAM)
             except (nats.errors.Error, TimeoutError, OSError):
                 info = None
-            if info is not None and wire.WORK_SUBJECTS in (info.config.subjects or []):
+            # A stream that answers its info may still fail every write (its store hit a full
+            # disk): only a stored message says it is usable. Before, /healthz said fine meanwhile.
+            if info is not None and wire.WORK_SUBJECTS in (info.config.subjects or []) and await self._writes():
                 self.ok()
                 return
         self._failed_at = time.monotonic()
+
+    async def _writes(self) -> bool:
+        """Store one message in the work stream and delete it again; whether both went through."""
+        try:
+            ack = await self.js.publish(PROBE_SUBJECT, b"", stream=wire.WORK_STREAM, timeout=2.0)
+            await self.js.delete_msg(wire.WORK_STREAM, ack.seq)
+        except (nats.errors.Error, TimeoutError, OSError) as exc:
+            self.error = f"work stream unusable: a test write failed: {_reason(exc)}"
+            return False
+        return True
 
     async def repair(self, exc: BaseException | None) -> bool | None:
         """After a publish failed with `exc`: make the stream and consumers again if they are gone.

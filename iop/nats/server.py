@@ -15,7 +15,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
@@ -77,6 +77,11 @@ class EmbeddedNats:
         self._drain: asyncio.Task[None] | None = None
         self._conf_dir: Path | None = None
         self._reloaded = asyncio.Event()
+        self.store_failed = ""
+        """The server's last critical write error (a full disk): its streams stay failed until it restarts."""
+        self.store_failed_event = asyncio.Event()
+        self.recycling: asyncio.Future[None] | None = None
+        """Set while `recycle` restarts the server: its exit then is asked for, not a death."""
 
     @property
     def address(self) -> str:
@@ -159,7 +164,9 @@ class EmbeddedNats:
         except BusError:
             await self.stop()
             raise
-        self._drain = asyncio.create_task(_drain_log(self.proc.stderr, self._reloaded, self.route_problems))
+        self._drain = asyncio.create_task(
+            _drain_log(self.proc.stderr, self._reloaded, self.route_problems, self._store_write_failed)
+        )
         log.info(
             "embedded nats-server (pid %d) ready on %s (store %s, credentials in %s)",
             self.proc.pid,
@@ -174,6 +181,39 @@ class EmbeddedNats:
         if proc is None:
             return 0
         return await proc.wait()
+
+    def _store_write_failed(self, problem: str) -> None:
+        self.store_failed = problem
+        self.store_failed_event.set()
+
+    async def recycle(self, timeout_s: float = 15.0) -> None:
+        """Stop the server and start it again on the same port and store, keeping the store lock.
+
+        nats-server keeps a stream whose store failed a write (a full disk) failed, freed disk or
+        not, until it loads the stream again at its next start.
+        """
+
+        async def again() -> None:
+            proc = self.proc
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        await proc.wait()
+                except TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                    await proc.wait()
+            self.store_failed = ""
+            self.store_failed_event.clear()
+            await self.restart(timeout_s)
+
+        self.recycling = asyncio.ensure_future(again())
+        try:
+            await self.recycling
+        finally:
+            self.recycling = None
 
     async def restart(self, timeout_s: float = 15.0) -> None:
         """Start the server again after it died: same port (clients reconnect by themselves), same store."""
@@ -283,12 +323,21 @@ AUTH_ERROR_EVERY_S = 60.0
 """The server's "authentication error" for one user is passed on once in this long (a removed node retries)."""
 
 
-async def _drain_log(stderr: asyncio.StreamReader, reloaded: asyncio.Event, route_problems: list[str]) -> None:
+async def _drain_log(
+    stderr: asyncio.StreamReader,
+    reloaded: asyncio.Event,
+    route_problems: list[str],
+    store_failed: Callable[[str], None],
+) -> None:
     # Keep reading so the pipe never fills and blocks the server; surface warnings and errors.
     said: dict[str, float] = {}
     while line := await stderr.readline():
         if b"Reloaded server configuration" in line:
             reloaded.set()
+        elif b"critical write error" in line:
+            text = line.decode(errors="replace").strip()
+            store_failed(text.split("[ERR] ", 1)[-1])
+            log.warning("nats-server: %s", text)
         elif (b"[ERR]" in line) and (route := _ROUTE_PROBLEM_RE.search(line.strip())):
             problem = re.sub(r" \(attempt \d+\)", "", route.group(1).decode(errors="replace"))
             if problem in route_problems:

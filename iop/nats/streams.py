@@ -40,20 +40,16 @@ INSUFFICIENT_RESOURCES = (10023, 10047)
 """JetStream's "insufficient resources" and "insufficient storage resources available"."""
 
 
-def stream_problem(
-    what: str, cfg: js_api.StreamConfig, replicas: int, exc: nats.js.errors.APIError, sized_by: str
-) -> str:
+def stream_problem(what: str, max_bytes: int | None, replicas: int, exc: nats.js.errors.APIError, sized_by: str) -> str:
     """Why a stream could not be made: a store too small for the bytes it reserves, or the replicas."""
-    if exc.err_code in INSUFFICIENT_RESOURCES and cfg.max_bytes and cfg.max_bytes > 0:
-        size = (
-            f"{cfg.max_bytes / 1024**3:.1f} GiB" if cfg.max_bytes >= 1024**3 else f"{cfg.max_bytes / 1024**2:.0f} MiB"
-        )
+    if exc.err_code in INSUFFICIENT_RESOURCES and max_bytes and max_bytes > 0:
+        size = f"{max_bytes / 1024**3:.1f} GiB" if max_bytes >= 1024**3 else f"{max_bytes / 1024**2:.0f} MiB"
         setting = f" ({sized_by})" if sized_by else ""
         fix = f"lower {sized_by}, " if sized_by else ""
+        off = f", or set {sized_by.rpartition('.')[0]}.enabled: false" if sized_by.startswith("edge.") else ""
         return (
-            f"{what}: the NATS store has less room than the {size}{setting} the stream reserves "
-            f"({exc.description or exc}): {fix}give the store (edge.nats.store_dir) more space"
-            + (", or set edge.ledger.enabled: false" if sized_by.startswith("edge.ledger.") else "")
+            f"{what}: the NATS store has less room than the {size}{setting} it reserves "
+            f"({exc.description or exc}): {fix}give the store (edge.nats.store_dir) more space{off}"
         )
     return _replica_problem(what, replicas, exc)
 
@@ -97,9 +93,9 @@ async def ensure_stream(
             return
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code != 10058:  # 10058: the name is in use (another edge created it meanwhile)
-                raise BusError(stream_problem(f"stream {cfg.name}", cfg, n, exc, sized_by)) from exc
+                raise BusError(stream_problem(f"stream {cfg.name}", cfg.max_bytes, n, exc, sized_by)) from exc
         except nats.js.errors.APIError as exc:
-            raise BusError(stream_problem(f"stream {cfg.name}", cfg, n, exc, sized_by)) from exc
+            raise BusError(stream_problem(f"stream {cfg.name}", cfg.max_bytes, n, exc, sized_by)) from exc
         info = await js.stream_info(name)
     have = info.config.num_replicas or 1
     if have != n and scale:
@@ -110,8 +106,13 @@ async def ensure_stream(
         log.warning("stream %s: replicas %d → %d (NATS copies it in place)", cfg.name, have, n)
 
 
-async def ensure_bucket(js: JetStreamContext, cfg: js_api.KeyValueConfig, *, replicas: int | None = None) -> Any:
-    """The KV bucket `cfg`, created if missing with the deployment's replicas, scaled in place if not."""
+async def ensure_bucket(
+    js: JetStreamContext, cfg: js_api.KeyValueConfig, *, replicas: int | None = None, sized_by: str = ""
+) -> Any:
+    """The KV bucket `cfg`, created if missing with the deployment's replicas, scaled in place if not.
+
+    `sized_by`: the setting that gives `cfg.max_bytes`, named when the store cannot reserve it.
+    """
     n = _replicas(replicas)
     try:
         kv = await js.key_value(cfg.bucket)
@@ -122,9 +123,9 @@ async def ensure_bucket(js: JetStreamContext, cfg: js_api.KeyValueConfig, *, rep
             return kv
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code != 10058:
-                raise BusError(_replica_problem(f"KV bucket {cfg.bucket}", n, exc)) from exc
+                raise BusError(stream_problem(f"KV bucket {cfg.bucket}", cfg.max_bytes, n, exc, sized_by)) from exc
         except nats.js.errors.APIError as exc:
-            raise BusError(_replica_problem(f"KV bucket {cfg.bucket}", n, exc)) from exc
+            raise BusError(stream_problem(f"KV bucket {cfg.bucket}", cfg.max_bytes, n, exc, sized_by)) from exc
         kv = await js.key_value(cfg.bucket)
     stream = f"KV_{cfg.bucket}"
     info = await js.stream_info(stream)

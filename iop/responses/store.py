@@ -75,7 +75,7 @@ class ResponseStore:
         cfg = js_api.KeyValueConfig(
             bucket=BUCKET, history=1, ttl=settings.max_age, max_bytes=settings.max_bytes, direct=True
         )
-        kv = await streams.ensure_bucket(js, cfg, replicas=replicas)
+        kv = await streams.ensure_bucket(js, cfg, replicas=replicas, sized_by="edge.responses.max_bytes")
         info = await js.stream_info(f"KV_{BUCKET}")
         if info.config.max_age != settings.max_age or info.config.max_bytes != settings.max_bytes:
             # Several edges share the bucket; each brings it to its own limits at start (as the ledger).
