@@ -371,3 +371,22 @@ async def test_responses_store_background_must_be_stored(nats_server: EmbeddedNa
                 r = await create(http, input="hi", background=True, **body)
                 assert r.status_code == 400 and r.json()["error"]["param"] == "background"
     assert up.total == 0
+
+
+async def test_responses_store_a_deleted_earlier_turn_breaks_the_chain(nats_server: EmbeddedNats) -> None:
+    async with (
+        fake_upstream(api="chat") as up,
+        deployment_running(deployment(one_provider(up.url, "chat")), nats_server.url) as h,
+        h.http() as http,
+    ):
+        ids: list[str] = []
+        for n in range(3):
+            r = await create(http, input=f"turn {n}", previous_response_id=ids[-1] if ids else None)
+            ids.append(r.json()["id"])
+        assert (await create(http, input="go on", previous_response_id=ids[-1])).status_code == 200
+        await http.delete(f"/v1/responses/{ids[0]}", headers=auth(KEY_A))
+        r = await create(http, input="go on", previous_response_id=ids[-1])
+        assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found"
+        assert ids[0] in r.json()["error"]["message"]  # which turn is missing
+    users = [m["content"] for m in up.bodies[3]["messages"] if m["role"] == "user"]
+    assert users == ["turn 0", "turn 1", "turn 2", "go on"]

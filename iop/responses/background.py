@@ -34,7 +34,7 @@ async def queue(responses: Responses, owner: str, turn: Turn, request: Mapping[s
     queued.update(status="queued", background=True, store=True, previous_response_id=turn.previous)
     turn.response_id = queued["id"]
     assert responses.store is not None  # expand refuses background without a store
-    await responses.store.keep(owner, Stored(queued, list(turn.items), turn.previous), [])
+    await responses.store.keep(owner, Stored(queued, list(turn.items), turn.previous, turn.chain), [])
     return queued
 
 
@@ -60,7 +60,7 @@ async def cancel(responses: Responses, owner: str, stored: Stored) -> dict[str, 
         return response
     response = {**response, "status": "cancelled", "completed_at": None}
     assert responses.store is not None
-    await responses.store.keep(owner, Stored(response, stored.input, stored.previous), [])
+    await responses.store.keep(owner, Stored(response, stored.input, stored.previous, stored.chain), [])
     task = responses.running.get(str(response["id"]))
     if task is not None:
         task.cancel()

@@ -43,6 +43,8 @@ class Turn:
     background: bool = False
     response_id: str | None = None
     """The id the client was given before the answer existed (a background response): the answer takes it."""
+    chain: list[str] = field(default_factory=list)
+    """The earlier responses' ids, oldest first (kept with the answer: the next turn reads them at once)."""
     request: dict[str, Any] = field(default_factory=dict)
     """The client's request as it came (a background response echoes it before any answer)."""
 
@@ -86,10 +88,10 @@ class Responses:
         items = await self._resolve(_input_items(out.get("input")), owner)
         referenced = {str(item.get("id")) for item, ref in items if ref}
         turn_items = [item for item, _ in items]
-        history = await self._history(previous, owner) if previous else []
+        history, chain = await self._history(previous, owner) if previous else ([], [])
         out["input"] = history + turn_items
         stored = asked and self.store is not None
-        return Turn(out, turn_items, previous or None, stored, referenced, background)
+        return Turn(out, turn_items, previous or None, stored, referenced, background, chain=chain)
 
     async def keep(self, owner: str, turn: Turn, response: dict[str, Any]) -> None:
         """Keep an answered turn (when it is to be kept); a store that cannot is logged, never raised."""
@@ -106,7 +108,7 @@ class Responses:
         new = [i for i in turn.items if isinstance(i, dict) and i.get("id") not in turn.referenced]
         new += [i for i in response.get("output") or [] if isinstance(i, dict)]
         try:
-            kept = await self.store.keep(owner, Stored(response, list(turn.items), turn.previous), new)
+            kept = await self.store.keep(owner, Stored(response, list(turn.items), turn.previous, turn.chain), new)
         except Exception as exc:  # NATS down, a bucket at its limit: the answer still goes out
             log.warning("response store: %s not kept: %s", response.get("id"), type(exc).__name__)
             return
@@ -125,23 +127,31 @@ class Responses:
 
         return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(items))))
 
-    async def _history(self, previous: str, owner: str) -> list[Any]:
-        """The input and output items of `previous` and every response before it, oldest first."""
-        turns: list[Stored] = []
-        at: str | None = previous
-        while at is not None and len(turns) < MAX_CHAIN:
-            stored = await self.store.response(owner, at) if self.store is not None else None
-            if stored is None:
-                raise PreviousResponseNotFound(
-                    f"Previous response with id '{at}' not found.", param="previous_response_id"
-                )
-            turns.append(stored)
-            at = stored.previous
+    async def _history(self, previous: str, owner: str) -> tuple[list[Any], list[str]]:
+        """The input and output items of `previous` and every response before it, oldest first, and their ids.
+
+        The previous response names all its ancestors, so they are read at once: two round trips
+        to NATS whatever the conversation's length.
+        """
+        last = await self._stored(previous, owner)
+        chain = [*last.chain, previous]
+        if len(chain) > MAX_CHAIN:
+            raise BadRequest(f"the conversation is longer than {MAX_CHAIN} responses", param="previous_response_id")
+        earlier = await asyncio.gather(*(self._stored(at, owner) for at in last.chain))
         history: list[Any] = []
-        for stored in reversed(turns):
+        for stored in (*earlier, last):
             history += stored.input
             history += stored.response.get("output") or []
-        return history
+        return history, chain
+
+    async def _stored(self, response_id: str, owner: str) -> Stored:
+        stored = await self.store.response(owner, response_id) if self.store is not None else None
+        if stored is None:
+            # A deleted (or expired) earlier turn breaks the chain: the conversation is not whole.
+            raise PreviousResponseNotFound(
+                f"Previous response with id '{response_id}' not found.", param="previous_response_id"
+            )
+        return stored
 
 
 def _input_items(value: object) -> list[Any]:

@@ -54,6 +54,8 @@ class Stored(msgspec.Struct):
     input: list[dict[str, Any]]
     """This turn's input items (references resolved, each with an id); earlier turns are in `previous`."""
     previous: str | None = None
+    chain: list[str] = msgspec.field(default_factory=list)
+    """Every earlier response of the conversation, oldest first (`previous` last): read all at once."""
 
 
 _encode = msgspec.json.Encoder().encode
