@@ -18,11 +18,13 @@ import re
 from typing import Any
 
 import msgspec
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import api as js_api
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from iop import config
+from iop.errors import BusError
 from iop.nats import streams
 
 log = logging.getLogger("iop.responses")
@@ -82,7 +84,12 @@ class ResponseStore:
         if info.config.max_age != settings.max_age or info.config.max_bytes != settings.max_bytes:
             # Several edges share the bucket; each brings it to its own limits at start (as the ledger).
             new = dataclasses.replace(info.config, max_age=settings.max_age, max_bytes=settings.max_bytes)
-            await js.update_stream(new)
+            try:
+                await js.update_stream(new)
+            except nats.js.errors.APIError as exc:
+                n, sized_by = info.config.num_replicas or 1, "edge.responses.max_bytes"
+                problem = streams.stream_problem(f"KV bucket {BUCKET}", settings.max_bytes, n, exc, sized_by)
+                raise BusError(problem) from exc
         return cls(kv, nc.max_payload)
 
     async def response(self, owner: str, response_id: str) -> Stored | None:
