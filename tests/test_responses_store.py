@@ -390,3 +390,16 @@ async def test_responses_store_a_deleted_earlier_turn_breaks_the_chain(nats_serv
         assert ids[0] in r.json()["error"]["message"]  # which turn is missing
     users = [m["content"] for m in up.bodies[3]["messages"] if m["role"] == "user"]
     assert users == ["turn 0", "turn 1", "turn 2", "go on"]
+
+
+async def test_responses_store_unreachable_is_503_never_a_traceback(nats_server: EmbeddedNats) -> None:
+    from iop import config
+    from iop.errors import Unavailable
+
+    nc = await connection.connect(nats_server.url, "test-store", wait_s=5)
+    store = await ResponseStore.open(nc, config.ResponsesSettings())
+    await nc.close()
+    for call in (store.response("o", "resp_1"), store.item("o", "msg_1"), store.listing(10)):
+        with pytest.raises(Unavailable) as refused:
+            await call
+        assert (refused.value.status, refused.value.code) == (503, "response_store_unavailable")
