@@ -119,7 +119,7 @@ async def test_websocket_runs_responses_in_turn_and_continues_with_only_the_new_
     assert messages[1]["tool_calls"][0]["id"] == "call_ws1"
     assert messages[2] == {"role": "tool", "tool_call_id": "call_ws1", "content": "README.md\nsetup.py"}
     assert (old["type"], old["status"], old["error"]["code"]) == ("error", 400, "previous_response_not_found")
-    assert (new["type"], new["status"], new["error"]["param"]) == ("error", 400, "previous_response_id")
+    assert (new["type"], new["status"], new["error"]["code"]) == ("error", 400, "previous_response_not_found")
 
 
 async def test_websocket_refused_events_answer_error_frames_and_the_socket_stays_open(
