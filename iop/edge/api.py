@@ -239,7 +239,8 @@ class ApiEndpoint:
         queued = await background.queue(edge.responses, owner, turn, turn.request, model)
         trace = Trace(new_request_id(), self.api)
         trace.key = out.trace.key
-        inner = _TrackedSend(KeepingSend(_discard, edge.responses, owner, turn, False), trace)
+        keeper = KeepingSend(_discard, edge.responses, owner, turn, False)
+        inner = _TrackedSend(keeper, trace)
         never = asyncio.Event()
 
         async def no_client() -> Message:
@@ -249,6 +250,8 @@ class ApiEndpoint:
         async def work() -> None:
             try:
                 await self._serve(body, model, False, no_client, inner, session)
+                if edge.responses.stopping and not keeper.kept:
+                    await background.abandoned(edge.responses, owner, turn, queued)
             except RequestError as exc:
                 trace.error = exc.code
                 await background.failed(edge.responses, owner, turn, queued, exc)
