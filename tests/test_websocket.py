@@ -18,7 +18,7 @@ from iop.edge.usage_query import follow
 from iop.nats.server import EmbeddedNats
 from iop.openai.compaction import COMPACTION_PROMPT
 from tests.codex_upstream import Call, ScriptedChat, Turn, scripted_chat
-from tests.harness import deployment, edge_server_running, until
+from tests.harness import deployment, deployment_running, until
 from tests.wsclient import Closed, Refused, WsClient
 
 YAML = """
@@ -54,7 +54,7 @@ async def edge_with_sockets(nats_url: str, turns: list[Turn]) -> AsyncIterator[S
     keys = EdgeKeys(clients=[Key("c", b"ws-key")], admins=[])
     async with (
         scripted_chat(turns) as up,
-        edge_server_running(deployment(YAML.format(url=up.url)), nats_url, keys) as h,
+        deployment_running(deployment(YAML.format(url=up.url)), nats_url, keys) as h,
     ):
         served = Served(h.url, h.edge, up)
 
