@@ -218,7 +218,12 @@ def test_bundle_nats_server_path_finds_the_wheels_binary(monkeypatch: pytest.Mon
 # What each platform's compiled files must say in their headers, read here independently of build.py.
 ELF_MACHINE = {"linux-x86_64": 62, "linux-aarch64": 183}
 MACHO_ARM64 = 0x0100000C
-WHEEL_PLATFORM = {"linux-x86_64": "_x86_64", "linux-aarch64": "_aarch64", "darwin-arm64": "_arm64"}
+# The platform part a wheel's tag ends with: a macOS wheel may be universal2 (arm64 and x86_64 in one).
+WHEEL_PLATFORM = {
+    "linux-x86_64": ("_x86_64",),
+    "linux-aarch64": ("_aarch64",),
+    "darwin-arm64": ("_arm64", "_universal2"),
+}
 
 
 def _compiled_for(data: bytes, platform: str) -> bool | None:
