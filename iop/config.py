@@ -273,6 +273,10 @@ class CliAdapter(_Strict, tag="cli", tag_field="type"):
     ] = msgspec.field(default_factory=list)
 
 
+UpstreamApi = Literal["chat", "responses", "messages", "embeddings", "completions"]
+"""An endpoint an upstream serves itself (iop/endpoints.py)."""
+
+
 class OpenAIAdapter(_Strict, tag="openai", tag_field="type"):
     """An upstream OpenAI-compatible server (vLLM, MLX, llama.cpp, ...)."""
 
@@ -281,8 +285,11 @@ class OpenAIAdapter(_Strict, tag="openai", tag_field="type"):
         str, Meta(extra={"format": "http_url"}, description="The upstream's API root, e.g. http://h:8000/v1.")
     ]
     api: Annotated[
-        Literal["chat", "responses", "both"],
-        Meta(description="What the upstream serves: /chat/completions, /responses, or both."),
+        Literal["chat", "responses", "both"] | Annotated[list[UpstreamApi], Meta(min_length=1)],
+        Meta(
+            description="What the upstream serves: /chat/completions, /responses, or both; or a list of "
+            "the endpoints it serves (chat, responses, messages, embeddings, completions)."
+        ),
     ] = "chat"
     api_key_env: Annotated[EnvName | None, Meta(description="Environment variable holding the upstream's API key.")] = (
         None
@@ -500,7 +507,8 @@ def _what(ref: ProviderRef, alias_model: str) -> str:
     if isinstance(adapter, CliAdapter):
         return shlex.join(adapter.command)
     if isinstance(adapter, OpenAIAdapter):
-        return f"{model} at {adapter.base_url} ({adapter.api})"
+        api = adapter.api if isinstance(adapter.api, str) else ", ".join(adapter.api)
+        return f"{model} at {adapter.base_url} ({api})"
     return f"{model} ({adapter.tokens} tokens, first after {adapter.latency_ms:g} ms)"
 
 

@@ -216,7 +216,11 @@ class Checker:
         else:
             attempts = [self.check(value, m, path) for m in members]
             if all(attempts):
-                out.extend(attempts[0])
+                # A list is told what is wrong inside it, not that it should have been a string.
+                same_kind = [
+                    a for m, a in zip(members, attempts, strict=True) if _is_list(m) == isinstance(value, list)
+                ]
+                out.extend(same_kind[0] if same_kind else attempts[0])
 
     def _tagged(self, value: object, members: list[mi.StructType], path: Path, out: list[Problem]) -> None:
         if not isinstance(value, dict):
@@ -636,3 +640,9 @@ class CrossCheck:
         if seen.adapter_type is not None and seen.adapter_type != self.defaults.cli_type:
             return f"{provider_id!r} is not a CLI resource (it has a capacity); put it in a pool instead"
         return None
+
+
+def _is_list(t: mi.Type) -> bool:
+    while isinstance(t, mi.Metadata):
+        t = t.type
+    return isinstance(t, mi.ListType)

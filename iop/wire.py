@@ -132,7 +132,8 @@ def reply_subject(edge: str, node: str, request: str) -> str:
 
 # --- messages -------------------------------------------------------------------------------------
 
-Api = Literal["chat", "responses"]
+Api = Literal["chat", "responses", "messages", "embeddings", "completions"]
+"""The endpoint the client called; a node older than messages/embeddings/completions refuses their items."""
 
 
 class WorkItem(msgspec.Struct, kw_only=True, array_like=True):

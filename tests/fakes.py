@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import socket
+import struct
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,7 +22,8 @@ from starlette.routing import Route
 
 @dataclass
 class FakeUpstream:
-    """Behaviour knobs and what it saw. `api` is what it serves: chat, responses or both."""
+    """Behaviour knobs and what it saw. `api` is what it serves: "both" (chat and responses), or a
+    comma-separated list of chat, responses, messages, embeddings, completions."""
 
     api: str = "both"
     latency_s: float = 0.0
@@ -73,8 +76,9 @@ class FakeUpstream:
     def app(self) -> Starlette:
         async def handle(request: Request) -> Response:
             path = request.url.path
-            kind = "chat" if path.endswith("/chat/completions") else "responses"
-            if self.api not in ("both", kind):
+            kind = path.rsplit("/", 1)[1]
+            kind = {"completions": "chat" if path.endswith("/chat/completions") else "completions"}.get(kind, kind)
+            if kind not in self.serves():
                 return JSONResponse({"error": {"message": "not found", "type": "not_found"}}, 404)
             body = json.loads(await request.body())
             self.request_ids.append(request.headers.get("x-request-id"))
@@ -84,6 +88,8 @@ class FakeUpstream:
                 if self.fail_status is not None:
                     err = {"error": {"message": f"fake upstream fails with {self.fail_status}", "type": "x"}}
                     return JSONResponse(err, self.fail_status)
+                if kind not in ("chat", "responses"):
+                    return self._other(kind, body)
                 if body.get("stream"):
                     gen = self._chat_stream(body) if kind == "chat" else self._responses_stream(body)
                     return StreamingResponse(self._tracked(gen), media_type="text/event-stream")
@@ -97,8 +103,89 @@ class FakeUpstream:
             routes=[
                 Route("/v1/chat/completions", handle, methods=["POST"]),
                 Route("/v1/responses", handle, methods=["POST"]),
+                Route("/v1/messages", handle, methods=["POST"]),
+                Route("/v1/embeddings", handle, methods=["POST"]),
+                Route("/v1/completions", handle, methods=["POST"]),
             ]
         )
+
+    def serves(self) -> set[str]:
+        return {"chat", "responses"} if self.api == "both" else set(self.api.split(","))
+
+    def _other(self, kind: str, body: dict[str, Any]) -> Response:
+        if kind == "embeddings":
+            data = embeddings_answer(body)
+            return JSONResponse(data)
+        if kind == "completions":
+            if body.get("stream"):
+                return StreamingResponse(self._tracked(self._completions_stream(body)), media_type="text/event-stream")
+            return JSONResponse(self._completion(body))
+        if body.get("stream"):
+            return StreamingResponse(self._tracked(self._messages_stream(body)), media_type="text/event-stream")
+        return JSONResponse(self._message(body))
+
+    def completion_text(self, body: dict[str, Any]) -> str:
+        """The fake's completion: its words, then the `suffix` it was given (so a test sees it arrived)."""
+        suffix = body.get("suffix")
+        return self.text() + (f" <fim {suffix}>" if suffix else "")
+
+    def _completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": "cmpl-fake",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model"),
+            "choices": [{"index": 0, "text": self.completion_text(body), "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": self.tokens, "total_tokens": 4 + self.tokens},
+        }
+
+    async def _completions_stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        base = {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()), "model": body.get("model")}
+        for piece in self.completion_text(body).split(" "):
+            chunk = {**base, "choices": [{"index": 0, "text": piece + " ", "finish_reason": None, "logprobs": None}]}
+            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        last = {**base, "choices": [{"index": 0, "text": "", "finish_reason": "stop", "logprobs": None}]}
+        yield b"data: " + json.dumps(last).encode() + b"\n\n"
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 4, "completion_tokens": self.tokens, "total_tokens": 4 + self.tokens}
+            yield b"data: " + json.dumps({**base, "choices": [], "usage": usage}).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    def _message(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A Messages answer of an upstream that serves Messages itself (its id says so: msg_native)."""
+        return {
+            "id": "msg_native",
+            "type": "message",
+            "role": "assistant",
+            "model": body.get("model"),
+            "content": [{"type": "text", "text": self.text()}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 6, "output_tokens": self.tokens},
+        }
+
+    async def _messages_stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        def ev(kind: str, **data: Any) -> bytes:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+        start = {
+            **self._message(body),
+            "content": [],
+            "stop_reason": None,
+            "usage": {"input_tokens": 6, "output_tokens": 0},
+        }
+        yield ev("message_start", message=start)
+        yield ev("content_block_start", index=0, content_block={"type": "text", "text": ""})
+        for i in range(self.tokens):
+            piece = ("" if i == 0 else " ") + f"w{i}"
+            yield ev("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
+        yield ev("content_block_stop", index=0)
+        yield ev(
+            "message_delta",
+            delta={"stop_reason": "end_turn", "stop_sequence": None},
+            usage={"output_tokens": self.tokens},
+        )
+        yield ev("message_stop")
 
     async def _tracked(self, gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         try:
@@ -268,6 +355,25 @@ class FakeUpstream:
                 logprobs=[],
             )
         yield ev("response.completed", response=self._response_obj(body, "completed", self.text(), n))
+
+
+def embeddings_answer(body: dict[str, Any]) -> dict[str, Any]:
+    """One 3-number vector per input, and a prompt token per word of every input (batches add up)."""
+    inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+    if inputs and isinstance(inputs[0], int):
+        inputs = [inputs]  # one input given as token ids
+    data = []
+    tokens = 0
+    for i, item in enumerate(inputs):
+        n = len(item) if isinstance(item, list) else len(item.split())
+        tokens += n
+        vector = [float(i), float(n), 0.5]
+        embedding: Any = vector
+        if body.get("encoding_format") == "base64":
+            embedding = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+        data.append({"object": "embedding", "index": i, "embedding": embedding})
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return {"object": "list", "data": data, "model": body.get("model"), "usage": usage}
 
 
 def bound_socket() -> socket.socket:

@@ -28,7 +28,7 @@ CLAUDE_CODE_TURN: dict[str, Any] = {
     "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
     "output_config": {"effort": "medium"},
     "system": [
-        {"type": "text", "text": "billing line"},
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.328.c5e; cc_entrypoint=sdk-cli;"},
         {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}},
     ],
     "messages": [
@@ -83,8 +83,8 @@ def test_messages_request_maps_claude_codes_turn_to_chat() -> None:
     assert body["tool_choice"] == "auto" and body["parallel_tool_calls"] is False
     roles = [m["role"] for m in body["messages"]]
     assert roles == ["system", "user", "system", "assistant", "tool", "user"]
-    assert body["messages"][0]["content"] == "billing line\nYou are an agent."
-    assert body["messages"][1]["content"] == "<reminder>run echo hello"
+    assert body["messages"][0]["content"] == "You are an agent."  # the billing line is Anthropic's only
+    assert body["messages"][1]["content"] == "<reminder>\nrun echo hello"
     assistant = body["messages"][3]
     assert assistant["content"] == "Running it."  # the thinking block is not sent back
     assert assistant["tool_calls"] == [

@@ -8,7 +8,7 @@ import logging
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -172,7 +172,7 @@ async def test_a_body_the_translation_cannot_read_is_a_400_on_the_node(api: wire
     # Past the edge's checks (an older edge, a field it does not know): the node must still say it
     # is the request's fault. Before: TypeError, 502 node_error, counted against the provider.
     # An upstream of the other API: the request is translated (nothing listens at port 9).
-    upstream_api: wire.Api = "responses" if api == "chat" else "chat"
+    upstream_api: Literal["chat", "responses"] = "responses" if api == "chat" else "chat"
     adapter = OpenAIAdapter(config.OpenAIAdapter(id="up", base_url="http://127.0.0.1:9/v1", api=upstream_api))
     item = wire.WorkItem(
         id="r1", api=api, stream=False, alias="m", body=json.dumps(body).encode(), reply_to="", deadline=0

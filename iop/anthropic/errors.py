@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from iop.errors import RequestError
+import msgspec
+
+from iop.errors import ErrorResponse, RequestError
+
+_encode = msgspec.json.Encoder().encode
 
 _TYPES = {
     400: "invalid_request_error",
@@ -40,3 +44,14 @@ def error_body(exc: RequestError, request_id: str | None = None) -> dict[str, An
     if request_id is not None:
         body["request_id"] = request_id
     return body
+
+
+def error_response(exc: RequestError, request_id: str | None = None) -> ErrorResponse:
+    """The HTTP error answer to a Messages client: iop's status and headers, Anthropic's body."""
+    return ErrorResponse(exc.status, exc.headers, _encode(error_body(exc, request_id)))
+
+
+def error_event(exc: RequestError) -> bytes:
+    """The `error` event ending a Messages stream that already started."""
+    event = {"type": "error", "error": {"type": error_type(exc.status), "message": exc.message}}
+    return b"event: error\ndata: " + _encode(event) + b"\n\n"

@@ -6,7 +6,8 @@ it stands, so the prefix a model server caches does not move between turns; text
 become content parts; an assistant's `tool_use` blocks become `tool_calls`; a user's `tool_result`
 blocks become `tool` messages, placed before the rest of that user turn as chat requires; `tools`,
 `tool_choice`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `max_tokens`, `stream`.
-What is dropped because a chat server has no place for it: `thinking` and `redacted_thinking`
+What is dropped because a chat server has no place for it: Claude Code's billing line (a system
+block starting `x-anthropic-billing-header:`), `thinking` and `redacted_thinking`
 blocks of earlier turns, `cache_control`, `metadata`, `thinking`, `context_management`,
 `output_config`, and server tools (a `type` other than `custom`), which are named back to the
 caller so the edge can say so in a header. Anything else malformed is a `BadRequest` naming its path.
@@ -40,7 +41,7 @@ def messages_to_chat_request(request: Mapping[str, Any], model: str | None = Non
     messages: list[dict[str, Any]] = []
     system = request.get("system")
     if system is not None:
-        text = _text_of(system, "system")
+        text = _text_of(system, "system", skip=_BILLING)
         if text:
             messages.append({"role": "system", "content": text})
     turns = request.get("messages")
@@ -155,7 +156,8 @@ def _user(blocks: Sequence[object], path: str) -> list[dict[str, Any]]:
     out = results
     if parts:
         if all(p["type"] == "text" for p in parts):
-            out.append({"role": "user", "content": "".join(p["text"] for p in parts)})
+            # One block per line: Claude Code's `<system-reminder>` block must not run into the prompt.
+            out.append({"role": "user", "content": "\n".join(p["text"] for p in parts)})
         else:
             out.append({"role": "user", "content": parts})
     return out
@@ -209,8 +211,13 @@ def _str(obj: Mapping[str, Any], key: str, path: str) -> str:
     return value
 
 
-def _text_of(value: object, path: str) -> str:
-    """The text of a string or of a list of text blocks (system prompts, system turns)."""
+_BILLING = "x-anthropic-billing-header:"
+"""Claude Code's first system block is a line for Anthropic's billing, not for a model: dropped."""
+
+
+def _text_of(value: object, path: str, skip: str | None = None) -> str:
+    """The text of a string or of a list of text blocks (system prompts, system turns); blocks
+    starting with `skip` are left out."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
@@ -221,7 +228,9 @@ def _text_of(value: object, path: str) -> str:
         kind, block = _block(block, where)
         if kind != "text":
             raise BadRequest(f"{where}.type: only text blocks can stand here", param=where)
-        texts.append(_str(block, "text", where))
+        text = _str(block, "text", where)
+        if skip is None or not text.startswith(skip):
+            texts.append(text)
     return "\n".join(texts)
 
 

@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from iop import config, wire
+from iop import config, endpoints, wire
+from iop.anthropic import errors as anthropic_errors
+from iop.edge import heads
 from iop.edge.dispatch import DirectDispatch, PoolDispatch
 from iop.edge.observe import REQUEST_ID, Observer, Trace, new_request_id
 from iop.edge.relay import Channel, Relay
@@ -123,8 +125,11 @@ def parse_head(api: wire.Api, body: bytes) -> Head:
             if not chat.messages:
                 raise BadRequest("'messages' must not be empty", param="messages")
             return Head(chat.model, chat.stream, chat.prompt_cache_key, chat.user)
-        resp = _responses_head(body)
-        return Head(resp.model, resp.stream, resp.prompt_cache_key, None, resp.stateful())
+        if api == "responses":
+            resp = _responses_head(body)
+            return Head(resp.model, resp.stream, resp.prompt_cache_key, None, resp.stateful())
+        model, stream, user = heads.other_head(api, body)
+        return Head(model, stream, None, user)
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid request body: {_path_message(exc)}", param=_param(exc)) from None
     except msgspec.DecodeError as exc:
@@ -194,7 +199,7 @@ class ApiEndpoint:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{scope['method']} {scope['path']}: use POST", headers={"Allow": "POST"})
             check_content_type(scope)
-            body = await _read_body(scope, receive, self.edge.max_body_bytes)
+            body = await read_body(scope, receive, self.edge.max_body_bytes)
             trace.bytes_in = len(body)
             model, stream, cache_key, user, stateful = parse_head(self.api, body)
             trace.stream = stream
@@ -210,11 +215,9 @@ class ApiEndpoint:
             if not trace.alias:
                 trace.refused_at(scope["method"], scope.get("raw_path") or scope["path"].encode())
             if not out.started:
-                await _send_error(out, error_response(exc))
-        except ClientLeft:
-            trace.cancelled = True  # its access line (499) is the one line this leaves in the log
+                await send_error(out, self._error_response(exc, trace.id))
         except asyncio.CancelledError:
-            trace.cancelled = True
+            trace.cancelled = True  # the client left while its body was read
             raise
         finally:
             self._finished(trace, out.started)
@@ -239,8 +242,7 @@ class ApiEndpoint:
         queued = await background.queue(edge.responses, owner, turn, turn.request, model)
         trace = Trace(new_request_id(), self.api)
         trace.key = out.trace.key
-        keeper = KeepingSend(_discard, edge.responses, owner, turn, False)
-        inner = _TrackedSend(keeper, trace)
+        inner = _TrackedSend(KeepingSend(_discard, edge.responses, owner, turn, False), trace)
         never = asyncio.Event()
 
         async def no_client() -> Message:
@@ -250,8 +252,6 @@ class ApiEndpoint:
         async def work() -> None:
             try:
                 await self._serve(body, model, False, no_client, inner, session)
-                if edge.responses.stopping and not keeper.kept:
-                    await background.abandoned(edge.responses, owner, turn, queued)
             except RequestError as exc:
                 trace.error = exc.code
                 await background.failed(edge.responses, owner, turn, queued, exc)
@@ -261,6 +261,12 @@ class ApiEndpoint:
         background.run(edge.responses, queued["id"], work())
         await out({"type": "http.response.start", "status": 200, "headers": _JSON})
         await out({"type": "http.response.body", "body": _encode_json(queued)})
+
+    def _error_response(self, exc: RequestError, request_id: str) -> ErrorResponse:
+        """The error in the shape of the API called: Anthropic's for Messages, OpenAI's for the rest."""
+        if self.api == "messages":
+            return anthropic_errors.error_response(exc, request_id)
+        return error_response(exc)
 
     def _finished(self, trace: Trace, responded: bool) -> None:
         res = trace.result
@@ -281,6 +287,7 @@ class ApiEndpoint:
         if model not in edge.catalog.pools and model not in edge.catalog.routes:
             raise NotFound(f"model '{model}' does not exist; GET /v1/models lists the models", param="model")
         out.trace.alias = model
+        endpoints.check(edge.catalog, model, self.api)
         if self.api == "responses" and model in edge.catalog.pools:
             check_mixed_pool(edge.catalog, model, body)
         task = asyncio.current_task()
@@ -460,7 +467,7 @@ class RequestIds:
                 param="x-request-id",
                 headers={"x-request-id": new_request_id()},
             )
-            await _send_error(send, error_response(refused))
+            await send_error(send, error_response(refused))
             return
         scope["iop.request_id"] = rid
         header = (b"x-request-id", rid.encode())
@@ -518,9 +525,15 @@ async def _relay_stream(
         # Started streams end with an error event the client sees, never a silent cut.
         failed = exc
         if not exc.ended_stream:
-            await send({"type": "http.response.body", "body": error_event(api, exc), "more_body": True})
+            event = anthropic_errors.error_event(exc) if api == "messages" else error_event(_openai(api), exc)
+            await send({"type": "http.response.body", "body": event, "more_body": True})
     await send({"type": "http.response.body", "body": b""})
     return failed
+
+
+def _openai(api: wire.Api) -> Literal["chat", "responses"]:
+    """The OpenAI error event shape for a stream of `api` (completions streams are chat-like)."""
+    return "responses" if api == "responses" else "chat"
 
 
 async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
@@ -532,9 +545,10 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
 
 
 def _session_header(scope: Scope) -> str | None:
-    """The `session-id` / `x-session-id` header (Codex sends one per session), if any."""
+    """The `session-id` / `x-session-id` header (Codex sends one per session; Claude Code
+    `x-claude-code-session-id`), if any."""
     for name, value in scope["headers"]:
-        if name == b"session-id" or name == b"x-session-id":
+        if name == b"session-id" or name == b"x-session-id" or name == b"x-claude-code-session-id":
             return value.decode("latin-1") or None
     return None
 
@@ -553,15 +567,7 @@ def check_content_type(scope: Scope) -> None:
     raise UnsupportedMediaType("the request has no content type; send application/json")
 
 
-class ClientLeft(Exception):
-    """The client hung up before its request body was whole: nothing to answer, nothing went wrong.
-
-    Not CancelledError: raised out of an ASGI app, that made uvicorn log an ERROR with a traceback
-    for every client that gave up mid-upload.
-    """
-
-
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     for name, value in scope["headers"]:
         if name == b"content-length":
             with contextlib.suppress(ValueError):
@@ -573,7 +579,7 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     while more:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise ClientLeft
+            raise asyncio.CancelledError
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
@@ -583,7 +589,7 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _send_error(send: Send, response: ErrorResponse) -> None:
+async def send_error(send: Send, response: ErrorResponse) -> None:
     extra = [(k.lower().encode(), v.encode()) for k, v in response.headers.items()]
     await send({"type": "http.response.start", "status": response.status, "headers": _JSON + extra})
     await send({"type": "http.response.body", "body": response.body})

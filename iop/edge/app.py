@@ -13,9 +13,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from iop import config
+from iop import config, endpoints
 from iop.contracts.status import encode_status
 from iop.edge.api import ApiEndpoint, ApiRoutes, RequestIds
+from iop.edge.count_tokens import CountTokensEndpoint
 from iop.edge.metrics import CONTENT_TYPE
 from iop.edge.origin import HostAllowList, SameOrigin
 from iop.edge.qualify import qualify_routes
@@ -44,7 +45,9 @@ def build_app(edge: Edge) -> ASGIApp:
     """The edge's ASGI app: the one route table (the OpenAI endpoints, status, admin, qualification)."""
 
     def model_entry(alias: str) -> dict[str, Any]:
-        return {"id": alias, "object": "model", "created": int(edge.started_at), "owned_by": "iop"}
+        # `endpoints` is iop's: what every provider behind the alias answers (iop/endpoints.py).
+        served = endpoints.ordered(endpoints.of_alias(edge.catalog, alias))
+        return {"id": alias, "object": "model", "created": int(edge.started_at), "owned_by": "iop", "endpoints": served}
 
     async def models(request: Request) -> Response:
         edge.authorize(request.scope)
@@ -156,7 +159,20 @@ def build_app(edge: Edge) -> ASGIApp:
         "/v1/chat/completions": ApiEndpoint(edge, "chat"),
         "/v1/responses": responses,
         "/v1/responses/compact": CompactEndpoint(responses),
+        "/v1/messages": ApiEndpoint(edge, "messages"),
+        "/v1/messages/count_tokens": CountTokensEndpoint(edge),
+        "/v1/embeddings": ApiEndpoint(edge, "embeddings"),
+        "/v1/completions": ApiEndpoint(edge, "completions"),
     }
-    posts = frozenset({"/v1/chat/completions", "/v1/responses/compact"})
+    posts = frozenset(
+        {
+            "/v1/chat/completions",
+            "/v1/responses/compact",
+            "/v1/messages",
+            "/v1/messages/count_tokens",
+            "/v1/embeddings",
+            "/v1/completions",
+        }
+    )
     hosts = HostAllowList.of(edge.current.deployment.edge)  # read once, like the keys
     return RequestIds(SameOrigin(Sockets(edge, responses, posts, ApiRoutes(api, app)), hosts))

@@ -78,7 +78,7 @@ class EdgeKeys:
             return None
         key = _match(_bearer(scope), self.clients)
         if key is None:
-            raise Unauthorized("missing or invalid API key (send Authorization: Bearer <key>)")
+            raise Unauthorized("missing or invalid API key (send Authorization: Bearer <key> or x-api-key: <key>)")
         return key
 
     def holds_admin_key(self, scope: Scope) -> bool:
@@ -113,10 +113,14 @@ class EdgeKeys:
 
 
 def _bearer(scope: Scope) -> bytes:
+    """`Authorization: Bearer <key>`, else `x-api-key: <key>` (Anthropic's clients send only that)."""
+    api_key = b""
     for name, value in scope["headers"]:
         if name == b"authorization":
             return bytes(value[7:].strip()) if value[:7].lower() == b"bearer " else b""
-    return b""
+        if name == b"x-api-key":
+            api_key = bytes(value.strip())
+    return api_key
 
 
 def _match(given: bytes, keys: list[Key]) -> Key | None:

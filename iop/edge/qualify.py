@@ -41,14 +41,13 @@ from iop.contracts.refresh import RefreshResult
 from iop.contracts.status import QualificationSummary
 from iop.edge.api import (
     ApiEndpoint,
-    ClientLeft,
     Serving,
-    _read_body,
-    _send_error,
     _TrackedSend,
     _watch_disconnect,
     check_content_type,
     parse_head,
+    read_body,
+    send_error,
 )
 from iop.edge.dispatch import Answer, DispatchResult, MakeItem, _Dispatch, _Lease
 from iop.edge.keys import EdgeKeys
@@ -357,14 +356,12 @@ class PinnedEndpoint(ApiEndpoint):
             provider = scope["path_params"]["provider"]
             alias = self._alias_of(provider)
             check_content_type(scope)
-            body = await _read_body(scope, receive, self.edge.max_body_bytes)
+            body = await read_body(scope, receive, self.edge.max_body_bytes)
             stream = parse_head(self.api, body).stream
             await self._serve_pinned(body, alias, provider, stream, receive, out)
-        except ClientLeft:
-            return  # hung up mid-body: no answer to send, nothing to log
         except RequestError as exc:
             if not out.started:
-                await _send_error(send, error_response(exc))
+                await send_error(send, error_response(exc))
 
     def _alias_of(self, provider: str) -> str:
         """The first pool alias of the provider: what its node sees as the work item's alias."""

@@ -14,7 +14,7 @@ import msgspec
 
 from iop import config, wire
 from iop.errors import BadRequest, UpstreamError
-from iop.node.adapters.base import Send, note_exit_code
+from iop.node.adapters import Send, note_exit_code, writes
 from iop.openai.answer import Usage, answer_writer
 
 _decode = msgspec.json.Decoder().decode
@@ -35,8 +35,8 @@ class CliAdapter:
 
     async def run(self, item: wire.WorkItem, model: str | None, send: Send) -> wire.Usage | None:
         request: dict[str, Any] = _decode(item.body)
-        prompt = prompt_of(item.api, request)
-        writer = answer_writer(item.api, item.stream, model or item.alias, request)
+        prompt = prompt_of(writes(item.api), request)
+        writer = answer_writer(writes(item.api), item.stream, model or item.alias, request)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.cfg.command,

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from iop import config, wire
-from iop.node.adapters.base import Send
+from iop.node.adapters import Send, writes
 from iop.openai.answer import Usage, answer_writer
 
 _WORDS = ("iop", "mock", "model", "answers", "with", "deterministic", "text")
@@ -24,7 +24,7 @@ class MockAdapter:
     async def run(self, item: wire.WorkItem, model: str | None, send: Send) -> wire.Usage | None:
         request: dict[str, Any] = _decode(item.body)
         name = model or item.alias
-        writer = answer_writer(item.api, item.stream, name, request)
+        writer = answer_writer(writes(item.api), item.stream, name, request)
         interval = self.cfg.token_interval_ms / 1000.0
         n = self.cfg.tokens
         usage = Usage(input_tokens=max(1, len(item.body) // 4), output_tokens=n)

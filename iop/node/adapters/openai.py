@@ -14,8 +14,9 @@ from typing import Any
 import msgspec
 
 from iop import config, wire
-from iop.errors import BadRequest, RequestError, UpstreamError, error_for_status
-from iop.node.adapters.base import Send, note_upstream_status
+from iop.endpoints import native
+from iop.errors import BadRequest, NotFound, RequestError, UpstreamError, error_for_status
+from iop.node.adapters import Send, note_upstream_status
 from iop.node.http1 import ConnectFailed, HttpError, HttpPool, HttpResponse, Timeout
 from iop.node.tokens import UsageTail, usage_of_body
 from iop.openai.tool_names import ToolMap
@@ -33,7 +34,13 @@ from iop.openai.usage_chunk import UsageChunkFilter, ask_for_usage
 log = logging.getLogger("iop.node")
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
-_PATHS = {"chat": "/chat/completions", "responses": "/responses"}
+_PATHS = {
+    "chat": "/chat/completions",
+    "responses": "/responses",
+    "messages": "/messages",
+    "embeddings": "/embeddings",
+    "completions": "/completions",
+}
 _SAFE_ID = re.compile(wire.REQUEST_ID_PATTERN)
 
 
@@ -56,10 +63,11 @@ class OpenAIAdapter:
         headers = {"content-type": "application/json"}
         if cfg.api_key_env and (key := os.environ.get(cfg.api_key_env)):
             headers["authorization"] = f"Bearer {key}"
+        self.native = native(cfg)
         self.pool = HttpPool(cfg.base_url, headers=headers, read_timeout_s=min(cfg.idle_timeout_s, cfg.timeout_s))
 
     def serves(self, api: str) -> bool:
-        return self.cfg.api == "both" or self.cfg.api == api
+        return api in self.native
 
     async def run(self, item: wire.WorkItem, model: str | None, send: Send) -> wire.Usage | None:
         # `timeout_s` bounds the whole request; the pool's read timeout (`idle_timeout_s`) bounds
@@ -76,7 +84,8 @@ class OpenAIAdapter:
         if self.serves(item.api):
             body = item.body
             strip: UsageChunkFilter | None = None
-            chat_stream = item.stream and item.api == "chat"
+            # completions streams carry their usage the same way (stream_options.include_usage).
+            chat_stream = item.stream and item.api in ("chat", "completions")
             if model is not None or chat_stream:
                 payload: dict[str, Any] = _decode(body)
                 if model is not None:
@@ -124,9 +133,14 @@ class OpenAIAdapter:
         return await self._translated(item, model, send)
 
     async def _translated(self, item: wire.WorkItem, model: str | None, send: Send) -> wire.Usage | None:
+        upstream_api: wire.Api = "chat" if item.api == "responses" else "responses"
+        if item.api not in ("chat", "responses") or upstream_api not in self.native:
+            # The edge refuses these before they queue (iop/endpoints.py); an older edge may not.
+            raise NotFound(
+                f"this provider's upstream does not serve the {item.api} endpoint", code="endpoint_not_served"
+            )
         request: dict[str, Any] = _decode(item.body)
         name = model or str(request.get("model") or item.alias)
-        upstream_api: wire.Api = "chat" if item.api == "responses" else "responses"
         tools: ToolMap | None = None
         headers: dict[str, str] = {}
         try:
@@ -214,8 +228,9 @@ class OpenAIAdapter:
 
 
 _SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")
-_STREAM_ENDS = (b"[DONE]", b"response.completed", b"response.incomplete", b"response.failed")
-"""What the last event of an OpenAI stream carries: chat's [DONE], or a Responses stream's end."""
+_STREAM_ENDS = (b"[DONE]", b"response.completed", b"response.incomplete", b"response.failed", b"message_stop")
+"""What the last event of a stream carries: chat's and completions' [DONE], a Responses stream's end,
+or Messages' message_stop."""
 
 
 class _AnyObject(msgspec.Struct):

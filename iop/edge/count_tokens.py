@@ -1,0 +1,61 @@
+"""`POST /v1/messages/count_tokens`: how many input tokens a Messages request would take.
+
+Answered by the edge itself with the documented estimate (iop/anthropic/count.py): the request is
+translated to chat as a node would, and measured. No slot, no queue, no ledger record: nothing
+runs on a model. Refusals are Anthropic's error bodies, as on `/v1/messages`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.types import Receive, Scope, Send
+
+from iop import endpoints
+from iop.anthropic.count import estimate_input_tokens
+from iop.anthropic.errors import error_response
+from iop.anthropic.request import messages_to_chat_request
+from iop.edge import heads
+from iop.edge.api import Serving, check_content_type, read_body, send_error
+from iop.edge.observe import new_request_id
+from iop.errors import BadRequest, MethodNotAllowed, NotFound, RequestError
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+_JSON = [(b"content-type", b"application/json")]
+
+
+class CountTokensEndpoint:
+    def __init__(self, edge: Serving) -> None:
+        self.edge = edge
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            self.edge.authorize(scope)
+            if scope["method"] != "POST":
+                raise MethodNotAllowed(f"{scope['method']} {scope['path']}: use POST", headers={"Allow": "POST"})
+            check_content_type(scope)
+            body = await read_body(scope, receive, self.edge.max_body_bytes)
+            count = self.count(body)
+        except RequestError as exc:
+            await send_error(send, error_response(exc, scope.get("iop.request_id") or new_request_id()))
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": _JSON})
+        await send({"type": "http.response.body", "body": _encode({"input_tokens": count})})
+
+    def count(self, body: bytes) -> int:
+        try:
+            head = heads.count_tokens_head(body)
+            request = _decode(body)
+        except msgspec.ValidationError as exc:
+            raise BadRequest(f"invalid request body: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:
+            raise BadRequest("request body is nested too deeply", code="invalid_json") from None
+        catalog = self.edge.catalog
+        if head.model not in catalog.pools and head.model not in catalog.routes:
+            raise NotFound(f"model '{head.model}' does not exist; GET /v1/models lists the models", param="model")
+        endpoints.check(catalog, head.model, "messages")
+        # The translation wants max_tokens; the count does not depend on it.
+        chat = messages_to_chat_request({**request, "max_tokens": 1, "stream": False})
+        return estimate_input_tokens(chat.body)
