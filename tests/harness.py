@@ -13,6 +13,7 @@ import ctypes
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -281,9 +282,21 @@ class IopProcess:
 
 @asynccontextmanager
 async def iop_process(
-    *args: str, cwd: Path = REPO, env: Mapping[str, str] | None = None, stop_grace_s: float = 15.0
+    *args: str,
+    cwd: Path = REPO,
+    env: Mapping[str, str] | None = None,
+    stop_grace_s: float = 15.0,
+    max_open_files: int | None = None,
 ) -> AsyncIterator[IopProcess]:
-    """Run `python -m iop ARGS` from this checkout; stopped on exit (see `IopProcess.stop`)."""
+    """Run `python -m iop ARGS` from this checkout; stopped on exit (see `IopProcess.stop`).
+
+    `max_open_files`: the child's open-files limit, soft and hard (so it cannot raise it)."""
+
+    def prepare() -> None:
+        _die_with_parent()
+        if max_open_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
+
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -294,7 +307,7 @@ async def iop_process(
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        preexec_fn=_die_with_parent,
+        preexec_fn=prepare,
     )
     child = IopProcess(proc)
     try:

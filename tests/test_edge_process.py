@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import re
@@ -210,3 +211,29 @@ async def test_each_process_logs_only_its_own_legacy_warnings_with_a_timestamp(t
             await node.wait_line("iop node o serving")
     warned = [line for line in node.stderr if "legacy setting" in line]
     assert len(warned) == 1 and re.match(stamp + r"nodes\[1\]\.runtime\.concurrency: legacy", warned[0]), warned
+
+
+async def test_edge_under_a_1024_open_files_limit_answers_newcomers_503_instead_of_resetting_them(
+    tmp_path: Path,
+) -> None:
+    path, _ = write_deployment(tmp_path)
+    async with iop_process("edge", "--config", str(path), cwd=tmp_path, max_open_files=1024) as edge:
+        m = await edge.wait_line(r"iop edge listening on http://127\.0\.0\.1:(\d+)", timeout_s=30)
+        port = int(m.group(1))
+        held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        try:
+            # More idle clients than the edge has files: the kernel completes every handshake.
+            for _ in range(1100):
+                held.append(await asyncio.open_connection("127.0.0.1", port))
+            answers = []
+            for reader, _ in held[-100:]:
+                try:
+                    async with asyncio.timeout(5):
+                        answers.append((await reader.read()).split(b"\r\n", 1)[0])
+                except (ConnectionError, TimeoutError) as exc:
+                    answers.append(type(exc).__name__.encode())
+            assert set(answers) == {b"HTTP/1.1 503 Service Unavailable"}, answers
+            assert any("max_connections 4096 lowered to 896" in line for line in edge.lines), edge.lines[-5:]
+        finally:
+            for _, writer in held:
+                writer.close()

@@ -48,6 +48,9 @@ LINGER_S = 1.0
 """How long a refused connection is still read (and dropped) before it is closed."""
 LINGER_BYTES = 1024 * 1024
 """How much a refused client may still send before its connection is closed at once."""
+MAX_LINGERING = 64
+"""Refused connections lingering at once; past it a refusal closes at once, so that a flood of
+newcomers cannot use up the files kept free beside `max_connections` (connection_cap)."""
 
 
 class HttpLimits:
@@ -67,6 +70,9 @@ class HttpLimits:
         self.head_timeout_s = head_timeout_s
         self.body_idle_timeout_s = body_idle_timeout_s
         self.max_connections = max_connections
+        self.lingering = 0
+        """Refused connections still being read before their close (each holds a file)."""
+        self.max_lingering = MAX_LINGERING
         self.open = 0
         """Client connections open now."""
         self.closed = asyncio.Event()
@@ -176,6 +182,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         """A refusal found by a parser callback, sent once the parser returns (it cannot be stopped mid-read)."""
         self._parsed_head = 0
         self._discarded = 0
+        self._lingers = False
         self._timer: asyncio.TimerHandle | None = None
 
     # The connection
@@ -196,6 +203,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._lingers:
+            self.limits.lingering -= 1
         self.limits.open -= 1
         self.limits.closed.set()
         super().connection_lost(exc)
@@ -315,7 +324,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         for name, value in response.headers.items():
             head += b"%s: %s\r\n" % (name.lower().encode(), value.encode())
         self.transport.write(head + b"\r\n" + body)
-        if self.transport.can_write_eof():
+        if self.transport.can_write_eof() and self.limits.lingering < self.limits.max_lingering:
+            self._lingers = True
+            self.limits.lingering += 1
             # Half-close and linger briefly (nginx's lingering close): the client reads the answer
             # even while it is still sending.
             self.transport.write_eof()
@@ -371,6 +382,32 @@ def bind(listen: str) -> socket.socket:
 
 class ListenError(IopError):
     """The edge's HTTP address cannot be bound (in use, not local, not permitted)."""
+
+
+FD_RESERVE_MIN = 64
+"""Files kept free beside client connections (NATS, the store, logs, refused newcomers lingering)."""
+
+
+def connection_cap(max_connections: int) -> int:
+    """`max_connections`, lowered when the open-files limit could not hold that many.
+
+    Past the limit accept() fails with EMFILE and the newcomer is reset (or waits in the backlog),
+    never told anything; under the cap it is accepted and gets 503 `too_many_connections`. The
+    reserve is an eighth of the limit, at least FD_RESERVE_MIN.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return max_connections
+    cap = max(16, soft - max(FD_RESERVE_MIN, soft // 8))
+    if cap < max_connections:
+        log.warning(
+            "edge.http.max_connections %d lowered to %d: the open-files limit is %d (raise it: ulimit -n)",
+            max_connections,
+            cap,
+            soft,
+        )
+        return cap
+    return max_connections
 
 
 def raise_fd_limit() -> int:

@@ -75,7 +75,7 @@ class Edge:
             max_headers=h.max_headers,
             head_timeout_s=h.head_timeout_s,
             body_idle_timeout_s=h.body_idle_timeout_s,
-            max_connections=h.max_connections,
+            max_connections=edge_http.connection_cap(h.max_connections),
         )
         # Every stream and bucket made in this edge's tasks (ledger, qualification) gets this many copies.
         streams.default_replicas.set(settings.nats.replicas)
