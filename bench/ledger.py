@@ -158,13 +158,13 @@ def _records(n: int, start: float) -> list[RequestRecord]:
     ]
 
 
-async def _fill(js: Any, nc: Any, records: list[RequestRecord], per_message: int) -> float:
+async def _fill(js: Any, token: str, records: list[RequestRecord], per_message: int) -> float:
     """Publish the records `per_message` at a time; returns seconds taken."""
     t0 = time.perf_counter()
     pending: list[Any] = []
     for i in range(0, len(records), per_message):
         batch = records[i : i + per_message]
-        pending.append(js.publish(ledger_subject(batch[0].alias), encode_batch(batch), timeout=30))
+        pending.append(js.publish(ledger_subject(batch[0].alias, token), encode_batch(batch), timeout=30))
         if len(pending) >= 256:  # bounded in flight: acks come back in order
             await asyncio.gather(*pending)
             pending.clear()
@@ -190,8 +190,8 @@ async def run_aggregate(workdir: Path, n: int) -> dict[str, Any]:
         try:
             nc = await connection.connect(server.url, "bench-ledger", wait_s=10)
             js = nc.jetstream()
-            await ensure_ledger_stream(js, 30 * 86400.0, 8 * 1024**3)
-            fill_s = await _fill(js, nc, records[:count], per_message)
+            token = await ensure_ledger_stream(js, 30 * 86400.0, 8 * 1024**3)
+            fill_s = await _fill(js, token, records[:count], per_message)
             read_s, got, messages = await _read(js)
             await nc.close()
         finally:

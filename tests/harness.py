@@ -41,7 +41,6 @@ except ImportError:  # older SDKs use httpx
 from iop import config, wire
 from iop.client import EdgeClient
 from iop.contracts.status import Status
-from iop.edge.app import build_app
 from iop.edge.http import bind
 from iop.edge.keys import EdgeKeys
 from iop.edge.process import http_server
@@ -50,7 +49,6 @@ from iop.nats import connection
 from iop.nats.access import NatsAccess
 from iop.nats.server import EmbeddedNats
 from iop.node.runtime import NodeRuntime
-from tests.fakes import serve_asgi
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,19 +106,31 @@ class EdgeHandle:
 
 
 @asynccontextmanager
-async def running_edge(dep: config.Deployment, nats_url: str) -> AsyncIterator[EdgeHandle]:
+async def running_edge(
+    dep: config.Deployment, nats_url: str, keys: EdgeKeys | None = None
+) -> AsyncIterator[EdgeHandle]:
+    """An edge served the way `iop edge` serves it: its uvicorn server with iop's HTTP protocol and limits
+    (`http_server`) on a socket from `iop.edge.http.bind`, so tests exercise the stack that ships."""
     nc = await connection.connect(nats_url, "test-edge", wait_s=5)
-    edge = Edge(dep, nc, nats_url=nats_url)
+    edge = Edge(dep, nc, nats_url=nats_url, keys=keys)
     await edge.start()
+    sock = bind("127.0.0.1:0")
+    server = http_server(edge, grace_s=1)
+    serve = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        async with serve_asgi(build_app(edge)) as url:
-            handle = EdgeHandle(url, edge)
-            try:
-                yield handle
-            finally:
-                for client in handle.clients:
-                    await client.close()
+        # The socket listens already: clients may connect at once, the kernel queues them.
+        handle = EdgeHandle(f"http://127.0.0.1:{sock.getsockname()[1]}", edge)
+        try:
+            yield handle
+        finally:
+            for client in handle.clients:
+                await client.close()
     finally:
+        # The order `run_edge` stops in: open streams end first, so the graceful shutdown is quick.
+        edge.end_streams()
+        server.should_exit = True
+        await serve
+        sock.close()
         await edge.stop()
         await nc.close()
 
@@ -156,9 +166,11 @@ async def two_edges(
 
 
 @asynccontextmanager
-async def deployment_running(dep: config.Deployment, nats_url: str) -> AsyncIterator[EdgeHandle]:
+async def deployment_running(
+    dep: config.Deployment, nats_url: str, keys: EdgeKeys | None = None
+) -> AsyncIterator[EdgeHandle]:
     """An edge plus every node of the deployment, returned once the edge sees all nodes connected."""
-    async with running_edge(dep, nats_url) as handle:
+    async with running_edge(dep, nats_url, keys) as handle:
         nodes = [running_node(dep, n.id, nats_url) for n in dep.nodes]
         entered = []
         try:
@@ -170,35 +182,6 @@ async def deployment_running(dep: config.Deployment, nats_url: str) -> AsyncIter
         finally:
             for cm in reversed(entered):
                 await cm.__aexit__(None, None, None)
-
-
-@asynccontextmanager
-async def edge_server_running(
-    dep: config.Deployment, nats_url: str, keys: EdgeKeys | None = None
-) -> AsyncIterator[EdgeHandle]:
-    """An edge on the uvicorn server `iop edge` runs (its protocol classes, limits and WebSockets),
-    plus every node of the deployment, once the edge sees them all."""
-    nc = await connection.connect(nats_url, "test-edge", wait_s=5)
-    edge = Edge(dep, nc, nats_url=nats_url, keys=keys)
-    await edge.start()
-    sock = bind("127.0.0.1:0")
-    server = http_server(edge, grace_s=1)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    handle = EdgeHandle(f"http://127.0.0.1:{sock.getsockname()[1]}", edge)
-    try:
-        async with contextlib.AsyncExitStack() as nodes:
-            for n in dep.nodes:
-                await nodes.enter_async_context(running_node(dep, n.id, nats_url))
-            await edge.registry.wait_connected([n.id for n in dep.nodes], timeout_s=10)
-            yield handle
-            for client in handle.clients:
-                await client.close()
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
-        await edge.stop()
-        await nc.close()
 
 
 # --- `python -m iop` as child processes -------------------------------------------------------
@@ -565,10 +548,12 @@ def snapshot_sources(dest: Path) -> Path:
     return dest
 
 
-def build_archive(sources: Path, out: Path) -> subprocess.CompletedProcess[str]:
-    """Run `build.py --out OUT` from `sources`; fails the test if the build fails."""
+def build_archive(sources: Path, out: Path, platform: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `build.py --out OUT` (for `--platform PLATFORM`) from `sources`; fails the test if the build fails."""
     # The shared dependency cache under the repo's build/ is what keeps this quick after the first run.
     command = [sys.executable, str(sources / "build.py"), "--out", str(out), "--build-dir", str(REPO / "build")]
+    if platform is not None:
+        command += ["--platform", platform]
     done = subprocess.run(command, capture_output=True, text=True, timeout=540, check=False)
     assert done.returncode == 0, done.stderr
     return done

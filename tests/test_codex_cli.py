@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,9 +20,12 @@ from typing import Any
 
 import pytest
 
+from iop import config
+from iop.edge.keys import EdgeKeys, Key
 from iop.nats.server import EmbeddedNats
+from iop.openai.compaction import COMPACTION_PROMPT, SUMMARY_PREFIX
 from tests.codex_upstream import Call, ScriptedChat, Turn, scripted_chat
-from tests.harness import EdgeHandle, deployment, deployment_running
+from tests.harness import EdgeHandle, deployment, deployment_running, edge_server_running
 
 CODEX_VERSION = "0.169.0"
 """The Codex CLI release whose requests docs/openai-compat.md was written from (../shared spec)."""
@@ -85,8 +90,11 @@ def codex_command(model: str, workdir: Path, sandbox: str = "read-only") -> list
     ]
 
 
-async def run_codex(home: Path, command: list[str], prompt: str) -> tuple[int, str, str]:
+async def run_codex(
+    home: Path, command: list[str], prompt: str, env_extra: dict[str, str] | None = None
+) -> tuple[int, str, str]:
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(home), "CODEX_HOME": str(home), "LANG": "C.UTF-8"}
+    env.update(env_extra or {})
     proc = await asyncio.create_subprocess_exec(
         *command,
         stdin=asyncio.subprocess.PIPE,
@@ -284,3 +292,126 @@ async def test_codex_lite_mode_custom_tool_inside_a_namespace(nats_server: Embed
     call = [m for m in second["messages"] if m.get("tool_calls")][-1]["tool_calls"][0]
     assert json.loads(call["function"]["arguments"]) == {"input": script}
     assert "lite-ok" in tool_message(second, "call_lite1")["content"]
+
+
+# --- Codex at its default: the built-in provider pointed at iop with `openai_base_url` ---------------
+
+
+def default_home(home: Path, edge_url: str, extra: str = "") -> Path:
+    """A CODEX_HOME that leaves Codex on its built-in (OpenAI) provider, only its base URL moved to the edge."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(
+        f"""
+openai_base_url = "{edge_url}/v1"
+check_for_update_on_startup = false
+{extra}
+
+[analytics]
+enabled = false
+
+[features]
+plugins = false
+remote_plugin = false
+apps = false
+skill_search = false
+tool_suggest = false
+skill_mcp_dependency_install = false
+"""
+    )
+    return home
+
+
+def _pool(up: ScriptedChat) -> config.Deployment:
+    return deployment(pool_of(up.url))
+
+
+def socket_trouble(err: str) -> list[str]:
+    """Codex's lines about a WebSocket that failed, or about falling back to HTTP."""
+    return [line for line in err.splitlines() if re.search(r"websocket|falling back|reconnecting", line, re.I)]
+
+
+class DefaultSession:
+    """A session's model: a tool call, then answers; a summary whenever asked for one.
+
+    The tool call reports a prompt past `model_auto_compact_token_limit`, so Codex compacts before
+    it sends the call's result back.
+    """
+
+    def __init__(self) -> None:
+        self.called = False
+
+    def __call__(self, body: dict[str, Any]) -> Turn:
+        messages = body["messages"]
+        if messages[-1].get("content") == COMPACTION_PROMPT:
+            return Turn(text="SUMMARY: the user ran printf and saw iop-ws-ok.")
+        if not self.called:
+            self.called = True
+            return Turn(calls=[Call("exec_command", {"cmd": "printf 'iop-%s' ws-ok"}, "call_ws_sh")], usage=(9000, 7))
+        if any("a second question" in str(m.get("content")) for m in messages):
+            return Turn(text="Still here after compaction.")
+        return Turn(text="The command printed iop-ws-ok.")
+
+
+async def test_codex_default_provider_runs_a_compacting_session_over_the_websocket(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    keys = EdgeKeys(clients=[Key("codex", b"codex-key")], admins=[])
+    async with scripted_chat(DefaultSession()) as up, edge_server_running(_pool(up), nats_server.url, keys) as h:
+        work = tmp_path / "work"
+        work.mkdir()
+        home = default_home(tmp_path / "codex-home", h.url, "model_auto_compact_token_limit = 2000")
+        env = {"CODEX_API_KEY": "codex-key"}  # what `codex exec` sends as its bearer key
+        rc, out, err = await run_codex(home, codex_command("m", work), "run echo iop-ws-ok\n", env)
+        assert rc == 0, explain(rc, out, err)
+        resume = [
+            str(codex_path()),
+            "exec",
+            "--skip-git-repo-check",
+            "-C",
+            str(work),
+            "-m",
+            "m",
+            "resume",
+            "--last",
+            "-",
+        ]
+        rc2, out2, err2 = await run_codex(home, resume, "a second question\n", env)
+        assert rc2 == 0, explain(rc2, out2, err2)
+        upgraded = h.edge.http_limits.upgraded
+    assert "The command printed iop-ws-ok." in out
+    assert "Still here after compaction." in out2
+    # Every request went over a socket: none failed, none fell back to HTTP.
+    assert upgraded >= 2 and socket_trouble(err + err2) == []
+    prompts = [b["messages"][-1].get("content") for b in up.bodies]
+    assert COMPACTION_PROMPT in prompts, prompts
+    # After the compaction the model read iop's summary in place of the window it replaced.
+    after = up.bodies[-1]["messages"]
+    assert any(SUMMARY_PREFIX in str(m.get("content")) for m in after), after
+
+
+async def codex_seconds(home: Path, work: Path, env: dict[str, str]) -> float:
+    started = time.monotonic()
+    rc, out, err = await run_codex(home, codex_command("m", work), "say hi\n", env)
+    assert rc == 0 and "hello from iop" in out, explain(rc, out, err)
+    return time.monotonic() - started
+
+
+async def test_codex_default_provider_first_turn_is_as_quick_as_the_custom_provider(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    def script(body: dict[str, Any]) -> Turn:
+        return Turn(text="hello from iop")
+
+    async with scripted_chat(script) as up, edge_server_running(_pool(up), nats_server.url) as h:
+        work = tmp_path / "work"
+        work.mkdir()
+        default = default_home(tmp_path / "default-home", h.url)
+        custom = codex_home(tmp_path / "custom-home", h.url)
+        times: dict[str, list[float]] = {"default": [], "custom": []}
+        for _ in range(3):  # alternated, so the machine's load falls on both alike
+            times["default"].append(await codex_seconds(default, work, {"CODEX_API_KEY": "k"}))
+            times["custom"].append(await codex_seconds(custom, work, {}))
+    best = {name: min(values) for name, values in times.items()}
+    print(f"codex first turn: default provider {best['default']:.2f}s, custom provider {best['custom']:.2f}s")
+    # The target of issue 25: no socket retries and fallback (they cost 5-10 s) on the default path.
+    assert best["default"] <= 1.5 * best["custom"], times

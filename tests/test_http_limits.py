@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -14,12 +15,13 @@ import httpx
 import pytest
 import uvicorn
 
+from iop import logs
 from iop.edge.http import HeadWithBody, bind
 from iop.edge.process import http_server
 from iop.edge.root import Edge
 from iop.nats import connection
 from iop.nats.server import EmbeddedNats
-from tests.harness import deployment, running_node, until
+from tests.harness import deployment, eventually, running_node, until
 
 YAML = """
 edge:
@@ -171,6 +173,61 @@ async def test_http_a_head_over_the_limits_in_one_write_is_refused_431_before_th
         assert time.monotonic() - started < served.edge.http_limits.head_timeout_s
     assert served.edge.observer.records == records  # neither reached the application
     await good_request_ms(served.url)
+
+
+async def test_http_a_client_hanging_up_mid_body_leaves_one_info_line_and_no_error(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    for path in (b"/v1/chat/completions", b"/v1/responses"):
+        _, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        writer.write(
+            b"POST %s HTTP/1.1\r\nhost: iop.test\r\ncontent-type: application/json\r\n"
+            b'content-length: 100000\r\n\r\n{"model": ' % path
+        )
+        await writer.drain()
+        writer.close()
+    gone = [r for r in caplog.records if r.name == "iop.access" and " 499 " in r.getMessage()]
+
+    async def both_logged() -> bool:
+        gone[:] = [r for r in caplog.records if r.name == "iop.access" and " 499 " in r.getMessage()]
+        return len(gone) == 2
+
+    await eventually(both_logged)
+    assert all(r.levelno == logging.INFO and "client_cancelled" in r.getMessage() for r in gone)
+    loud = [(r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert loud == [], loud
+
+
+async def test_http_uvicorn_s_own_lines_and_tracebacks_are_json_under_log_format_json(
+    served: Served, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # `served` built its uvicorn server as `iop edge` does; `iop edge --log-format json` then logs.
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level, {n: logging.getLogger(n).level for n in ("nats", "uvicorn", "httpx")})
+    capfd.readouterr()
+    try:
+        logs.setup("info", "json")
+        try:
+            raise ValueError("a bug")
+        except ValueError:
+            logging.getLogger("uvicorn.error").exception("Exception in ASGI application")
+        logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in saved[0]:
+            root.addHandler(h)
+        root.setLevel(saved[1])
+        for name, level in saved[2].items():
+            logging.getLogger(name).setLevel(level)
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 2, lines
+    first, second = (json.loads(line) for line in lines)
+    assert (
+        first["logger"] == "uvicorn.error" and first["level"] == "error" and "ValueError: a bug" in first["exception"]
+    )
+    assert second["message"] == "Invalid HTTP request received."
 
 
 async def test_http_slow_head_is_closed_408(served: Served) -> None:

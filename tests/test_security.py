@@ -26,6 +26,8 @@ from nats.aio.client import Client as NATS
 from iop import config, wire
 from iop.edge.app import build_app
 from iop.edge.keys import EdgeKeys, parse_keys
+from iop.edge.ledger import LEDGER_STREAM, RequestRecord
+from iop.edge.usage_query import parse_query, read_records
 from iop.errors import BusError, ConfigError
 from iop.nats import connection
 from iop.nats.access import SECRET_FILE, Credentials, NatsAccess
@@ -968,3 +970,38 @@ async def test_node_reported_strings_reach_log_and_status_bounded_and_escaped(
     assert all(
         "\x1b" not in r.getMessage() and "\n" not in r.getMessage() for r in caplog.records if r.name.startswith("iop")
     )
+
+
+async def test_a_node_credential_cannot_fill_the_ledger_and_junk_costs_one_log_line(
+    nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    dep = deployment(TWO_NODES.replace("UPSTREAM", "http://127.0.0.1:9"))
+    await nats_server.authorize(dep.nodes)
+    async with running_edge(dep, nats_server.url) as h, rogue(nats_server, "a") as a:
+        js = h.edge.js
+        before = (await js.stream_info(LEDGER_STREAM)).state.messages
+        # The node must make JetStream requests to pull its work, and may name any reply subject
+        # in them: the server's answers land there. Before, `iop.ledger.<alias>` stored each one.
+        pull = f"$JS.API.CONSUMER.MSG.NEXT.{wire.WORK_STREAM}.{wire.consumer_name('a-prov')}"
+        info = f"$JS.API.STREAM.INFO.{wire.WORK_STREAM}"
+        for i in range(200):
+            await a.nc.publish(pull, b'{"batch": 1, "no_wait": true}', reply=f"iop.ledger.junk{i}")
+            await a.nc.publish(info, b"", reply="iop.ledger.m")
+        # It cannot learn the stream's secret subject either.
+        await a.nc.publish(f"$JS.API.STREAM.INFO.{LEDGER_STREAM}", b"", reply="_INBOX_a.x")
+        await a.refused(f'permissions violation for publish to "$js.api.stream.info.{LEDGER_STREAM.lower()}"')
+        await connection.flush(a.nc)
+        # Everything the node sent has been answered: a request after it comes back after it.
+        await a.nc.request(info, b"", timeout=5)
+        assert (await js.stream_info(LEDGER_STREAM)).state.messages == before
+
+        # Junk that does get in (an old ledger's, an edge credential's) costs one line per read.
+        ledger = h.edge.ledger
+        assert ledger is not None and len(ledger.token) == 32
+        for _ in range(300):
+            await js.publish(f"iop.ledger.{ledger.token}.m", b"junk")
+        caplog.clear()
+        got: list[RequestRecord] = []
+        assert await read_records(js, parse_query("1h", None, None), got.extend) == 300
+        skipped = [r for r in caplog.records if "not batches of records" in r.getMessage()]
+        assert len(skipped) == 1 and "300 of 300" in skipped[0].getMessage(), [r.getMessage() for r in skipped]

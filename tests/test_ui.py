@@ -24,15 +24,21 @@ import httpx
 import pytest
 
 from iop import wire
-from iop.edge.app import build_app
 from iop.edge.keys import EdgeKeys, Key
 from iop.edge.registry import LOST_AFTER_S
-from iop.edge.root import Edge
 from iop.edge.ui import PERIOD_S
-from iop.nats import connection
 from iop.nats.server import EmbeddedNats
-from tests.fakes import FakeUpstream, fake_upstream, serve_asgi
-from tests.harness import EdgeHandle, deployment, edge_process, eventually, node_process, running_node, until
+from tests.fakes import FakeUpstream, fake_upstream
+from tests.harness import (
+    EdgeHandle,
+    deployment,
+    edge_process,
+    eventually,
+    node_process,
+    running_edge,
+    running_node,
+    until,
+)
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -207,21 +213,8 @@ def _browser(tmp_path: Path, extra: list[str] | None = None) -> Iterator[Page]:
 
 @asynccontextmanager
 async def edge_on(dep_text: str, nats_url: str, keys: EdgeKeys | None = None) -> AsyncIterator[EdgeHandle]:
-    nc = await connection.connect(nats_url, "test-edge", wait_s=5)
-    edge = Edge(deployment(dep_text), nc, nats_url=nats_url, keys=keys)
-    await edge.start()
-    try:
-        async with serve_asgi(build_app(edge)) as url:
-            handle = EdgeHandle(url, edge)
-            try:
-                yield handle
-            finally:
-                edge.end_streams()  # as the edge process does: open pages must not hold the shutdown
-                for client in handle.clients:
-                    await client.close()
-    finally:
-        await edge.stop()
-        await nc.close()
+    async with running_edge(deployment(dep_text), nats_url, keys) as handle:
+        yield handle
 
 
 @asynccontextmanager

@@ -18,7 +18,7 @@ from iop.edge.usage_query import follow
 from iop.nats.server import EmbeddedNats
 from iop.openai.compaction import COMPACTION_PROMPT
 from tests.codex_upstream import Call, ScriptedChat, Turn, scripted_chat
-from tests.harness import deployment, edge_server_running, until
+from tests.harness import deployment, deployment_running, until
 from tests.wsclient import Closed, Refused, WsClient
 
 YAML = """
@@ -54,7 +54,7 @@ async def edge_with_sockets(nats_url: str, turns: list[Turn]) -> AsyncIterator[S
     keys = EdgeKeys(clients=[Key("c", b"ws-key")], admins=[])
     async with (
         scripted_chat(turns) as up,
-        edge_server_running(deployment(YAML.format(url=up.url)), nats_url, keys) as h,
+        deployment_running(deployment(YAML.format(url=up.url)), nats_url, keys) as h,
     ):
         served = Served(h.url, h.edge, up)
 
@@ -119,7 +119,7 @@ async def test_websocket_runs_responses_in_turn_and_continues_with_only_the_new_
     assert messages[1]["tool_calls"][0]["id"] == "call_ws1"
     assert messages[2] == {"role": "tool", "tool_call_id": "call_ws1", "content": "README.md\nsetup.py"}
     assert (old["type"], old["status"], old["error"]["code"]) == ("error", 400, "previous_response_not_found")
-    assert (new["type"], new["status"], new["error"]["param"]) == ("error", 400, "previous_response_id")
+    assert (new["type"], new["status"], new["error"]["code"]) == ("error", 400, "previous_response_not_found")
 
 
 async def test_websocket_refused_events_answer_error_frames_and_the_socket_stays_open(

@@ -216,8 +216,10 @@ class ApiEndpoint:
                 trace.refused_at(scope["method"], scope.get("raw_path") or scope["path"].encode())
             if not out.started:
                 await send_error(out, self._error_response(exc, trace.id))
+        except ClientLeft:
+            trace.cancelled = True  # its access line (499) is the one line this leaves in the log
         except asyncio.CancelledError:
-            trace.cancelled = True  # the client left while its body was read
+            trace.cancelled = True
             raise
         finally:
             self._finished(trace, out.started)
@@ -242,7 +244,8 @@ class ApiEndpoint:
         queued = await background.queue(edge.responses, owner, turn, turn.request, model)
         trace = Trace(new_request_id(), self.api)
         trace.key = out.trace.key
-        inner = _TrackedSend(KeepingSend(_discard, edge.responses, owner, turn, False), trace)
+        keeper = KeepingSend(_discard, edge.responses, owner, turn, False)
+        inner = _TrackedSend(keeper, trace)
         never = asyncio.Event()
 
         async def no_client() -> Message:
@@ -252,6 +255,8 @@ class ApiEndpoint:
         async def work() -> None:
             try:
                 await self._serve(body, model, False, no_client, inner, session)
+                if edge.responses.stopping and not keeper.kept:
+                    await background.abandoned(edge.responses, owner, turn, queued)
             except RequestError as exc:
                 trace.error = exc.code
                 await background.failed(edge.responses, owner, turn, queued, exc)
@@ -567,6 +572,14 @@ def check_content_type(scope: Scope) -> None:
     raise UnsupportedMediaType("the request has no content type; send application/json")
 
 
+class ClientLeft(Exception):
+    """The client hung up before its request body was whole: nothing to answer, nothing went wrong.
+
+    Not CancelledError: raised out of an ASGI app, that made uvicorn log an ERROR with a traceback
+    for every client that gave up mid-upload.
+    """
+
+
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     for name, value in scope["headers"]:
         if name == b"content-length":
@@ -579,7 +592,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     while more:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError
+            raise ClientLeft
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:

@@ -79,6 +79,8 @@ class HttpLimits:
         """Set whenever a connection closes (what waits for room under `max_connections` waits on)."""
         self.refused: dict[int, int] = {}
         """Connections refused so far, by status (shown to operators and asserted by tests)."""
+        self.upgraded = 0
+        """Connections upgraded to WebSockets so far."""
 
     def count(self, status: int) -> None:
         self.refused[status] = self.refused.get(status, 0) + 1
@@ -291,6 +293,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         # from here the WebSocket protocol owns the transport (and counts its close).
         self._head_open = self._body_open = False
         self._disarm()
+        self.limits.upgraded += 1
         super().handle_websocket_upgrade()
 
     # Refusals

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import re
+import secrets
 import time
 from collections import deque
 from typing import Literal
@@ -25,6 +26,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as js_api
+from nats.js.errors import NotFoundError
 
 from iop.errors import BusError
 from iop.nats import streams
@@ -33,6 +35,7 @@ log = logging.getLogger("iop.edge")
 
 LEDGER_STREAM = "IOP_LEDGER"
 LEDGER_SUBJECTS = "iop.ledger.>"
+"""What readers filter on: every ledger subject, whatever the stream's token."""
 GATHER_S = 0.005
 """After a record comes, how long the writer lets others gather before it sends them (NATS up).
 
@@ -47,9 +50,24 @@ LOSS_LOG_EVERY_S = 10.0
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
-def ledger_subject(alias: str) -> str:
-    """The subject an alias's records go to. Aliases may hold `.`, `*` or `>`; those become `_`."""
-    return "iop.ledger." + (_UNSAFE.sub("_", alias) or "_")
+_TOKEN_SUBJECTS = re.compile(r"^iop\.ledger\.([0-9a-f]{32})\.>$")
+
+
+def ledger_subject(alias: str, token: str = "") -> str:
+    """The subject an alias's records go to: `iop.ledger.<token>.<alias>`.
+
+    Aliases may hold `.`, `*` or `>`; those become `_`. The token is the stream's secret (see
+    `ensure_ledger_stream`); "" gives the subjects of a ledger made before it had one.
+    """
+    return "iop.ledger." + (f"{token}." if token else "") + (_UNSAFE.sub("_", alias) or "_")
+
+
+def token_of(subjects: list[str] | None) -> str | None:
+    """The secret token in the ledger stream's subjects; None for another (an older) form."""
+    for subject in subjects or []:
+        if m := _TOKEN_SUBJECTS.match(subject):
+            return m.group(1)
+    return None
 
 
 class RequestRecord(msgspec.Struct, kw_only=True, array_like=True, gc=False):
@@ -111,11 +129,22 @@ encode_batch = msgspec.msgpack.Encoder().encode
 decode_batch = msgspec.msgpack.Decoder(list[RequestRecord]).decode
 
 
-async def ensure_ledger_stream(js: JetStreamContext, max_age_s: float, max_bytes: int) -> None:
-    """Create IOP_LEDGER (file storage, limits retention) or bring its limits to the configured ones."""
+async def ensure_ledger_stream(js: JetStreamContext, max_age_s: float, max_bytes: int) -> str:
+    """Create IOP_LEDGER (file storage, limits retention) or bring its limits to the configured ones.
+
+    Returns the stream's secret token. The stream takes only `iop.ledger.<token>.>`: a node may
+    name any reply subject in the JetStream requests it must make (pulling its work), and the
+    server's answers land there; with `iop.ledger.>` one node credential stored 200,000 junk
+    messages in 1.7 s. Nodes can neither read the stream's config nor list streams, so they cannot
+    learn the token (128 random bits, made by the first edge, read from the stream by the others).
+    """
+    try:
+        token = token_of((await js.stream_info(LEDGER_STREAM)).config.subjects)
+    except NotFoundError:
+        token = None
     cfg = js_api.StreamConfig(
         name=LEDGER_STREAM,
-        subjects=[LEDGER_SUBJECTS],
+        subjects=[f"iop.ledger.{token or secrets.token_hex(16)}.>"],
         retention=js_api.RetentionPolicy.LIMITS,
         storage=js_api.StorageType.FILE,
         discard=js_api.DiscardPolicy.OLD,
@@ -127,7 +156,12 @@ async def ensure_ledger_stream(js: JetStreamContext, max_age_s: float, max_bytes
     # max_bytes is reserved on the store at once: a store too small gets a line naming the setting.
     await streams.ensure_stream(js, cfg, sized_by="edge.ledger.max_bytes")
     have = (await js.stream_info(LEDGER_STREAM)).config
-    if have.max_bytes != max_bytes or abs((have.max_age or 0) - max_age_s) > 1e-3:
+    stored = token_of(have.subjects)  # another edge may have made it first, with its token
+    if stored is not None:
+        cfg = dataclasses.replace(cfg, subjects=have.subjects)
+    else:
+        log.warning("ledger: stream %s takes its records on a secret subject from now on", LEDGER_STREAM)
+    if stored is None or have.max_bytes != max_bytes or abs((have.max_age or 0) - max_age_s) > 1e-3:
         replicas = have.num_replicas or 1
         try:
             await js.update_stream(dataclasses.replace(cfg, num_replicas=replicas))
@@ -136,6 +170,9 @@ async def ensure_ledger_stream(js: JetStreamContext, max_age_s: float, max_bytes
                 f"stream {LEDGER_STREAM}", max_bytes, replicas, exc, "edge.ledger.max_bytes"
             )
             raise BusError(problem) from exc
+    found = token_of(cfg.subjects)
+    assert found is not None
+    return found
 
 
 class LedgerWriter:
@@ -145,6 +182,8 @@ class LedgerWriter:
         self.nc = nc
         self.js = js
         self.edge_id = edge_id
+        self.token = ""
+        """The ledger stream's secret subject token (`ensure_ledger_stream`), set before `start`."""
         self.limit = buffer_records
         self._buffer: dict[str, deque[RequestRecord]] = {}
         """Records waiting, by subject (alias): interleaved aliases still make one batch each."""
@@ -171,7 +210,7 @@ class LedgerWriter:
             self.dropped += 1
             self._log_loss()
             return
-        subject = ledger_subject(record.alias)
+        subject = ledger_subject(record.alias, self.token)
         waiting = self._buffer.get(subject)
         if waiting is None:
             waiting = self._buffer[subject] = deque()

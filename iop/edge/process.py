@@ -34,6 +34,9 @@ def http_config(edge: Edge, *, host: str = "127.0.0.1", port: int = 0, grace_s: 
         host=host,
         port=port,
         log_level="warning",
+        # No logging config of uvicorn's own: its lines (tracebacks too) go through the root
+        # logger iop.logs set up, so `--log-format json` holds for them as well.
+        log_config=None,
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=int(grace_s),

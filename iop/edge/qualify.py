@@ -41,6 +41,7 @@ from iop.contracts.refresh import RefreshResult
 from iop.contracts.status import QualificationSummary
 from iop.edge.api import (
     ApiEndpoint,
+    ClientLeft,
     Serving,
     _TrackedSend,
     _watch_disconnect,
@@ -359,6 +360,8 @@ class PinnedEndpoint(ApiEndpoint):
             body = await read_body(scope, receive, self.edge.max_body_bytes)
             stream = parse_head(self.api, body).stream
             await self._serve_pinned(body, alias, provider, stream, receive, out)
+        except ClientLeft:
+            return  # hung up mid-body: no answer to send, nothing to log
         except RequestError as exc:
             if not out.started:
                 await send_error(send, error_response(exc))

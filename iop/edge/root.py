@@ -178,7 +178,7 @@ class Edge:
     async def start(self) -> None:
         settings = self.current.deployment.edge
         if self.ledger is not None:
-            await ensure_ledger_stream(self.js, settings.ledger.max_age, settings.ledger.max_bytes)
+            self.ledger.token = await ensure_ledger_stream(self.js, settings.ledger.max_age, settings.ledger.max_bytes)
             self.ledger.start()
         await streams.ensure_work_stream(self.js, replicas=settings.nats.replicas)
         if settings.responses.enabled:

@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 
-from iop.edge.ledger import LEDGER_STREAM, LEDGER_SUBJECTS, RequestRecord, decode_batch, ledger_subject
+from iop.edge.ledger import LEDGER_STREAM, LEDGER_SUBJECTS, RequestRecord, decode_batch, ledger_subject, token_of
 from iop.errors import BadRequest
 from iop.percentile import nearest_rank
 
@@ -284,15 +284,16 @@ async def read_records(js: JetStreamContext, query: Query, sink: Callable[[list[
         return 0
     done = asyncio.Event()
     seen = 0
+    skipped = 0
     target = -1
 
     async def on_msg(msg: Msg) -> None:
-        nonlocal seen
+        nonlocal seen, skipped
         seen += 1
         try:
             sink(decode_batch(msg.data))
         except msgspec.DecodeError:
-            log.warning("ledger: message %d is not a batch of records; skipped", seen)
+            skipped += 1  # said once per read below: one line per junk message was 200,000 lines
         if seen == target:
             done.set()
 
@@ -321,6 +322,8 @@ async def read_records(js: JetStreamContext, query: Query, sink: Callable[[list[
                     await done.wait()
     finally:
         await sub.unsubscribe()
+        if skipped:
+            log.warning("ledger: %d of %d messages read were not batches of records; skipped", skipped, seen)
     return seen
 
 
@@ -336,7 +339,10 @@ async def follow(
         except msgspec.DecodeError:
             pass
 
-    subject = ledger_subject(alias) if alias else LEDGER_SUBJECTS
+    subject = LEDGER_SUBJECTS
+    if alias:
+        info = await js.stream_info(LEDGER_STREAM)
+        subject = ledger_subject(alias, token_of(info.config.subjects) or "")
     return await js.subscribe(
         subject,
         cb=on_msg,

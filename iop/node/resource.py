@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from nats.aio.subscription import Subscription
 
 from iop import config, wire
-from iop.node import adapters
+from iop.node.adapters.base import Adapter
 
 
 @dataclass
@@ -16,7 +16,7 @@ class Resource:
     """One entry of the node's catalog with its adapter and live counts."""
 
     cfg: config.Provider
-    adapter: adapters.Adapter
+    adapter: Adapter
     kind: str  # "pool" or "cli"
     in_flight: int = 0
     peak_in_flight: int = 0

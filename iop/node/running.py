@@ -16,7 +16,8 @@ from nats.aio.msg import Msg
 
 from iop import wire
 from iop.errors import BodyUnavailable, Cancelled, RequestError, UpstreamError, failure_of
-from iop.node import adapters
+from iop.node.adapters.base import Outcome
+from iop.node.adapters.base import outcome as current_outcome
 from iop.node.flow import STALL_TIMEOUT_S, FlowWindow
 from iop.node.presence import Lease
 from iop.node.replay import ReplayStore, serve_resend
@@ -99,8 +100,8 @@ class RunningRequests:
         edge = wire.edge_of(item.reply_to)
         r.by_edge[edge] = r.by_edge.get(edge, 0) + 1
         # What the adapter learns (upstream status, exit code) travels back in Done/Failure.
-        outcome = adapters.Outcome()
-        adapters.outcome.set(outcome)  # this task's own context: no other item sees it
+        outcome = Outcome()
+        current_outcome.set(outcome)  # this task's own context: no other item sees it
         began = time.monotonic()
         first_byte = 0.0
 

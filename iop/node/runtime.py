@@ -17,6 +17,7 @@ from iop import config, wire
 from iop.nats import auth, connection, streams
 from iop.nats.access import NatsAccess
 from iop.node import adapters, device, direct, fetch, policy
+from iop.node.adapters.base import Adapter
 from iop.node.catalog import CatalogSource, differences
 from iop.node.flow import STALL_TIMEOUT_S
 from iop.node.presence import Lease, Presence
@@ -64,9 +65,9 @@ class NodeRuntime:
         """This process may take work for the node id (presence.py): ends when the edge says it was replaced."""
         self.started_at = time.time()
         self.nc: NATS | None = None
-        self._adapters: dict[str, adapters.Adapter] = {}
+        self._adapters: dict[str, Adapter] = {}
         self._adapter_cfgs: dict[str, config.Adapter] = {}
-        self._old_adapters: list[adapters.Adapter] = []
+        self._old_adapters: list[Adapter] = []
         self.resources: dict[str, Resource] = {}
         self._running: RunningRequests | None = None
         self._presence: Presence | None = None

@@ -4,8 +4,9 @@ like any request (queue, capacity, breaker, ledger), and kept when done, for pol
 The work runs in a task of the edge that took the request; the stored record is what every edge
 reads, so polling, `GET …?stream=true` (which waits for the end, then replays) and cancelling work
 from any edge. Cancelling marks the record at once; the edge running it stops the work when it is
-that edge, and otherwise does not keep its result. An edge that stops leaves its running
-background responses `queued` (not yet resumed elsewhere).
+that edge, and otherwise does not keep its result. An edge that stops keeps its running
+background responses as `failed` (they are not resumed elsewhere yet); one that dies leaves them
+`queued`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ async def failed(responses: Responses, owner: str, turn: Turn, queued: dict[str,
     """A background response whose request failed before any answer: kept as `failed`."""
     response = {**queued, "status": "failed", "error": response_error(exc.message, exc.code)}
     await responses.keep(owner, turn, response)
+
+
+async def abandoned(responses: Responses, owner: str, turn: Turn, queued: dict[str, Any]) -> None:
+    """A background response whose edge stopped before its answer: kept as `failed`, to be sent again."""
+    message = "the edge running this background response stopped before it finished; send the request again"
+    await responses.keep(owner, turn, {**queued, "status": "failed", "error": response_error(message, "server_error")})
 
 
 async def cancel(responses: Responses, owner: str, stored: Stored) -> dict[str, Any]:

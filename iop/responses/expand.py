@@ -56,9 +56,11 @@ class Responses:
         self.store = store
         self.running: dict[str, asyncio.Task[None]] = {}
         """Background responses this edge is running, by id (iop/responses/background.py)."""
+        self.stopping = False
 
     async def stop(self) -> None:
-        """End the background responses this edge runs (the edge stops): they stay `queued` in the store."""
+        """End the background responses this edge runs (the edge stops): each is kept as failed."""
+        self.stopping = True
         tasks = list(self.running.values())
         for task in tasks:
             task.cancel()

@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import logging
 import re
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, ParamSpec, TypeVar
 
 import msgspec
+import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import api as js_api
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from iop import config
-from iop.errors import BusError
+from iop.errors import BusError, Unavailable
 from iop.nats import streams
 
 log = logging.getLogger("iop.responses")
@@ -61,6 +64,26 @@ class Stored(msgspec.Struct):
 
 
 _encode = msgspec.json.Encoder().encode
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _reachable(method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """NATS unreachable (or the bucket gone) is 503 to the client, never a traceback."""
+
+    @functools.wraps(method)
+    async def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await method(*args, **kwargs)
+        except (nats.errors.Error, TimeoutError, OSError) as exc:
+            raise Unavailable(
+                f"the response store cannot be reached now ({type(exc).__name__}); try again",
+                code="response_store_unavailable",
+            ) from exc
+
+    return guarded
+
+
 _stored = msgspec.json.Decoder(Stored).decode
 _item = msgspec.json.Decoder(dict[str, Any]).decode
 
@@ -92,14 +115,17 @@ class ResponseStore:
                 raise BusError(problem) from exc
         return cls(kv, nc.max_payload)
 
+    @_reachable
     async def response(self, owner: str, response_id: str) -> Stored | None:
         raw = await self._get(f"r.{owner}.{response_id}") if valid_id(response_id) else None
         return _stored(raw) if raw is not None else None
 
+    @_reachable
     async def item(self, owner: str, item_id: str) -> dict[str, Any] | None:
         raw = await self._get(f"i.{owner}.{item_id}") if valid_id(item_id) else None
         return _item(raw) if raw is not None else None
 
+    @_reachable
     async def keep(self, owner: str, stored: Stored, items: list[dict[str, Any]]) -> bool:
         """Keep `stored` and index `items` (the new ones it holds) by id; False when its id cannot be kept."""
         response_id = stored.response.get("id")
@@ -111,6 +137,7 @@ class ResponseStore:
         await self._put(f"r.{owner}.{response_id}", _encode(stored))
         return True
 
+    @_reachable
     async def delete(self, owner: str, response_id: str) -> bool:
         """Remove a stored response and its items; False when `owner` has none of that id."""
         stored = await self.response(owner, response_id)
@@ -121,6 +148,7 @@ class ResponseStore:
         await self._delete(f"r.{owner}.{response_id}")
         return True
 
+    @_reachable
     async def owners_of(self, response_id: str) -> list[str]:
         """Who holds a response of this id (for an administrator: ids are unique, so at most one)."""
         if not valid_id(response_id):
@@ -138,6 +166,7 @@ class ResponseStore:
             await watcher.stop()
         return owners
 
+    @_reachable
     async def listing(self, limit: int, owner: str | None = None) -> tuple[list[tuple[str, str]], bool]:
         """Up to `limit` (owner, response id) pairs, oldest first, and whether there are more (for an administrator)."""
         if owner is not None and not valid_id(owner):

@@ -14,7 +14,7 @@ import msgspec
 
 from iop import config, wire
 from iop.errors import BadRequest, UpstreamError
-from iop.node.adapters import Send, note_exit_code, writes
+from iop.node.adapters.base import Send, note_exit_code, writes
 from iop.openai.answer import Usage, answer_writer
 
 _decode = msgspec.json.Decoder().decode

@@ -20,7 +20,7 @@ from iop.anthropic.errors import error_type
 from iop.anthropic.request import messages_to_chat_request
 from iop.anthropic.stream import ChatToMessagesStream
 from iop.errors import BadRequest, RequestError, UpstreamError
-from iop.node.adapters import Adapter, Send
+from iop.node.adapters.base import Adapter, Send
 
 log = logging.getLogger("iop.node")
 _decode = msgspec.json.Decoder().decode

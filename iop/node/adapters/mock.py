@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from iop import config, wire
-from iop.node.adapters import Send, writes
+from iop.node.adapters.base import Send, writes
 from iop.openai.answer import Usage, answer_writer
 
 _WORDS = ("iop", "mock", "model", "answers", "with", "deterministic", "text")

@@ -16,7 +16,7 @@ import msgspec
 from iop import config, wire
 from iop.endpoints import native
 from iop.errors import BadRequest, NotFound, RequestError, UpstreamError, error_for_status
-from iop.node.adapters import Send, note_upstream_status
+from iop.node.adapters.base import Send, note_upstream_status
 from iop.node.http1 import ConnectFailed, HttpError, HttpPool, HttpResponse, Timeout
 from iop.node.tokens import UsageTail, usage_of_body
 from iop.openai.tool_names import ToolMap
