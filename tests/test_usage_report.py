@@ -6,14 +6,17 @@ import asyncio
 import json
 import subprocess
 import sys
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
 
-from iop.edge.ledger import RequestRecord
+from iop.edge.ledger import LEDGER_STREAM, RequestRecord
+from iop.edge.tail import TAIL_PER_KEY, TailFeed
 from iop.edge.usage_query import parse_query, read_records
+from iop.errors import Unavailable
 from iop.nats.server import EmbeddedNats
-from tests.harness import EdgeHandle, deployment, deployment_running, running_edge, until
+from tests.harness import EdgeHandle, deployment, deployment_running, eventually, running_edge, until
 
 MOCK = """
 models: [{alias: sim, pool: [sim-1]}]
@@ -201,3 +204,46 @@ async def test_a_client_reads_only_its_own_usage_and_an_admin_reads_all(
         as_ops = await http.get("/usage?by=key", headers={"authorization": "Bearer k-ops"})
         assert as_ops.status_code == 200 and by_key(as_ops) == {"alice": 1, "bob": 2}
         assert (await http.get("/usage")).status_code == 401
+
+
+async def ledger_consumers(h: EdgeHandle) -> int:
+    return int((await h.edge.js.stream_info(LEDGER_STREAM)).state.consumer_count)
+
+
+async def test_usage_tail_followers_share_one_consumer_and_are_limited_per_key_and_in_total(
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IOP_TEST_KEYS", "alice:k-alice,bob:k-bob")
+    dep = deployment("edge: {api_keys_env: IOP_TEST_KEYS}\n" + MOCK)
+    alice, bob = ({"authorization": f"Bearer k-{n}"} for n in ("alice", "bob"))
+    async with deployment_running(dep, nats_server.url) as h, h.http() as http, AsyncExitStack() as tails:
+        before = await ledger_consumers(h)
+        followers = []
+        for headers in [alice] * TAIL_PER_KEY + [bob]:
+            r = await tails.enter_async_context(http.stream("GET", "/usage/tail", headers=headers))
+            assert r.status_code == 200
+            followers.append(r.aiter_lines())
+        # One more for alice is refused; bob is not held back by her.
+        r = await http.get("/usage/tail", headers=alice)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_followers", r.text
+        # Five followers, one consumer: what one status page follower costs.
+        assert await ledger_consumers(h) == before + 1
+        assert (await http.post("/v1/chat/completions", json=BODY, headers=alice)).status_code == 200
+        for lines in followers[:TAIL_PER_KEY]:
+            async with asyncio.timeout(10):
+                assert json.loads(await anext(lines))["key"] == "alice"
+        await tails.aclose()
+
+        async def none_left() -> bool:
+            return await ledger_consumers(h) == before
+
+        await eventually(none_left)  # the last follower gone, the shared consumer goes too
+        # The total: a feed of this edge's ledger with room for two followers takes no third.
+        feed = TailFeed(h.edge.js, per_key=10, total=2)
+        held = [await feed.join(None, None, None), await feed.join("alice", None, None)]
+        with pytest.raises(Unavailable) as refused:
+            await feed.join("bob", None, None)
+        assert refused.value.code == "too_many_followers" and refused.value.status == 503
+        for f in held:
+            await feed.leave(f)
+        await eventually(none_left)

@@ -13,13 +13,12 @@ from starlette.types import Scope
 
 from iop.edge.keys import EdgeKeys
 from iop.edge.ledger import RequestRecord
-from iop.edge.usage_query import Aggregate, follow, parse_query, parse_time, read_records, record_json, to_csv
+from iop.edge.tail import TailFeed
+from iop.edge.usage_query import Aggregate, parse_query, parse_time, read_records, record_json, to_csv
 from iop.errors import BadRequest, Unavailable
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 Sink = Callable[[list[RequestRecord]], None]
-TAIL_BUFFER = 10_000
-"""Records a slow `--tail` reader may fall behind by before the oldest are skipped."""
 
 
 def _reader(keys: EdgeKeys, scope: Scope) -> str | None:
@@ -67,6 +66,7 @@ def usage_endpoint(keys: EdgeKeys, js: JetStreamContext, *, ledger_on: bool) -> 
 
 def usage_tail_endpoint(keys: EdgeKeys, js: JetStreamContext, closing: asyncio.Event, *, ledger_on: bool) -> Endpoint:
     """`closing` is set when the edge starts to stop: every open tail ends at once."""
+    feed = TailFeed(js)
 
     async def tail(request: Request) -> Response:
         who = _reader(keys, request.scope)
@@ -75,24 +75,14 @@ def usage_tail_endpoint(keys: EdgeKeys, js: JetStreamContext, closing: asyncio.E
         alias = request.query_params.get("model") or None
         since_text = request.query_params.get("since")
         since = parse_time(since_text, "since", time.time()) if since_text else None
-        queue: asyncio.Queue[RequestRecord] = asyncio.Queue(TAIL_BUFFER)
-
-        def sink(records: list[RequestRecord]) -> None:
-            for r in records:
-                if alias is not None and r.alias != alias:
-                    continue  # another alias on the same subject (their unsafe characters both became `_`)
-                if queue.full():
-                    queue.get_nowait()  # a reader that cannot keep up sees the newest records
-                queue.put_nowait(r)
-
-        sub = await follow(js, alias, _only(who, sink), since)
+        follower = await feed.join(who, alias, since)
 
         async def lines() -> AsyncIterator[bytes]:
             stopping = asyncio.ensure_future(closing.wait())
             try:
                 yield b""  # the headers go out at once: the client knows it is following
                 while True:
-                    get = asyncio.ensure_future(queue.get())
+                    get = asyncio.ensure_future(follower.queue.get())
                     await asyncio.wait((get, stopping), return_when=asyncio.FIRST_COMPLETED)
                     if not get.done():
                         # The edge is stopping: end the stream, or its graceful shutdown waits for
@@ -102,7 +92,7 @@ def usage_tail_endpoint(keys: EdgeKeys, js: JetStreamContext, closing: asyncio.E
                     yield record_json(get.result()) + b"\n"
             finally:
                 stopping.cancel()
-                await sub.unsubscribe()
+                await feed.leave(follower)
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
