@@ -369,3 +369,29 @@ async def test_with_replicas_3_the_qualification_bucket_is_made_r3(cluster: Clus
             info = await h.edge.js.stream_info("KV_" + RESULTS_BUCKET)
             assert info.config.num_replicas == 3
             assert info.cluster is not None and len(info.cluster.replicas or []) == 2
+
+
+async def test_edges_started_together_on_a_fresh_cluster_all_come_up(tmp_path: Path) -> None:
+    fresh = await start_cluster(tmp_path / "fresh")
+    try:
+        async with fake_upstream() as up_a, fake_upstream() as up_b:
+            cfg = tmp_path / "iop.yaml"
+            cfg.write_text(two_nodes_yaml(fresh, "t", up_a, up_b))
+            args = ("edge", "--config", str(cfg), "--listen", "127.0.0.1:0", "--nats", fresh.url)
+            # Started at once, before the cluster has a JetStream leader, as after a power cut.
+            async with iop_process(*args, stop_grace_s=0) as e1, iop_process(*args, stop_grace_s=0) as e2:
+                started = await asyncio.gather(
+                    *(e.wait_line(r"iop edge listening on (http://\S+)", timeout_s=60) for e in (e1, e2)),
+                    return_exceptions=True,
+                )
+                # Before: the second died with NoRespondersError in publish_catalog (a traceback).
+                assert all(not isinstance(s, BaseException) for s in started), (started, e1.lines[-8:], e2.lines[-8:])
+                for e in (e1, e2):
+                    assert not any("Traceback" in line for line in e.lines), e.lines
+                urls = [s.group(1) for s in started if not isinstance(s, BaseException)]
+                for url in urls:
+                    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+                        assert (await http.get("/v1/models")).status_code == 200
+    finally:
+        for s in fresh.servers:
+            await s.stop()

@@ -7,6 +7,7 @@ other part of the edge sees only the few objects it was handed here, never `Edge
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -177,22 +178,35 @@ class Edge:
 
     async def start(self) -> None:
         settings = self.current.deployment.edge
+        dep = self.current.deployment
+        # Each JetStream step waits (bounded) for what it needs: edges started together find
+        # streams without a leader yet, or half made by another edge (streams.when_available).
+        available = streams.when_available
         if self.ledger is not None:
-            self.ledger.token = await ensure_ledger_stream(self.js, settings.ledger.max_age, settings.ledger.max_bytes)
+            ledger = settings.ledger
+            self.ledger.token = await available(
+                "the ledger stream", lambda: ensure_ledger_stream(self.js, ledger.max_age, ledger.max_bytes)
+            )
             self.ledger.start()
-        await streams.ensure_work_stream(self.js, replicas=settings.nats.replicas)
+        await available("the work stream", lambda: streams.ensure_work_stream(self.js, replicas=settings.nats.replicas))
         if settings.responses.enabled:
             replicas = settings.nats.replicas
-            self.responses.store = await ResponseStore.open(self.nc, settings.responses, replicas=replicas)
+            self.responses.store = await available(
+                "the stored-responses bucket",
+                lambda: ResponseStore.open(self.nc, settings.responses, replicas=replicas),
+            )
         for pid, capacity in self.current.capacities().items():
-            await streams.ensure_provider_consumer(self.js, pid, capacity)
-        await publish_catalog(self.nc, self.js, self.current.deployment)
+            await available(f"provider {pid}'s consumer", functools.partial(self._consumer, pid, capacity))
+        await available("the catalog bucket", lambda: publish_catalog(self.nc, self.js, dep))
         await self.relay.start()
         await self.registry.start(self.nc)
         # Serving starts once the server has the reply and presence subscriptions.
         await connection.flush(self.nc)
-        await self.qualify.start()
+        await available("the qualification bucket", self.qualify.start)
         self.burst_trim.start()
+
+    async def _consumer(self, provider: str, capacity: int) -> None:
+        await streams.ensure_provider_consumer(self.js, provider, capacity)
 
     def waiting_requests(self) -> int:
         """Requests waiting in this edge's pool queues now."""

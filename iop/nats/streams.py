@@ -7,8 +7,10 @@ import contextvars
 import dataclasses
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
+import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js import api as js_api
@@ -20,6 +22,47 @@ from iop.nats import auth
 from iop.nats.server import MAX_PAYLOAD
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+START_WAIT_S = 30.0
+"""How long an edge's start-up step waits for JetStream to serve it (a cluster electing leaders)."""
+_TRANSIENT_CODES = {10008, 10059}
+"""JetStream "temporarily unavailable", and "stream not found" while another edge's create settles."""
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether `exc` is what a forming cluster answers (no leader yet, no responder), not a refusal."""
+    if isinstance(exc, (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError)):
+        return True
+    if isinstance(exc, nats.js.errors.ServiceUnavailableError):
+        return True
+    return isinstance(exc, nats.js.errors.APIError) and (exc.err_code in _TRANSIENT_CODES or exc.code == 503)
+
+
+async def when_available(what: str, step: Callable[[], Awaitable[T]], timeout_s: float = START_WAIT_S) -> T:
+    """Run `step` until JetStream lets it through, for up to `timeout_s`; then one BusError line.
+
+    Edges started together (after a power cut, on a fresh cluster) find streams without a leader
+    yet, or half made by another edge: each start-up step waits for what it needs instead of dying
+    with a traceback. A refusal (BusError, a non-transient API error) is not retried.
+    """
+    t0 = time.monotonic()
+    pause = 0.05
+    while True:
+        try:
+            return await step()
+        except (nats.errors.Error, TimeoutError) as exc:
+            if not transient(exc):
+                raise BusError(f"{what}: {exc.__class__.__name__}: {exc}") from exc
+            if time.monotonic() - t0 + pause > timeout_s:
+                raise BusError(
+                    f"{what}: JetStream did not serve it within {timeout_s:g}s ({exc or type(exc).__name__})"
+                ) from exc
+            log.info("%s: JetStream not ready yet (%s); trying again", what, exc or type(exc).__name__)
+        await asyncio.sleep(pause)  # the cluster's election happens in the servers; nothing here to wait on
+        pause = min(pause * 2, 1.0)
+
 
 default_replicas: contextvars.ContextVar[int] = contextvars.ContextVar("default_replicas", default=1)
 """Replicas of every stream and KV bucket iop creates (`edge.nats.replicas`): set once by the edge."""
@@ -55,13 +98,15 @@ def stream_problem(what: str, max_bytes: int | None, replicas: int, exc: nats.js
 
 
 async def _until_led(js: JetStreamContext, stream: str, timeout_s: float = 10.0) -> None:
-    """Until a new stream has a leader: on a cluster its raft group forms after the create returns,
-    and reads (a KV direct get) before that find no responder."""
+    """Until a stream has a leader: on a cluster its raft group forms after the create returns (and
+    after another edge's create), and reads (a KV direct get) before that find no responder."""
     t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
+    while True:
         info = await js.stream_info(stream)
         if info.cluster is None or info.cluster.leader:
             return
+        if time.monotonic() - t0 > timeout_s:
+            raise BusError(f"stream {stream}: no leader elected within {timeout_s:g}s (a cluster without quorum?)")
         await asyncio.sleep(0.05)  # the election happens in the servers; nothing here to wait on
 
 
@@ -92,11 +137,16 @@ async def ensure_stream(
             await _until_led(js, name)
             return
         except nats.js.errors.BadRequestError as exc:
+            if transient(exc):
+                raise
             if exc.err_code != 10058:  # 10058: the name is in use (another edge created it meanwhile)
                 raise BusError(stream_problem(f"stream {cfg.name}", cfg.max_bytes, n, exc, sized_by)) from exc
         except nats.js.errors.APIError as exc:
+            if transient(exc):
+                raise
             raise BusError(stream_problem(f"stream {cfg.name}", cfg.max_bytes, n, exc, sized_by)) from exc
         info = await js.stream_info(name)
+    await _until_led(js, name)  # made by another edge a moment ago: its leader may still be elected
     have = info.config.num_replicas or 1
     if have != n and scale:
         try:
@@ -122,12 +172,17 @@ async def ensure_bucket(
             await _until_led(js, f"KV_{cfg.bucket}")
             return kv
         except nats.js.errors.BadRequestError as exc:
+            if transient(exc):
+                raise
             if exc.err_code != 10058:
                 raise BusError(stream_problem(f"KV bucket {cfg.bucket}", cfg.max_bytes, n, exc, sized_by)) from exc
         except nats.js.errors.APIError as exc:
+            if transient(exc):
+                raise
             raise BusError(stream_problem(f"KV bucket {cfg.bucket}", cfg.max_bytes, n, exc, sized_by)) from exc
         kv = await js.key_value(cfg.bucket)
     stream = f"KV_{cfg.bucket}"
+    await _until_led(js, stream)
     info = await js.stream_info(stream)
     have = info.config.num_replicas or 1
     if have != n:
