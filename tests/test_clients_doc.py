@@ -1,0 +1,125 @@
+"""docs/clients.md, run as written: each of its blocks against a real edge and node (issue 25).
+
+The blocks are read from the page itself, with only the edge's address replaced by the test
+edge's, so a change to the page that stops working fails here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from iop.edge.keys import EdgeKeys, Key
+from iop.nats.server import EmbeddedNats
+from tests.codex_upstream import Turn, scripted_chat
+from tests.harness import REPO, EdgeHandle, deployment, edge_server_running
+
+PAGE = REPO / "docs" / "clients.md"
+CODEX_BIN = REPO / ".ci" / "npm" / "node_modules" / ".bin"
+DOC_EDGE = "http://127.0.0.1:8080"
+DOC_KEY = b"sk-iop-example"
+ANSWER = "hi from iop"
+POOL = """
+models: [{{alias: coder, pool: [p]}}]
+nodes:
+  - id: n
+    adapters: [{{id: up, type: openai, base_url: "{url}", api: chat}}]
+    providers: [{{id: p, adapter: up, model: served-model, capacity: 2}}]
+"""
+# Settings of the test, not of the page: Codex stays offline but for the edge.
+OFFLINE_TOP = "check_for_update_on_startup = false\n"
+OFFLINE_TABLES = """
+[analytics]
+enabled = false
+
+[features]
+plugins = false
+remote_plugin = false
+apps = false
+skill_search = false
+tool_suggest = false
+skill_mcp_dependency_install = false
+"""
+
+
+def block(tag: str, lang: str) -> str:
+    """The page's one fenced block of `lang` tagged `tag`."""
+    found = re.findall(rf"```{lang} {re.escape(tag)}\n(.*?)```", PAGE.read_text(), re.S)
+    assert len(found) == 1, f"docs/clients.md has {len(found)} ```{lang} {tag} blocks"
+    return str(found[0])
+
+
+@asynccontextmanager
+async def doc_edge(nats_server: EmbeddedNats) -> AsyncIterator[EdgeHandle]:
+    def answer(body: dict[str, Any]) -> Turn:
+        return Turn(text=ANSWER)
+
+    keys = EdgeKeys(clients=[Key("doc", DOC_KEY)], admins=[])
+    async with scripted_chat(answer) as up:
+        dep = deployment(POOL.format(url=up.url))
+        async with edge_server_running(dep, nats_server.url, keys) as h:
+            yield h
+
+
+async def run(command: list[str], env: dict[str, str], cwd: Path, timeout_s: float = 90.0) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *command,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        async with asyncio.timeout(timeout_s):
+            out, _ = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(errors="replace")
+
+
+@pytest.mark.parametrize("way", ["codex-default", "codex-custom"])
+async def test_clients_doc_codex_config_and_command_answer(nats_server: EmbeddedNats, tmp_path: Path, way: str) -> None:
+    if not (CODEX_BIN / "codex").exists() or shutil.which("node") is None:
+        pytest.skip("Codex CLI is not installed (.ci/run installs it into .ci/npm when npm exists)")
+    async with doc_edge(nats_server) as h:
+        home = tmp_path / "codex-home"
+        home.mkdir()
+        config = block(way, "toml").replace(DOC_EDGE, h.url)
+        (home / "config.toml").write_text(OFFLINE_TOP + config + OFFLINE_TABLES)
+        work = tmp_path / "project"
+        work.mkdir()
+        env = {"PATH": f"{CODEX_BIN}:{os.environ.get('PATH', '')}", "HOME": str(tmp_path), "CODEX_HOME": str(home)}
+        assert (await run(["git", "init", "-q", str(work)], env, tmp_path))[0] == 0  # Codex works in a repository
+        rc, out = await run(["/bin/sh", "-c", block(way, "sh")], env, work)
+        upgraded = h.edge.http_limits.upgraded
+    assert rc == 0, out[-3000:]
+    assert ANSWER in out
+    assert "failed to connect" not in out and "Falling back" not in out
+    # The default provider speaks WebSocket mode; the custom one plain HTTP.
+    assert (upgraded > 0) == (way == "codex-default")
+
+
+@pytest.mark.parametrize("way", ["openai-sdk", "openai-sdk-env"])
+async def test_clients_doc_openai_sdk_snippet_answers(nats_server: EmbeddedNats, tmp_path: Path, way: str) -> None:
+    async with doc_edge(nats_server) as h:
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)}
+        if way == "openai-sdk-env":
+            env |= {"OPENAI_BASE_URL": h.url + "/v1", "OPENAI_API_KEY": DOC_KEY.decode()}
+        script = block(way, "python").replace(DOC_EDGE, h.url)
+        rc, out = await run([sys.executable, "-c", script], env, tmp_path)
+    assert rc == 0, out
+    assert out.splitlines() == [ANSWER] * out.count(ANSWER) and out.count(ANSWER) >= 1
