@@ -21,7 +21,7 @@ import pytest
 from iop.edge.keys import EdgeKeys, Key
 from iop.nats.server import EmbeddedNats
 from tests.codex_upstream import Turn, scripted_chat
-from tests.harness import REPO, EdgeHandle, deployment, edge_server_running
+from tests.harness import REPO, EdgeHandle, deployment, deployment_running
 
 PAGE = REPO / "docs" / "clients.md"
 CODEX_BIN = REPO / ".ci" / "npm" / "node_modules" / ".bin"
@@ -66,7 +66,7 @@ async def doc_edge(nats_server: EmbeddedNats) -> AsyncIterator[EdgeHandle]:
     keys = EdgeKeys(clients=[Key("doc", DOC_KEY)], admins=[])
     async with scripted_chat(answer) as up:
         dep = deployment(POOL.format(url=up.url))
-        async with edge_server_running(dep, nats_server.url, keys) as h:
+        async with deployment_running(dep, nats_server.url, keys) as h:
             yield h
 
 

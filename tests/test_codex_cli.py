@@ -25,7 +25,7 @@ from iop.edge.keys import EdgeKeys, Key
 from iop.nats.server import EmbeddedNats
 from iop.openai.compaction import COMPACTION_PROMPT, SUMMARY_PREFIX
 from tests.codex_upstream import Call, ScriptedChat, Turn, scripted_chat
-from tests.harness import EdgeHandle, deployment, deployment_running, edge_server_running
+from tests.harness import EdgeHandle, deployment, deployment_running
 
 CODEX_VERSION = "0.169.0"
 """The Codex CLI release whose requests docs/openai-compat.md was written from (../shared spec)."""
@@ -356,7 +356,7 @@ async def test_codex_default_provider_runs_a_compacting_session_over_the_websock
     nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
     keys = EdgeKeys(clients=[Key("codex", b"codex-key")], admins=[])
-    async with scripted_chat(DefaultSession()) as up, edge_server_running(_pool(up), nats_server.url, keys) as h:
+    async with scripted_chat(DefaultSession()) as up, deployment_running(_pool(up), nats_server.url, keys) as h:
         work = tmp_path / "work"
         work.mkdir()
         home = default_home(tmp_path / "codex-home", h.url, "model_auto_compact_token_limit = 2000")
@@ -402,7 +402,7 @@ async def test_codex_default_provider_first_turn_is_as_quick_as_the_custom_provi
     def script(body: dict[str, Any]) -> Turn:
         return Turn(text="hello from iop")
 
-    async with scripted_chat(script) as up, edge_server_running(_pool(up), nats_server.url) as h:
+    async with scripted_chat(script) as up, deployment_running(_pool(up), nats_server.url) as h:
         work = tmp_path / "work"
         work.mkdir()
         default = default_home(tmp_path / "default-home", h.url)
