@@ -386,12 +386,17 @@ async def test_edges_started_together_on_a_fresh_cluster_all_come_up(tmp_path: P
                 )
                 # Before: the second died with NoRespondersError in publish_catalog (a traceback).
                 assert all(not isinstance(s, BaseException) for s in started), (started, e1.lines[-8:], e2.lines[-8:])
+                password = fresh.servers[0].access.password
+                assert password
                 for e in (e1, e2):
                     assert not any("Traceback" in line for line in e.lines), e.lines
+                    # The URL came with the edge's password: the log shows it without.
+                    assert not any(password in line for line in e.lines), "a NATS password reached the log"
                 urls = [s.group(1) for s in started if not isinstance(s, BaseException)]
                 for url in urls:
                     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
                         assert (await http.get("/v1/models")).status_code == 200
+                        assert password not in (await http.get("/status")).text
     finally:
         for s in fresh.servers:
             await s.stop()

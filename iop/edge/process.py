@@ -108,7 +108,7 @@ async def run_edge(
         edge = Edge(
             dep,
             nc,
-            nats_url=url,
+            nats_url=connection.redact(url),  # shown in /status: never a user:password@ part
             keys=keys,
             deployment_file=loaded.path,
             # The embedded server's node users follow the deployment's nodes through refreshes.
@@ -134,8 +134,9 @@ async def run_edge(
                 return
             await asyncio.sleep(0.01)
         bound = _bound_address(server)
-        log.info("iop edge %s serving http://%s (nats %s)", edge.edge_id, bound, url)
-        print(f"iop edge listening on http://{bound} nats={url}", flush=True)
+        shown = connection.redact(url)  # a URL given with user:password@ must not put it in the log
+        log.info("iop edge %s serving http://%s (nats %s)", edge.edge_id, bound, shown)
+        print(f"iop edge listening on http://{bound} nats={shown}", flush=True)
         if ready is not None:
             ready.set()
         await stop.wait()
