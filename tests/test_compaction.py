@@ -159,3 +159,20 @@ async def test_tool_calls_after_a_compaction_still_work(nats_server: EmbeddedNat
     assert second.status_code == 200, second.text
     assert [o["type"] for o in second.json()["output"]] == ["function_call"]
     assert [t["function"]["name"] for t in up.bodies[1]["tools"]] == ["exec_command"]
+
+
+async def test_compaction_trigger_after_previous_response_id_summarises_the_stored_window(
+    nats_server: EmbeddedNats,
+) -> None:
+    turns = [Turn(text="Two files."), Turn(text="Summary: the user listed two files.")]
+    async with chat_edge(nats_server, turns) as (up, h), h.http() as http:
+        first = await post(http, {"model": "m", "input": "list the files"})  # stored: OpenAI's default
+        assert first.status_code == 200, first.text
+        trigger = {"model": "m", "previous_response_id": first.json()["id"], "input": [{"type": "compaction_trigger"}]}
+        compacted = await post(http, trigger)
+    assert compacted.status_code == 200, compacted.text
+    assert [o["type"] for o in compacted.json()["output"]] == ["compaction"]
+    messages = up.bodies[1]["messages"]
+    assert messages[0] == {"role": "user", "content": "list the files"}
+    assert messages[1] == {"role": "assistant", "content": "Two files."}
+    assert messages[-1] == {"role": "user", "content": COMPACTION_PROMPT}

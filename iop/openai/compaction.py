@@ -143,6 +143,9 @@ def summary_request(request: Mapping[str, Any], items: list[Any]) -> dict[str, A
     }
     if isinstance(request.get("instructions"), str):
         summarise["instructions"] = request["instructions"]
+    if isinstance(request.get("previous_response_id"), str):
+        # The window goes on before these items: the endpoint expands it from the store.
+        summarise["previous_response_id"] = request["previous_response_id"]
     return summarise
 
 
