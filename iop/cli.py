@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from iop import __version__
+from iop import __version__, configview
 from iop import config as config_mod
 from iop.errors import ConfigError, IopError
 
@@ -46,13 +46,13 @@ def config_group() -> None:
 def config_check(file: str) -> None:
     """Validate FILE and print a summary of the deployment (exit 2 on errors)."""
     loaded = _load_or_exit(file, show_warnings=False)  # the summary lists them
-    click.echo(config_mod.summary(loaded))
+    click.echo(configview.summary(loaded))
 
 
 @config_group.command("schema")
 def config_schema() -> None:
     """Print the JSON Schema of the deployment file (for editors)."""
-    click.echo(config_mod.json_schema_text())
+    click.echo(configview.json_schema_text())
 
 
 def _run_async(main: Any) -> None:

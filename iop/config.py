@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -12,7 +10,7 @@ import msgspec
 import msgspec.inspect
 from msgspec import Meta
 
-from iop import validate
+from iop import crosscheck, validate, yamldoc
 from iop.errors import ConfigError
 
 Id = Annotated[str, Meta(min_length=1, pattern=validate.ID_PATTERN, extra={"format": "id"})]
@@ -442,7 +440,7 @@ class Loaded:
 _CHECKER = validate.Checker(validate.FORMATS)
 _DEPLOYMENT_TYPE = msgspec.inspect.type_info(Deployment)
 _EDGE_DEFAULTS = EdgeSettings()
-_CROSS_DEFAULTS = validate.Defaults(
+_CROSS_DEFAULTS = crosscheck.Defaults(
     cli_type=str(CliAdapter.__struct_config__.tag),
     adapter_types=frozenset(str(c.__struct_config__.tag) for c in (CliAdapter, OpenAIAdapter, MockAdapter)),
     edge_listen=_EDGE_DEFAULTS.listen,
@@ -454,8 +452,8 @@ _CROSS_DEFAULTS = validate.Defaults(
 def parse(text: str, source: str = "<config>") -> Loaded:
     """Validate the YAML text of a deployment file; raise ConfigError listing every problem."""
     try:
-        doc = validate.read_yaml(text)
-    except validate.YamlSyntaxError as exc:
+        doc = yamldoc.read_yaml(text)
+    except yamldoc.YamlSyntaxError as exc:
         where = f"{source}: line {exc.line}, column {exc.column}" if exc.line else source
         raise ConfigError([f"{where}: not valid YAML: {exc.message}"]) from exc
     if doc is None or doc.data is None:
@@ -463,7 +461,7 @@ def parse(text: str, source: str = "<config>") -> Loaded:
     if not isinstance(doc.data, dict):
         kind = "a list" if isinstance(doc.data, list) else f"{type(doc.data).__name__} {doc.data!r}"
         raise ConfigError([f"{source}: the top level must be a mapping (edge, models, nodes), not {kind}"])
-    cross = validate.CrossCheck(_CROSS_DEFAULTS)
+    cross = crosscheck.CrossCheck(_CROSS_DEFAULTS)
     cross.run(doc.data)
     structural = _CHECKER.check(doc.data, _DEPLOYMENT_TYPE)
     problems = list(dict.fromkeys([*doc.duplicate_keys, *structural, *cross.problems]))
@@ -493,89 +491,3 @@ def load(path: str | Path) -> Loaded:
     loaded = parse(text, str(p))
     loaded.path = p
     return loaded
-
-
-# --- presentation --------------------------------------------------------------------------------
-
-
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
-
-def _what(ref: ProviderRef, alias_model: str) -> str:
-    adapter, model = ref.adapter, ref.provider.model or alias_model
-    if isinstance(adapter, CliAdapter):
-        return shlex.join(adapter.command)
-    if isinstance(adapter, OpenAIAdapter):
-        api = adapter.api if isinstance(adapter.api, str) else ", ".join(adapter.api)
-        return f"{model} at {adapter.base_url} ({api})"
-    return f"{model} ({adapter.tokens} tokens, first after {adapter.latency_ms:g} ms)"
-
-
-def summary(loaded: Loaded) -> str:
-    """What `iop config check` prints for a valid file: counts, nodes, providers, pools, routes, warnings."""
-    dep = loaded.deployment
-    catalog = Catalog.of(dep)
-    pooled = {p for members in catalog.pools.values() for p in members}
-    total = sum(catalog.providers[p].provider.capacity or 0 for p in pooled)
-    lines = [
-        f"{_plural(len(dep.nodes), 'node')}, {_plural(len(catalog.providers), 'provider')} "
-        f"({len(pooled)} in pools, total capacity {total}), "
-        f"{_plural(len(catalog.pools), 'pool')}, {_plural(len(catalog.routes), 'direct route')}"
-    ]
-    edge, nats = dep.edge, dep.edge.nats
-    bus = f"embedded nats on {nats.listen}" if nats.url == "embedded" else f"nats {nats.url}"
-    if nats.token_env:
-        bus += f" (token from ${nats.token_env})"
-    elif nats.user_env:
-        bus += f" (user from ${nats.user_env}, password from ${nats.password_env})"
-    if nats.tls_ca:
-        bus += f", CA {nats.tls_ca}"
-    auth = f"client keys from ${edge.api_keys_env}" if edge.api_keys_env else "no client auth"
-    auth += f", admin keys from ${edge.admin_keys_env}" if edge.admin_keys_env else ", admin from loopback only"
-    lines.append(
-        f"edge on {edge.listen}, {bus}, queue {edge.queue.timeout_s:g} s / "
-        f"{edge.queue.max_waiting} waiting per pool, {auth}"
-    )
-
-    refs = list(catalog.providers.values())
-    id_width = max((len(r.provider.id) for r in refs), default=0)
-    kind_width = max((len(f"{r.adapter.id} ({_kind(r)})") for r in refs), default=0)
-    lines += ["", "nodes"]
-    for node in dep.nodes:
-        legacy = node.legacy_concurrency()
-        note = f", legacy concurrency {legacy} (metadata only)" if legacy is not None else ""
-        lines.append(f"  {node.id}: {_plural(len(node.providers), 'provider')}{note}")
-        for p in node.providers:
-            ref = catalog.providers[p.id]
-            limit = "unlimited" if ref.is_cli else f"capacity {p.capacity}"
-            kind = f"{ref.adapter.id} ({_kind(ref)})"
-            lines.append(f"    {p.id:<{id_width}}  {kind:<{kind_width}}  {limit:<11}  {_what(ref, 'alias')}")
-
-    if catalog.pools:
-        lines += ["", "pools"]
-        for alias, members in catalog.pools.items():
-            caps = [catalog.providers[m].provider.capacity or 0 for m in members]
-            each = ", ".join(f"{m} {c}" for m, c in zip(members, caps, strict=True))
-            lines.append(f"  {alias}: {_plural(len(members), 'candidate')}, total capacity {sum(caps)} ({each})")
-    if catalog.routes:
-        lines += ["", "direct routes"]
-        lines += [f"  {alias} -> {node}/{prov}" for alias, (node, prov) in catalog.routes.items()]
-    if loaded.warnings:
-        lines += ["", "warnings"]
-        lines += [f"  {w}" for w in loaded.warnings]
-    return "\n".join(lines)
-
-
-def _kind(ref: ProviderRef) -> str:
-    return str(type(ref.adapter).__struct_config__.tag)
-
-
-def json_schema_text() -> str:
-    """The JSON Schema of the deployment file, for editors (e.g. yaml-language-server)."""
-    schema = {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "title": "iop deployment file",
-        **msgspec.json.schema(Deployment),
-    }
-    return json.dumps(schema, indent=2)

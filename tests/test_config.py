@@ -16,10 +16,10 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from iop import config
+from iop import config, configview
 from iop.cli import main
 from iop.errors import ConfigError
-from iop.validate import render
+from iop.yamldoc import render
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -624,7 +624,7 @@ def test_config_any_mutation_is_valid_or_a_config_error(edits: list[tuple[tuple[
         return
     # A file the walker passes must also satisfy msgspec and the catalog built from it.
     assert msgspec.convert(yaml.safe_load(text), config.Deployment) == loaded.deployment
-    config.summary(loaded)
+    configview.summary(loaded)
 
 
 # --- shipped configs ---------------------------------------------------------------------------
@@ -664,7 +664,7 @@ def test_config_packaged_copies_match_configs(name: str) -> None:
 
 
 def test_config_summary_of_dev_runtime() -> None:
-    text = config.summary(config.load(CONFIGS / "dev-runtime.yaml"))
+    text = configview.summary(config.load(CONFIGS / "dev-runtime.yaml"))
     lines = text.splitlines()
     assert lines[0] == "3 nodes, 4 providers (3 in pools, total capacity 10), 1 pool, 1 direct route"
     assert "  qwen-coder: 3 candidates, total capacity 10 (mac-mlx-vllm 2, gpu-a-vllm 4, gpu-b-vllm 4)" in lines
@@ -679,13 +679,13 @@ def test_config_summary_of_dev_runtime() -> None:
 def test_config_summary_lists_warnings() -> None:
     data = base()
     data["nodes"][0]["runtime"] = {"concurrency": 8}
-    text = config.summary(config.parse(yaml.safe_dump(data, sort_keys=False)))
+    text = configview.summary(config.parse(yaml.safe_dump(data, sort_keys=False)))
     assert "legacy concurrency 8 (metadata only)" in text
     assert text.splitlines()[-2:] == ["warnings", "  " + config.parse(yaml.safe_dump(data)).warnings[0]]
 
 
 def test_config_json_schema_describes_the_structs() -> None:
-    schema = json.loads(config.json_schema_text())
+    schema = json.loads(configview.json_schema_text())
     assert schema["$schema"].startswith("https://json-schema.org/")
     defs = schema["$defs"]
     assert schema["$ref"] == "#/$defs/Deployment"
