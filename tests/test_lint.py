@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +54,18 @@ def test_import_contracts_hold() -> None:
     lint_imports = Path(sys.executable).with_name("lint-imports")
     r = subprocess.run([str(lint_imports), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_top_level_module_has_a_layer() -> None:
+    """A module the layers contract does not name would be checked by nothing: each must have its place."""
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["importlinter"]
+    layers = next(c for c in contracts["contracts"] if c["type"] == "layers")["layers"]
+    named = {m.strip() for layer in layers for m in layer.split("|")}
+    package = ROOT / "iop"
+    children = {f"iop.{p.stem}" for p in package.glob("*.py") if p.stem != "__init__"}
+    children |= {f"iop.{p.parent.name}" for p in package.glob("*/__init__.py")}
+    assert children - named == set(), "add them to [tool.importlinter] layers in pyproject.toml"
+    assert named - children == set(), "no such module"
 
 
 # --- the structure, read from the source: private names, module length, import circles -----------------
