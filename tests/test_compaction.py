@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+from openresponses_types.types import CompactResource
 
 from iop.nats.server import EmbeddedNats
 from iop.openai.compaction import COMPACTION_PROMPT, SUMMARY_PREFIX, Sealer
@@ -122,8 +123,10 @@ async def test_compact_endpoint_keeps_user_messages_and_one_compaction_item(nats
     assert compacted.status_code == 200, compacted.text
     body = compacted.json()
     assert body["object"] == "response.compaction"
+    CompactResource.model_validate(body)  # the Open Responses specification's schema
     assert [item.get("type") for item in body["output"]] == ["message", "compaction"]
-    assert body["output"][0] == user("list the files")
+    kept = body["output"][0]
+    assert (kept["role"], kept["content"]) == ("user", user("list the files")["content"])
     assert body["usage"]["output_tokens"] == 7
     assert len(up.bodies) == 1 and up.bodies[0]["messages"][-1]["content"] == COMPACTION_PROMPT
     assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
@@ -176,3 +179,20 @@ async def test_compaction_trigger_after_previous_response_id_summarises_the_stor
     assert messages[0] == {"role": "user", "content": "list the files"}
     assert messages[1] == {"role": "assistant", "content": "Two files."}
     assert messages[-1] == {"role": "user", "content": COMPACTION_PROMPT}
+
+
+async def test_compact_endpoint_with_previous_response_id_summarises_the_stored_chain(
+    nats_server: EmbeddedNats,
+) -> None:
+    turns = [Turn(text="Two files."), Turn(text="Summary: two files listed.")]
+    async with chat_edge(nats_server, turns) as (up, h), h.http() as http:
+        first = await post(http, {"model": "m", "input": "list the files"})
+        compact = {"model": "m", "previous_response_id": first.json()["id"]}
+        compacted = await post(http, compact, "/v1/responses/compact")
+    assert compacted.status_code == 200, compacted.text
+    CompactResource.model_validate(compacted.json())
+    assert [item["type"] for item in compacted.json()["output"]] == ["compaction"]
+    assert up.bodies[1]["messages"][:2] == [
+        {"role": "user", "content": "list the files"},
+        {"role": "assistant", "content": "Two files."},
+    ]

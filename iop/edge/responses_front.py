@@ -171,7 +171,7 @@ class CompactEndpoint:
                     f"model '{request['model']}' does not exist; GET /v1/models lists the models", param="model"
                 )
             original = _window(request)
-            expanded = _window(compaction.expand({**request, "input": original}, edge.sealer))
+            expanded = compaction.expand({**request, "input": original}, edge.sealer)["input"]
             sealed, usage = await self.front.summarise(scope, replaying([], receive), request, expanded)
             answer = {
                 "id": new_id("resp_"),
@@ -197,6 +197,8 @@ def _window(request: dict[str, Any]) -> list[Any]:
     items = request.get("input")
     if isinstance(items, str):
         return [compaction.user_message(items)]
+    if items is None and isinstance(request.get("previous_response_id"), str):
+        return []  # the window is the stored chain alone
     if not isinstance(items, list) or not items:
         raise BadRequest("'input' must be a string or a non-empty list of items", param="input")
     return items

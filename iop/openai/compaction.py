@@ -168,10 +168,23 @@ def compaction_item(sealed: str) -> dict[str, Any]:
     return {"id": new_id("cmp_"), "type": "compaction", "encrypted_content": sealed, "created_by": "iop"}
 
 
-def kept_user_messages(items: list[Any]) -> list[Any]:
-    """What `/responses/compact` keeps of the window beside the summary: the user's own messages."""
-    return [
-        item
-        for item in items
-        if isinstance(item, Mapping) and item.get("role") == "user" and item.get("type", "message") == "message"
-    ]
+def kept_user_messages(items: list[Any]) -> list[dict[str, Any]]:
+    """What `/responses/compact` keeps of the window beside the summary: the user's own messages,
+    as output messages (an id, a status, content parts)."""
+    kept: list[dict[str, Any]] = []
+    for item in items:
+        if not isinstance(item, Mapping) or item.get("role") != "user" or item.get("type", "message") != "message":
+            continue
+        content = item.get("content")
+        parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else list(content or [])
+        item_id = item.get("id")
+        kept.append(
+            {
+                "type": "message",
+                "id": item_id if isinstance(item_id, str) else new_id("msg_"),
+                "status": "completed",
+                "role": "user",
+                "content": parts,
+            }
+        )
+    return kept
