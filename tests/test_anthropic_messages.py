@@ -220,5 +220,7 @@ async def test_an_endpoint_the_pool_cannot_serve_is_refused_at_once(
             assert emb.status_code == 400 and emb.json()["error"]["code"] == "endpoint_not_served"
             models = (await http.get("/v1/models")).json()["data"]
             assert models[0]["endpoints"] == ["chat", "responses"]
+            pool = (await http.get("/status")).json()["pools"][0]
+            assert (pool["alias"], pool["endpoints"]) == ("m", ["chat", "responses"])
         gate.set()
         await held

@@ -145,6 +145,8 @@ class PoolStatus(msgspec.Struct, kw_only=True):
     affinity_misses: int = 0
     """Requests of a session this edge remembered that went to another provider (that one was busy,
     out of rotation or gone)."""
+    endpoints: list[str] = msgspec.field(default_factory=list)
+    """What every provider of the pool answers (chat, responses, messages, embeddings, completions)."""
 
 
 class RouteStatus(msgspec.Struct, kw_only=True):
@@ -154,6 +156,8 @@ class RouteStatus(msgspec.Struct, kw_only=True):
     node: str
     resource: str
     connected: bool
+    endpoints: list[str] = msgspec.field(default_factory=list)
+    """What the CLI resource answers."""
 
 
 class Status(msgspec.Struct, kw_only=True):

@@ -395,7 +395,8 @@ def check_mixed_pool(catalog: config.Catalog, alias: str, body: bytes) -> None:
 
 
 def _translates_responses(adapter: config.Adapter) -> bool:
-    return isinstance(adapter, config.OpenAIAdapter) and adapter.api == "chat"
+    own = endpoints.native(adapter)
+    return isinstance(adapter, config.OpenAIAdapter) and "responses" not in own and "chat" in own
 
 
 def _upstream_model(edge: Serving, provider: str, alias: str) -> str:

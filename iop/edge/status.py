@@ -9,7 +9,7 @@ from typing import TypedDict
 
 from nats.aio.client import Client as NATS
 
-from iop import __version__, config, wire
+from iop import __version__, config, endpoints, wire
 from iop.contracts.status import (
     CliResourceStatus,
     EdgeInfo,
@@ -170,10 +170,17 @@ def status_of(src: StatusSources) -> Status:
                 affinity_wait_ms=round(src.catalog.affinity_wait_s.get(alias, 0.0) * 1000, 3),
                 affinity_hits=affinity[alias].hits if alias in affinity else 0,
                 affinity_misses=affinity[alias].misses if alias in affinity else 0,
+                endpoints=list(endpoints.ordered(endpoints.of_alias(src.catalog, alias))),
             )
         )
     routes = [
-        RouteStatus(alias=alias, node=n, resource=p, connected=src.registry.connected(n))
+        RouteStatus(
+            alias=alias,
+            node=n,
+            resource=p,
+            connected=src.registry.connected(n),
+            endpoints=list(endpoints.ordered(endpoints.of_alias(src.catalog, alias))),
+        )
         for alias, (n, p) in src.catalog.routes.items()
     ]
     return Status(
