@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import platform
+
+import httpx
 
 from iop.edge import memory
 from iop.edge.memory import BurstTrim
 from iop.edge.scheduler import Scheduler
+from iop.nats.server import EmbeddedNats
+from tests.harness import deployment, deployment_running, until
 
 
 async def test_a_drained_burst_of_waiting_requests_is_trimmed_once() -> None:
@@ -42,3 +47,44 @@ def test_give_back_trims_the_heap_where_glibc_is() -> None:
     assert memory.give_back() is glibc
     rss = memory.rss_bytes()
     assert rss is None or rss > 0
+
+
+MIB = 1024 * 1024
+
+
+async def test_bodies_being_received_share_the_waiting_budget_and_their_memory_is_given_back(
+    nats_server: EmbeddedNats,
+) -> None:
+    dep = deployment(
+        "edge: {queue: {max_waiting_mb: 40}}\nmodels: [{alias: m, pool: [p]}]\n"
+        "nodes: [{id: n, adapters: [{id: s, type: mock, latency_ms: 0}],"
+        " providers: [{id: p, adapter: s, capacity: 4}]}]"
+    )
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * (16 * MIB)}]}).encode()
+    async with deployment_running(dep, nats_server.url) as h:
+        host, port = h.url.removeprefix("http://").rsplit(":", 1)
+        bodies = h.edge.bodies
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        head += b"content-length: %d\r\n\r\n" % len(body)
+        slow = []
+        for _ in range(2):  # two slow uploads, 15 MiB of 16 sent: 30 MiB being received
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(head + body[: 15 * MIB])
+            slow.append((reader, writer))
+        await until(lambda: bodies.bytes >= 30 * MIB - 256 * 1024, bodies.changed, timeout_s=20)
+        # A third cannot fit 40 MiB with them: refused as it arrives, in the API's shape, not kept.
+        async with httpx.AsyncClient(base_url=h.url, timeout=20) as http:
+            r = await http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "bodies_over_budget", r.text
+        assert r.headers["retry-after"] == "1"
+        assert bodies.bytes < 31 * MIB
+        trims = h.edge.body_trim.trims
+        for reader, writer in slow:  # the slow ones finish, and are served
+            writer.write(body[15 * MIB :])
+            async with asyncio.timeout(20):
+                status = (await reader.readline()).split()[1]
+            assert status == b"200"
+            writer.close()
+        await until(lambda: bodies.bytes == 0, bodies.changed)
+        # The burst drained: its memory goes back to the OS once.
+        await until(lambda: h.edge.body_trim.trims > trims, h.edge.body_trim.trimmed, timeout_s=10)

@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from iop import config, endpoints, wire
 from iop.anthropic import errors as anthropic_errors
 from iop.edge import heads
+from iop.edge.bodies import ReceivingBodies
 from iop.edge.dispatch import DirectDispatch, PoolDispatch
 from iop.edge.observe import REQUEST_ID, Observer, Trace, new_request_id
 from iop.edge.relay import Channel, Relay
@@ -164,6 +165,8 @@ class Serving(Protocol):
     @property
     def max_body_bytes(self) -> int: ...
     @property
+    def bodies(self) -> ReceivingBodies: ...
+    @property
     def scheduler(self) -> Scheduler: ...
     @property
     def relay(self) -> Relay: ...
@@ -199,7 +202,7 @@ class ApiEndpoint:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{scope['method']} {scope['path']}: use POST", headers={"Allow": "POST"})
             check_content_type(scope)
-            body = await read_body(scope, receive, self.edge.max_body_bytes)
+            body = await read_body(scope, receive, self.edge.max_body_bytes, self.edge.bodies)
             trace.bytes_in = len(body)
             model, stream, cache_key, user, stateful = parse_head(self.api, body)
             trace.stream = stream
@@ -581,7 +584,8 @@ class ClientLeft(Exception):
     """
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def read_body(scope: Scope, receive: Receive, limit: int, bodies: ReceivingBodies | None = None) -> bytes:
+    """The whole body; each chunk counted in `bodies` while it is received (503 past its budget)."""
     for name, value in scope["headers"]:
         if name == b"content-length":
             with contextlib.suppress(ValueError):
@@ -590,16 +594,22 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     more = True
-    while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientLeft
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body is larger than the limit of {limit} bytes")
-        chunks.append(chunk)
-        more = message.get("more_body", False)
+    try:
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientLeft
+            chunk = message.get("body", b"")
+            if size + len(chunk) > limit:
+                raise PayloadTooLarge(f"request body is larger than the limit of {limit} bytes")
+            if bodies is not None:
+                bodies.take(len(chunk))
+            size += len(chunk)
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+    finally:
+        if bodies is not None:
+            bodies.give(size)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

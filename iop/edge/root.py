@@ -19,6 +19,8 @@ from starlette.types import Scope
 from iop import config
 from iop.contracts.refresh import RefreshResult
 from iop.edge import http as edge_http
+from iop.edge.bodies import BURST_MIB as BODY_BURST_MIB
+from iop.edge.bodies import ReceivingBodies
 from iop.edge.current import CurrentDeployment
 from iop.edge.keys import EdgeKeys
 from iop.edge.ledger import LedgerWriter, ensure_ledger_stream
@@ -137,6 +139,10 @@ class Edge:
         self.sealer = sealer if sealer is not None else Sealer.random()
         """Seals iop's compaction items; `run_edge` derives it from the deployment's secret (docs/security.md)."""
         self.burst_trim = BurstTrim(self.waiting_requests, self.scheduler.changed)
+        self.bodies = ReceivingBodies(self.scheduler)
+        """Request bodies being received, bounded with the waiting ones by edge.queue.max_waiting_mb."""
+        self.body_trim = BurstTrim(self.bodies.mib, self.bodies.changed, burst=BODY_BURST_MIB)
+        """Hands the memory of a drained burst of large bodies back (counted in MiB, not requests)."""
         """Hands the memory of a drained burst of waiting requests back to the OS (iop/edge/memory.py)."""
 
     # What a request reads (api.py's `Serving`, qualify.py's `Qualified`): from `current`, so a refresh applies.
@@ -204,6 +210,7 @@ class Edge:
         await connection.flush(self.nc)
         await available("the qualification bucket", self.qualify.start)
         self.burst_trim.start()
+        self.body_trim.start()
 
     async def _consumer(self, provider: str, capacity: int) -> None:
         await streams.ensure_provider_consumer(self.js, provider, capacity)
@@ -233,6 +240,7 @@ class Edge:
 
     async def stop(self) -> None:
         self.burst_trim.stop()
+        self.body_trim.stop()
         await self.responses.stop()
         await self.qualify.stop()
         await self.registry.stop()
