@@ -366,7 +366,7 @@ nodes:
             assert pool_row[:4] == ["m", "1", "1", "0/3"] and "(unavailable," in pool_row
 
 
-async def test_waiting_requests_bodies_are_bounded_per_edge_with_429(nats_server: EmbeddedNats) -> None:
+async def test_waiting_requests_bodies_are_bounded_per_edge(nats_server: EmbeddedNats) -> None:
     # Before: every waiting request kept its whole body (16 waiting x 30 MiB = +745 MiB), bounded
     # only by max_waiting x max_body_mb (~47 GiB per pool with the defaults).
     gate = asyncio.Event()
@@ -392,13 +392,14 @@ nodes:
             sched = h.edge.scheduler
             waiting_big = asyncio.create_task(ask(300))
             await until(lambda: sched.waiting("m") == 1, sched.changed)
+            # Refused while it arrives: bodies being received count against the same budget.
             r = await http.post("/v1/chat/completions", json=body(300))
-            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+            assert r.status_code == 503 and r.json()["error"]["code"] == "bodies_over_budget", r.text
             assert r.headers["retry-after"] == "1" and "max_waiting_mb" in r.json()["error"]["message"]
             waiting_small = asyncio.create_task(ask(100))
             await until(lambda: sched.waiting("m") == 2, sched.changed)
             held_mib = sched.waiting_bytes / (1024 * 1024)
-            print(f"\nwaiting requests hold {held_mib:.2f} MiB of the 0.5 MiB allowed; the next 300 KiB got 429")
+            print(f"\nwaiting requests hold {held_mib:.2f} MiB of the 0.5 MiB allowed; the next 300 KiB got 503")
             assert held_mib <= 0.5
             gate.set()
             assert list(await asyncio.gather(running, waiting_big, waiting_small)) == [200, 200, 200]
