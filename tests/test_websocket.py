@@ -23,7 +23,8 @@ from tests.wsclient import Closed, Refused, WsClient
 
 YAML = """
 edge:
-  http: {{max_connections: 16}}
+  max_body_mb: 0.05
+  http: {{max_connections: 16, max_headers: 50}}
 models: [{{alias: m, pool: [p]}}, {{alias: slow, pool: [s]}}]
 nodes:
   - id: n
@@ -212,3 +213,27 @@ async def test_websocket_too_many_events_ahead_close_the_socket(nats_server: Emb
         await until(lambda: bool(s.results), s.finished, timeout_s=10)
     assert closed is not None and closed.code == 1008
     assert s.results[0].error == "client_cancelled"
+
+
+async def test_websocket_limits_hold_for_the_handshake_and_each_event(nats_server: EmbeddedNats) -> None:
+    async with edge_with_sockets(nats_server.url, []) as s:
+        crowded = {**KEY, **{f"x-h{i}": "v" for i in range(60)}}
+        try:
+            await WsClient.connect(s.url, headers=crowded)
+            raise AssertionError("a handshake with 60 headers was accepted")
+        except Refused as refused:
+            too_many = refused
+        ws = await s.socket()
+        await ws.send_json({"type": "response.create", "model": "m", "input": "x" * 80_000})
+        closed = None
+        try:
+            await ws.recv_json()
+        except Closed as exc:
+            closed = exc
+        await ws.close()
+        upgraded = s.edge.http_limits.upgraded
+    # Too many headers: refused by the edge's HTTP protocol before any upgrade.
+    assert too_many.status == 431 and upgraded == 1
+    # An event larger than a request body may be (edge.max_body_mb) closes the socket: 1009, too big.
+    assert closed is not None and closed.code == 1009
+    assert s.up.bodies == []
