@@ -177,7 +177,7 @@ def test_build_pyz_layout_is_clean(pyz: Path) -> None:
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
     dropped = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"}
     assert not [n for n in names if ".dist-info/" in n and n.rsplit("/", 1)[1] in dropped]
-    assert "common/iop/cli.py" in names and "common/iop/_bootstrap.py" not in names
+    assert "common/iop/cli/__init__.py" in names and "common/iop/_bootstrap.py" not in names
     modes = {i.filename: i.external_attr >> 16 for i in infos}
     assert modes[manifest["nats_server"]] == 0o100755
     assert _bootstrap.python_tag() in manifest["pythons"]
