@@ -213,7 +213,6 @@ def run_cost(n: int) -> dict[str, Any]:
     import logging
     from types import SimpleNamespace
 
-    from iop.edge.dispatch import DispatchResult
     from iop.edge.ledger import LedgerWriter
     from iop.edge.metrics import Metrics
     from iop.edge.observe import Observer, Trace
@@ -242,9 +241,8 @@ def run_cost(n: int) -> dict[str, Any]:
         for i in range(n):
             trace = Trace(f"req_{i}", "chat")
             trace.alias, trace.status, trace.first_byte = "bench", 200, trace.arrived
-            result = DispatchResult("bench", "pool", node="node-1", provider=f"p{i % 4}", attempts=1)
-            result.queue_wait_ms, result.report = 1.0, report
-            trace.dispatched(result)
+            trace.route, trace.node, trace.provider, trace.attempts = "pool", "node-1", f"p{i % 4}", 1
+            trace.queue_ms, trace.report = 1.0, report
             observer.finish(trace)
         per_us = (time.process_time() - t0) / n * 1e6
         out[label] = round(per_us, 2)

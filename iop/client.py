@@ -177,7 +177,7 @@ class EdgeClient:
         except httpx.HTTPError as exc:
             raise IopError(f"lost the edge at {self.url}: {type(exc).__name__}: {exc}") from exc
 
-    # --- qualification (admin): iop/edge/qualify.py ----------------------------------------
+    # --- qualification (admin): iop/edge/qualification.py ----------------------------------------
 
     async def qualify_lease(self, body: dict[str, Any]) -> dict[str, Any]:
         """Open a qualification lease (`exclusive` drains its providers); the answer's `id` renews it."""

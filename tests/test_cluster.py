@@ -22,7 +22,7 @@ import pytest_asyncio
 from nats.js import JetStreamContext
 
 from iop import config, wire
-from iop.edge.qualify import RESULTS_BUCKET
+from iop.edge.qualification import RESULTS_BUCKET
 from iop.errors import BusError
 from iop.nats import connection, streams
 from iop.nats.access import SECRET_FILE, Credentials
@@ -216,7 +216,7 @@ async def test_stream_leader_killed_mid_load_nothing_lost_nothing_twice(cluster:
             gaps = [b - a for a, b in zip([killed, *after], after, strict=False)]
             recover_s = max(gaps)
             new_leader = await stream_leader(js)
-            resends = e1.edge.relay.resends + e2.edge.relay.resends
+            resends = e1.edge.relay.recovery.resends + e2.edge.relay.recovery.resends
             duplicates = e1.edge.relay.duplicates + e2.edge.relay.duplicates
             resent = sum(n._running.replay.resent for n in (na, nb) if n._running is not None)
 

@@ -169,7 +169,7 @@ async def test_request_bodies_larger_than_max_payload_arrive_whole(nats_server: 
         h.edge.current.max_body_bytes = 32 * 1024 * 1024  # the edge's own HTTP limit is not what is tested
         relay = h.edge.relay
         small = await http.post("/v1/chat/completions", json=ask("m", "small"))
-        assert small.status_code == 200 and relay.bodies_by_reference == 0  # small bodies travel inline
+        assert small.status_code == 200 and relay.publish.bodies_by_reference == 0  # small bodies travel inline
 
         t0 = time.monotonic()
         pooled = await http.post("/v1/chat/completions", json=ask("m", big), timeout=60)
@@ -181,5 +181,5 @@ async def test_request_bodies_larger_than_max_payload_arrive_whole(nats_server: 
         assert direct.status_code == 200, direct.text
         size, digest = direct.json()["choices"][0]["message"]["content"].split()
         assert (int(size), digest) == (len(big), hashlib.sha256(big.encode()).hexdigest())
-        assert relay.bodies_by_reference == 2
+        assert relay.publish.bodies_by_reference == 2
     print(f"\n10 MiB request body through a pool: {pooled_s:.2f}s end to end")

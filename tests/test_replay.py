@@ -81,7 +81,7 @@ async def test_replies_lost_while_the_edge_reconnects_are_sent_again_and_the_req
             )
             assert text == up.text()
             assert up.total == 1
-            assert relay.resends >= 1 and relay.resends_unknown == 0
+            assert relay.recovery.resends >= 1 and relay.recovery.resends_unknown == 0
             # Sent again: the chunks (one at least) and the Done; not the Started, which had arrived.
             assert node._running is not None and node._running.replay.resent >= 2
             assert h.edge.nc.stats["reconnects"] == 1
@@ -117,9 +117,9 @@ async def test_a_stream_cut_off_half_way_reaches_its_client_whole_and_in_order(n
     assert text == up.text()
     assert up.total == 1 and reconnected == 1
     # What streamed while the edge was away was lost, and sent again.
-    assert relay.resends >= 1 and relay.resends_unknown == 0 and resent >= 1
+    assert relay.recovery.resends >= 1 and relay.recovery.resends_unknown == 0 and resent >= 1
     print(
-        f"\nedge cut off mid-stream: {relay.resends} resends, {resent} replies sent again, "
+        f"\nedge cut off mid-stream: {relay.recovery.resends} resends, {resent} replies sent again, "
         f"{relay.duplicates} copies dropped"
     )
 
@@ -142,7 +142,7 @@ async def test_a_node_that_no_longer_has_the_lost_answer_fails_it_with_relay_gap
             r = await answer_lost_while_the_edge_is_cut_off(h, node, up, cut, gate, http)
             # A stream already begun (headers sent) ends with an error event; the code says why.
             assert "relay_gap" in r.text, r.text
-            assert h.edge.relay.resends_unknown == 1
+            assert h.edge.relay.recovery.resends_unknown == 1
             assert up.total == 1
 
 

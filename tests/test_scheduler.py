@@ -21,8 +21,10 @@ from nats.aio.msg import Msg
 
 from iop import errors, wire
 from iop.edge import scheduler as scheduler_module
-from iop.edge.dispatch import DirectDispatch, DispatchResult, PoolDispatch
-from iop.edge.relay import Channel, Relay
+from iop.edge.channel import Channel
+from iop.edge.dispatch import DirectDispatch, PoolDispatch
+from iop.edge.observe import Trace
+from iop.edge.relay import Relay
 from iop.edge.scheduler import ProviderSlots, Scheduler
 from iop.errors import (
     BadRequest,
@@ -538,26 +540,26 @@ class Rig:
     scheduler: Scheduler
     relay: Relay
     node: Node
-    finished: list[DispatchResult]
     receiving: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when an answer's bytes reach the HTTP side (the node has started the item)."""
 
     def dispatch(self, alias: str = "m") -> PoolDispatch:
         loop = asyncio.get_running_loop()
-        return PoolDispatch(self.scheduler, self.relay, alias, loop.time() + 5, on_finished=self.finished.append)
+        return PoolDispatch(self.scheduler, self.relay, alias, loop.time() + 5, Trace("req_test", "chat"))
 
-    async def serve(self, dispatch: PoolDispatch, responded: Callable[[], bool] = lambda: False) -> bytes:
+    async def serve(self, dispatch: PoolDispatch, *, responded: bool = False) -> bytes:
+        """Drive the dispatch's tries as the endpoint does; `responded`: the client has its answer's start."""
+        if responded:
+            dispatch.record.status = 200
         got: list[bytes] = []
-
-        async def answer(ch: Channel, provider: str) -> RequestError | None:
-            parts = []
-            async for data in self.relay.replies(ch, dispatch.deadline):
-                parts.append(data)
-                self.receiving.set()
-            got.extend(parts)  # only a whole answer counts (as the edge answers a non-streamed request)
-            return None
-
-        await dispatch.run(lambda ch: _item(self.relay, ch), answer, responded)
+        async for attempt in dispatch:
+            async with attempt:
+                await attempt.send(_item(self.relay, attempt.channel))
+                parts = []
+                async for data in attempt.replies():
+                    parts.append(data)
+                    self.receiving.set()
+                got.extend(parts)  # only a whole answer counts (as the edge answers a non-streamed request)
         return b"".join(got)
 
     def in_flight(self) -> dict[str, int]:
@@ -584,54 +586,52 @@ async def rig(
         await nc.subscribe(wire.WORK_SUBJECTS, cb=node.on_work)
         await nc.subscribe("iop.node.*.cancel", cb=node.on_cancel)
         await connection.flush(nc)
-        yield Rig(scheduler(providers, {"m": list(providers)}), relay, node, [])
+        yield Rig(scheduler(providers, {"m": list(providers)}), relay, node)
     finally:
         await nc.close()
 
 
-async def test_dispatch_success_releases_once_and_reports_once(nats_server: EmbeddedNats) -> None:
+async def test_dispatch_success_releases_once_and_notes_the_try_in_the_record(nats_server: EmbeddedNats) -> None:
     async with rig(nats_server, {"p": 1}, {"p": answers(b"hel", b"lo")}) as r:
         dispatch = r.dispatch()
         assert await r.serve(dispatch) == b"hello"
         pool = r.scheduler.pools["m"]
         assert r.in_flight() == {"p": 0} and (pool.running, pool.peak_running) == (0, 1)
-        [result] = r.finished
-        assert (result.outcome, result.status, result.provider, result.node, result.attempts, result.error) == (
-            "ok",
-            200,
-            "p",
-            "node-p",
-            1,
-            None,
-        )
-        assert result.queue_wait_ms is not None and result.first_byte_ms is not None
-        assert 0 <= result.queue_wait_ms <= result.first_byte_ms <= result.duration_ms
+        rec = dispatch.record
+        assert (rec.route, rec.provider, rec.node, rec.attempts) == ("pool", "p", "node-p", 1)
+        assert isinstance(rec.report, wire.Done) and rec.queue_ms is not None and rec.queue_ms >= 0
+        assert r.scheduler.providers["p"].failures == 0
 
 
-async def test_dispatch_reports_a_stream_that_ended_with_an_error_event(nats_server: EmbeddedNats) -> None:
-    async with rig(nats_server, {"p": 1}, {"p": answers(b"partial")}) as r:
+async def test_dispatch_frees_the_slot_when_the_nodes_end_arrives_before_the_client_read_it(
+    nats_server: EmbeddedNats,
+) -> None:
+    async with rig(nats_server, {"p": 1}, {"p": answers(b"hel", b"lo")}) as r:
         dispatch = r.dispatch()
-        cut = UpstreamError("upstream failed mid-answer")
+        async for attempt in dispatch:
+            async with attempt:
+                await attempt.send(_item(r.relay, attempt.channel))
+                ch = attempt.channel
 
-        async def answer(ch: Channel, provider: str) -> RequestError | None:
-            [data async for data in r.relay.replies(ch, dispatch.deadline)]
-            return cut  # what the client saw as the stream's last event, after a 200
+                async def node_done(ch: Channel = ch) -> bool:
+                    return ch.ended
 
-        await dispatch.run(lambda ch: _item(r.relay, ch), answer, lambda: True)
-        assert r.in_flight() == {"p": 0}
-        [result] = r.finished
-        assert (result.outcome, result.status, result.error) == ("error", 200, cut)
+                await eventually(node_done, timeout_s=5)
+                # Nothing of the answer read yet: the node is done, so its slot is free already.
+                assert r.in_flight() == {"p": 0} and r.scheduler.pools["m"].running == 0
+                assert [data async for data in attempt.replies()] == [b"hel", b"lo"]
+        assert r.in_flight() == {"p": 0} and dispatch.record.attempts == 1
 
 
 async def test_dispatch_failure_of_the_request_releases_once_without_failover(nats_server: EmbeddedNats) -> None:
     script = {"a": fails(BadRequest("no", code="upstream_bad_request")), "b": answers(b"x")}
     async with rig(nats_server, {"a": 1, "b": 1}, script) as r:
+        dispatch = r.dispatch()
         with pytest.raises(BadRequest):
-            await r.serve(r.dispatch())
+            await r.serve(dispatch)
         assert r.in_flight() == {"a": 0, "b": 0} and len(r.node.items) == 1
         assert r.scheduler.providers["a"].failures == 0  # the request's fault, not the provider's
-        [result] = r.finished
-        assert (result.outcome, result.status) == ("error", 400) and isinstance(result.error, BadRequest)
+        assert (dispatch.record.attempts, dispatch.record.provider) == (1, "a")
 
 
 async def test_dispatch_a_4xx_from_a_node_neither_fails_over_nor_counts_against_the_provider(
@@ -654,36 +654,38 @@ async def test_dispatch_fails_over_and_releases_every_slot_once(nats_server: Emb
     script = {"a": fails(UpstreamError("down", code="upstream_unavailable")), "b": answers(b"ok")}
     async with rig(nats_server, {"a": 2, "b": 1}, script) as r:
         # a has the most free slots, so it is tried first; it fails, and b answers.
-        assert await r.serve(r.dispatch()) == b"ok"
+        dispatch = r.dispatch()
+        assert await r.serve(dispatch) == b"ok"
         assert [p for p, _ in r.node.items] == ["a", "b"]
         assert r.in_flight() == {"a": 0, "b": 0} and r.scheduler.pools["m"].running == 0
         assert r.scheduler.providers["a"].failures == 1
-        [result] = r.finished
-        assert (result.outcome, result.attempts, result.provider) == ("ok", 2, "b")
+        assert (dispatch.record.attempts, dispatch.record.provider) == (2, "b")
 
 
 async def test_dispatch_does_not_fail_over_once_the_client_saw_bytes(nats_server: EmbeddedNats) -> None:
     script = {"a": fails(UpstreamError("down")), "b": answers(b"ok")}
     async with rig(nats_server, {"a": 2, "b": 1}, script) as r:
         with pytest.raises(UpstreamError):
-            await r.serve(r.dispatch(), responded=lambda: True)
+            await r.serve(r.dispatch(), responded=True)
         assert len(r.node.items) == 1 and r.in_flight() == {"a": 0, "b": 0}
 
 
 async def test_dispatch_gives_up_after_every_provider_failed(nats_server: EmbeddedNats) -> None:
     script = {p: fails(UpstreamError(f"{p} down"), started=False) for p in ("a", "b", "c", "d")}
     async with rig(nats_server, dict.fromkeys(script, 1), script) as r:
+        dispatch = r.dispatch()
         with pytest.raises(UpstreamError):
-            await r.serve(r.dispatch())
+            await r.serve(dispatch)
         assert len(r.node.items) == 3  # the first try and two more
         assert r.in_flight() == dict.fromkeys(script, 0)
-        assert r.finished[0].attempts == 3
+        assert dispatch.record.attempts == 3
 
 
 async def test_dispatch_cancelled_by_the_client_releases_once_and_cancels_the_node(nats_server: EmbeddedNats) -> None:
     async with rig(nats_server, {"p": 1}, {"p": silent}) as r:
         pool = r.scheduler.pools["m"]
-        task = asyncio.create_task(r.serve(r.dispatch()))
+        dispatch = r.dispatch()
+        task = asyncio.create_task(r.serve(dispatch))
         await asyncio.wait_for(r.receiving.wait(), 5)
         assert pool.running == 1
         task.cancel()
@@ -695,13 +697,14 @@ async def test_dispatch_cancelled_by_the_client_releases_once_and_cancels_the_no
             while item.id not in r.node.cancels:
                 r.node.changed.clear()
                 await r.node.changed.wait()
-        assert (r.finished[0].outcome, r.finished[0].status) == ("cancelled", None)
+        assert dispatch.record.attempts == 1 and r.scheduler.providers["p"].failures == 0
 
 
 async def test_dispatch_cancelled_while_queued_takes_no_slot(nats_server: EmbeddedNats) -> None:
     async with rig(nats_server, {"p": 1}, {"p": silent}) as r:
         held = await r.scheduler.acquire("m", soon())
-        task = asyncio.create_task(r.serve(r.dispatch()))
+        dispatch = r.dispatch()
+        task = asyncio.create_task(r.serve(dispatch))
         await waiting(r.scheduler, "m", 1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -709,7 +712,7 @@ async def test_dispatch_cancelled_while_queued_takes_no_slot(nats_server: Embedd
         assert r.in_flight() == {"p": 1} and r.scheduler.waiting("m") == 0 and not r.node.items
         r.scheduler.release(held)
         assert r.in_flight() == {"p": 0}
-        assert r.finished[0].outcome == "cancelled" and r.finished[0].attempts == 0
+        assert dispatch.record.attempts == 0
 
 
 async def test_dispatch_client_leaving_during_the_publish_leaves_no_work_behind(nats_server: EmbeddedNats) -> None:
@@ -734,10 +737,10 @@ async def test_dispatch_client_leaving_during_the_publish_leaves_no_work_behind(
                 decoy.add_done_callback(lambda d: late.append((waiting, d.result())))
                 return decoy
 
-        r.relay._acks = AckOnItsWay()
+        r.relay.publish._acks = AckOnItsWay()
         task = asyncio.create_task(r.serve(r.dispatch()))
         await asyncio.wait_for(stored.wait(), 5)
-        assert await stream_messages(r.relay.js) == 1
+        assert await stream_messages(r.relay.publish.js) == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -746,7 +749,7 @@ async def test_dispatch_client_leaving_during_the_publish_leaves_no_work_behind(
             waiting.set_result(msg)
 
         async def withdrawn() -> bool:
-            return await stream_messages(r.relay.js) == 0
+            return await stream_messages(r.relay.publish.js) == 0
 
         waited_s = await eventually(withdrawn, timeout_s=5)
         print(f"\nclient left during the publish: work withdrawn from the stream {1000 * waited_s:.1f} ms later")
@@ -767,16 +770,17 @@ async def test_relay_cancels_work_a_node_starts_for_a_request_it_no_longer_knows
 
 async def test_dispatch_node_lost_releases_once_then_fails_over(nats_server: EmbeddedNats) -> None:
     async with rig(nats_server, {"a": 2, "b": 1}, {"a": silent, "b": answers(b"ok")}) as r:
-        task = asyncio.create_task(r.serve(r.dispatch()))
+        dispatch = r.dispatch()
+        task = asyncio.create_task(r.serve(dispatch))
         await asyncio.wait_for(r.receiving.wait(), 5)
         assert r.scheduler.pools["m"].running == 1
         r.relay.node_lost("node-a", "test")
         assert r.in_flight()["a"] == 0  # freed the moment the node is known lost
         assert await task == b"ok"
-        assert r.in_flight() == {"a": 0, "b": 0} and r.finished[0].attempts == 2
+        assert r.in_flight() == {"a": 0, "b": 0} and dispatch.record.attempts == 2
 
 
-async def test_direct_dispatch_reports_once(nats_server: EmbeddedNats) -> None:
+async def test_direct_dispatch_tries_once_and_notes_the_route(nats_server: EmbeddedNats) -> None:
     async with rig(nats_server, {"p": 1}, {}) as r:
 
         async def cli(msg: Msg) -> None:
@@ -787,17 +791,15 @@ async def test_direct_dispatch_reports_once(nats_server: EmbeddedNats) -> None:
 
         await r.node.nc.subscribe(wire.cli_subject("n1", "agent"), cb=cli)
         await connection.flush(r.node.nc)
-        dispatch = DirectDispatch(r.relay, "agent", "n1", "agent", on_finished=r.finished.append)
+        dispatch = DirectDispatch(r.relay, "agent", "n1", "agent", Trace("req_test", "chat"))
         got: list[bytes] = []
-
-        async def answer(ch: Channel, provider: str) -> RequestError | None:
-            got.extend([data async for data in r.relay.replies(ch, None)])
-            return None
-
-        await dispatch.run(lambda ch: _item(r.relay, ch), answer)
+        async for attempt in dispatch:
+            async with attempt:
+                await attempt.send(_item(r.relay, attempt.channel))
+                got.extend([data async for data in attempt.replies()])
         assert got == [b"hi"] and not r.relay.channels
-        [result] = r.finished
-        assert (result.route, result.outcome, result.node, result.provider) == ("direct", "ok", "n1", "agent")
+        rec = dispatch.record
+        assert (rec.route, rec.node, rec.provider, rec.attempts) == ("direct", "n1", "agent", 1)
 
 
 # --- errors across the wire -------------------------------------------------------------------------

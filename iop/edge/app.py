@@ -19,7 +19,7 @@ from iop.edge.api import ApiEndpoint, ApiRoutes, RequestIds
 from iop.edge.count_tokens import CountTokensEndpoint
 from iop.edge.metrics import CONTENT_TYPE
 from iop.edge.origin import HostAllowList, SameOrigin
-from iop.edge.qualify import qualify_routes
+from iop.edge.qualification import qualify_routes
 from iop.edge.responses_front import CompactEndpoint, ResponsesFront
 from iop.edge.root import Edge
 from iop.edge.status import status_of

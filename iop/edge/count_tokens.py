@@ -15,7 +15,8 @@ from iop.anthropic.count import estimate_input_tokens
 from iop.anthropic.errors import error_response
 from iop.anthropic.request import messages_to_chat_request
 from iop.edge import heads
-from iop.edge.api import Serving, check_content_type, read_body, send_error
+from iop.edge.api import Serving
+from iop.edge.asgi import check_content_type, read_body, send_error
 from iop.edge.observe import new_request_id
 from iop.errors import BadRequest, MethodNotAllowed, NotFound, RequestError
 

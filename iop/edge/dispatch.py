@@ -1,29 +1,38 @@
-"""One request's way through the edge: its slot, its channel to the node, failover, and its result.
+"""One request's tries: a slot, a channel to the node, failover, and what each try left in the record.
 
-A pool request's slot is owned here and nowhere else. `PoolDispatch.run()` acquires a slot from
-the scheduler, opens the relay channel, publishes the work, counts the run while the node runs
-it, releases the slot exactly once (when the node reports the end, or when the attempt is over,
-whichever comes first), records success or failure in the provider's breaker, and fails over to
-another provider while the client has seen nothing. `DirectDispatch` is the same shape for a
+The endpoint drives the tries and reads top to bottom:
+
+    async for attempt in dispatch:          # a slot of the best provider (or the next one)
+        async with attempt:                 # ends the try, whatever happens inside
+            await attempt.send(item)        # the work to the node
+            ...relay attempt.replies() to the client...
+
+A pool request's slot is owned here and nowhere else. It is given back exactly once, at the first
+of: the node's end reaching the edge (the relay tells the attempt as the reply arrives, so a slow
+client never holds a slot its node no longer uses, see `Attempt.node_ended`), or the end of the
+`async with` (client gone, failure at the edge, node lost). Leaving the block also closes the
+channel (the node told to stop if it still runs) and tells the provider's breaker. A retryable
+failure before the client got any answer is swallowed there, and the loop's next attempt goes to
+another provider; anything else leaves the loop.
+
+`PoolDispatch(pin=provider)` is the same dispatch pinned to one provider (qualification): its
+slot through the scheduler, no failover, no breaker. `DirectDispatch` is the same shape for a
 direct route (a CLI resource: no slot, no failover).
-
-Both hand one `DispatchResult` to `on_finished` when the request is over, whatever way it ended:
-that is the one place per request to account for it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import AsyncIterator
+from types import TracebackType
 
 from iop import wire
 from iop.edge.affinity import Sessions
-from iop.edge.relay import Channel, Relay
-from iop.edge.scheduler import PoolQueue, ProviderSlots, Scheduler
+from iop.edge.channel import Channel
+from iop.edge.observe import Trace
+from iop.edge.relay import Relay
+from iop.edge.scheduler import PinnedQueue, PoolQueue, ProviderSlots, Scheduler
 from iop.errors import RequestError, Unavailable
 
 log = logging.getLogger("iop.edge")
@@ -31,112 +40,116 @@ log = logging.getLogger("iop.edge")
 MAX_RETRIES = 2
 """Other providers a pool request may fail over to after its first one failed before answering."""
 
-Answer = Callable[[Channel, str], Awaitable[RequestError | None]]
-"""Relays the channel's answer to the client (`provider` names who answers); returns the error the
-answer ended with after the response had started (the client saw it in the stream), else None."""
-MakeItem = Callable[[Channel], wire.WorkItem]
-"""The work item for a channel (its id and reply subject come from the channel)."""
 
+class Attempt:
+    """One try of a request on one provider (or CLI resource), ended by leaving `async with`."""
 
-@dataclass(eq=False)
-class DispatchResult:
-    """What became of one request, handed to `on_finished` exactly once when it is over.
+    __slots__ = ("_ended", "_started", "channel", "dispatch", "pool", "provider", "scheduler", "slot")
 
-    Times are milliseconds from the request's arrival at the dispatch (body read, head parsed).
-    """
-
-    alias: str
-    route: Literal["pool", "direct"]
-    id: str = ""
-    """The id of the last attempt's channel (the work item id the node saw)."""
-    node: str = ""
-    provider: str = ""
-    attempts: int = 0
-    """Providers tried: 1 unless the request failed over."""
-    queue_wait_ms: float | None = None
-    """Until the node started the answering attempt (None: no node ever started it)."""
-    first_byte_ms: float | None = None
-    """Until the first bytes of the answer reached the edge."""
-    outcome: Literal["ok", "error", "cancelled"] = "ok"
-    status: int | None = 200
-    """The HTTP status the client got: an error's when it failed before the response started, 200
-    when it succeeded or its stream ended with an error event, None when the client left."""
-    """`cancelled`: the client went away before the end."""
-    error: RequestError | None = None
-    """What the client was told (as the HTTP error, or as the stream's error event)."""
-    duration_ms: float = 0.0
-    report: wire.Done | wire.Failure | None = None
-    """The node's last word on the last attempt: what only it knows (tokens, upstream status, exit code)."""
-    affinity: bool = False
-    """The last attempt went to the provider its session used last (prefix-cache affinity)."""
-
-
-Finished = Callable[[DispatchResult], None]
-
-
-class _Lease:
-    """One slot taken from the scheduler; `end()` gives it back once, however often it is called."""
-
-    __slots__ = ("ended", "pool", "scheduler", "slot", "started")
-
-    def __init__(self, scheduler: Scheduler, slot: ProviderSlots, pool: PoolQueue) -> None:
+    def __init__(
+        self,
+        dispatch: _Dispatch,
+        provider: str,
+        slot: ProviderSlots | None = None,
+        pool: PoolQueue | None = None,
+        scheduler: Scheduler | None = None,
+    ) -> None:
+        self.dispatch = dispatch
         self.scheduler = scheduler
+        self.provider = provider
+        """Who answers: the provider's id, or the CLI resource's name."""
         self.slot = slot
         self.pool = pool
-        self.started = False
-        self.ended = False
+        """The queue the slot was granted from: its running count is this try's while the node runs it."""
+        self._started = False
+        self._ended = False
+        self.channel: Channel = dispatch.relay.open(slot.node if slot is not None else dispatch.node, holder=self)
 
-    def start(self) -> None:
+    # --- told by the channel, as the node's replies arrive --------------------------------------
+
+    def node_started(self) -> None:
         """The node began running the item: it counts as running in its pool until it ends."""
-        if not self.ended and not self.started:
-            self.started = True
+        if self.pool is not None and not self._ended and not self._started:
+            self._started = True
             self.pool.run_started()
 
-    def end(self) -> None:
-        if self.ended:
+    def node_ended(self) -> None:
+        """The node is done with the item (or lost): the slot is free now, before the client read it all."""
+        self._release()
+
+    def _release(self) -> None:
+        if self._ended:
             return
-        self.ended = True
-        if self.started:
+        self._ended = True
+        if self.pool is not None and self._started:
             self.pool.run_ended()
-        self.scheduler.release(self.slot)
+        if self.slot is not None and self.scheduler is not None:
+            self.scheduler.release(self.slot)
+
+    # --- driven by the endpoint -----------------------------------------------------------------
+
+    async def send(self, item: wire.WorkItem) -> None:
+        """Put the work where the node takes it: the provider's work queue, or the CLI resource."""
+        publish = self.dispatch.relay.publish
+        if self.slot is None:
+            await publish.to_resource(self.channel, self.dispatch.node, self.provider, item)
+        else:
+            await publish.to_pool(self.channel, self.provider, item)
+
+    def replies(self) -> AsyncIterator[bytes]:
+        """The answer's bytes in order; raises the RequestError the node or the edge failed it with."""
+        return self.dispatch.relay.replies(self.channel, self.dispatch.start_deadline)
+
+    async def __aenter__(self) -> Attempt:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        d = self.dispatch
+        d.noted(self.channel)
+        d.relay.close(self.channel)  # the node told to stop, if it may still run it
+        self._release()
+        return d.ended(self, exc)
 
 
 class _Dispatch:
-    """What both routes share: the result, its clock, and the one call of `on_finished`."""
+    """What every route shares: the relay, the record the tries write to, and their clock."""
 
-    def __init__(self, relay: Relay, result: DispatchResult, on_finished: Finished | None) -> None:
+    def __init__(self, relay: Relay, alias: str, record: Trace, start_deadline: float | None) -> None:
         self.relay = relay
-        self.result = result
-        self.on_finished = on_finished
+        self.alias = alias
+        """The model the work item names (a pinned provider's first pool)."""
+        self.record = record
+        self.start_deadline = start_deadline
+        """Loop clock: the latest the node may start the work (None: no bound, a direct route)."""
+        self.node = ""
         self.arrived = time.monotonic()
+        self.done = False
 
-    def _observe(self, ch: Channel) -> None:
-        r = self.result
-        # The last attempt is the one that counts: an earlier one that failed over says nothing here.
-        r.id, r.node, r.report = ch.id, ch.node, ch.outcome
-        r.queue_wait_ms = max(0.0, (ch.started_mono - self.arrived) * 1000) if ch.started_mono else None
-        r.first_byte_ms = max(0.0, (ch.first_chunk_mono - self.arrived) * 1000) if ch.first_chunk_mono else None
+    def noted(self, ch: Channel) -> None:
+        """The try's facts in the record: the last try is the one that counts."""
+        r = self.record
+        r.node, r.report = ch.node, ch.outcome
+        r.queue_ms = round(max(0.0, (ch.started_mono - self.arrived) * 1000), 3) if ch.started_mono else None
 
-    def _finish(self, exc: BaseException | None) -> None:
-        r = self.result
-        if isinstance(exc, RequestError):
-            r.outcome, r.error, r.status = "error", exc, exc.status
-        elif isinstance(exc, asyncio.CancelledError):
-            r.outcome, r.status = "cancelled", None
-        elif exc is not None:
-            r.outcome, r.status = "error", 500
-        elif r.error is not None:
-            r.outcome = "error"
-        r.duration_ms = (time.monotonic() - self.arrived) * 1000
-        if self.on_finished is not None:
-            try:
-                self.on_finished(r)
-            except Exception:  # broad on purpose: accounting must never turn a served request into a failure
-                log.exception("request %s: on_finished failed", r.id)
+    def ended(self, attempt: Attempt, exc: BaseException | None) -> bool:
+        """The try is over; True when its failure is swallowed for another try."""
+        self.done = True
+        return False
+
+    def __aiter__(self) -> _Dispatch:
+        return self
+
+    async def __anext__(self) -> Attempt:
+        raise NotImplementedError
 
 
 class PoolDispatch(_Dispatch):
-    """The whole life of one pool request's slots: acquire, dispatch, run, release, record, fail over."""
+    """A pool request's tries: acquire a slot, try, learn, fail over while the client has seen nothing.
+
+    With `pin`, every try goes to that one provider (qualification): once, no breaker, no affinity.
+    """
 
     def __init__(
         self,
@@ -144,119 +157,103 @@ class PoolDispatch(_Dispatch):
         relay: Relay,
         alias: str,
         deadline: float,
+        record: Trace,
         *,
-        on_finished: Finished | None = None,
         size: int = 0,
         sessions: Sessions | None = None,
         session: str | None = None,
         affinity_wait_s: float = 0.0,
+        pin: str | None = None,
     ) -> None:
-        super().__init__(relay, DispatchResult(alias, "pool"), on_finished)
+        super().__init__(relay, alias, record, deadline)
+        record.route = "pool"
+        self.scheduler = scheduler
         self.size = size
         """The request body's bytes: what it holds in the edge's memory while it waits."""
-        self.scheduler = scheduler
-        self.alias = alias
         self.deadline = deadline
         """Loop clock: the latest a slot may be granted or the node may start the work."""
-        self.sessions = sessions if session else None
+        self.pin = pin
+        self.sessions = sessions if session and pin is None else None
         self.session = session or ""
         """The request's session key (prefix-cache affinity); "" without one."""
         self.affinity_wait_s = affinity_wait_s
+        self.prefer: str | None = None
+        self.tried: frozenset[str] = frozenset()
+        self.last: RequestError | None = None
+        if self.sessions is not None:
+            self.prefer = self.sessions.preferred(alias, self.session)
 
-    async def run(self, make_item: MakeItem, answer: Answer, responded: Callable[[], bool]) -> None:
-        """Serve the request; raises the RequestError the client must get as an HTTP error.
-
-        `responded()` tells whether the client's response has started: from then on nothing is
-        retried, whatever fails.
-        """
-        tried: frozenset[str] = frozenset()
-        last: RequestError | None = None
-        exc: BaseException | None = None
+    async def __anext__(self) -> Attempt:
+        if self.done:
+            raise StopAsyncIteration
+        sched = self.scheduler
+        if self.pin is not None:
+            slot = await sched.acquire_pinned(self.pin, self.deadline)
+            pinned = next(q for q in slot.pools if isinstance(q, PinnedQueue))
+            return self._attempt(slot, pinned)
         try:
-            sessions = self.sessions
-            prefer = sessions.preferred(self.alias, self.session) if sessions is not None else None
-            while True:
-                try:
-                    slot = await self.scheduler.acquire(
-                        self.alias, self.deadline, tried, self.size, prefer=prefer, prefer_wait_s=self.affinity_wait_s
-                    )
-                except Unavailable as unusable:
-                    if last is not None and unusable.code == "pool_unavailable":
-                        raise last from None  # no other provider to fail over to: the client hears why
-                    raise
-                if self.alias not in self.scheduler.pools:
-                    # A refresh removed the alias between the grant and now: give the slot back untouched.
-                    self.scheduler.trial_over(slot)
-                    self.scheduler.release(slot)
-                    raise Unavailable(f"model '{self.alias}' was removed by a refresh", code="model_removed")
-                if sessions is not None:
-                    self.result.affinity = sessions.served(self.alias, self.session, slot.id, prefer)
-                prefer = None  # a failover goes wherever is free; the provider that answers is remembered
-                try:
-                    await self._attempt(slot, make_item, answer)
-                    return
-                except RequestError as err:
-                    if not err.retryable or err.status < 500:
-                        # A 4xx is about the request (an upstream's 422 arrives as an UpstreamError
-                        # with its status): another provider would refuse it too, and it says
-                        # nothing of this provider's health.
-                        self.scheduler.trial_over(slot)
-                        raise
-                    self.scheduler.failed(slot)
-                    tried |= {slot.id}
-                    last = err
-                    pool = self.scheduler.pools.get(self.alias)  # a refresh may have removed it meanwhile
-                    others = [p for p in pool.providers if p.id not in tried] if pool is not None else []
-                    if responded() or len(tried) > MAX_RETRIES or not others:
-                        raise
-                    log.warning("provider %s failed before answering (%s); retrying on another", slot.id, err.code)
-                except BaseException:
-                    self.scheduler.trial_over(slot)  # the client left: nothing learnt of the provider
-                    raise
-        except BaseException as err:  # noted for the result (a cancelled client too), then raised on
-            exc = err
+            slot = await sched.acquire(
+                self.alias, self.deadline, self.tried, self.size, prefer=self.prefer, prefer_wait_s=self.affinity_wait_s
+            )
+        except Unavailable as unusable:
+            if self.last is not None and unusable.code == "pool_unavailable":
+                raise self.last from None  # no other provider to fail over to: the client hears why
             raise
-        finally:
-            self._finish(exc)
+        pool = sched.pools.get(self.alias)
+        if pool is None:
+            # A refresh removed the alias between the grant and now: give the slot back untouched.
+            sched.trial_over(slot)
+            sched.release(slot)
+            raise Unavailable(f"model '{self.alias}' was removed by a refresh", code="model_removed")
+        if self.sessions is not None:
+            self.record.affinity = self.sessions.served(self.alias, self.session, slot.id, self.prefer)
+        self.prefer = None  # a failover goes wherever is free; the provider that answers is remembered
+        return self._attempt(slot, pool)
 
-    async def _attempt(self, slot: ProviderSlots, make_item: MakeItem, answer: Answer) -> None:
-        # Nothing awaits between the check in run() and this try: the pool is there, the lease always ends.
-        lease = _Lease(self.scheduler, slot, self.scheduler.pools[self.alias])
-        ch = self.relay.open(slot.node, on_started=lease.start, on_ended=lease.end)
-        self.result.attempts += 1
-        self.result.provider = slot.id
-        try:
-            await self.relay.dispatch_pool(ch, slot.id, make_item(ch))
-            self.result.error = await answer(ch, slot.id)
-            self.scheduler.succeeded(slot)
-        finally:
-            self._observe(ch)
-            self.relay.close(ch)
-            lease.end()
+    def _attempt(self, slot: ProviderSlots, pool: PoolQueue) -> Attempt:
+        # Nothing awaits between the grant and the attempt: its `async with` always ends the slot.
+        self.record.attempts += 1
+        self.record.provider = slot.id
+        return Attempt(self, slot.id, slot, pool, self.scheduler)
+
+    def ended(self, attempt: Attempt, exc: BaseException | None) -> bool:
+        sched, slot = self.scheduler, attempt.slot
+        assert slot is not None
+        if self.pin is not None:
+            self.done = True
+            return False  # a measurement: it teaches the breaker nothing, and is never moved
+        if exc is None:
+            sched.succeeded(slot)
+            self.done = True
+            return False
+        if not isinstance(exc, RequestError) or not exc.retryable or exc.status < 500:
+            # A 4xx is about the request (an upstream's 422 arrives as an UpstreamError with its
+            # status): another provider would refuse it too, and it says nothing of this provider's
+            # health. A client that left taught nothing about the provider either.
+            sched.trial_over(slot)
+            return False
+        sched.failed(slot)
+        self.tried |= {slot.id}
+        self.last = exc
+        pool = sched.pools.get(self.alias)  # a refresh may have removed it meanwhile
+        others = [p for p in pool.providers if p.id not in self.tried] if pool is not None else []
+        if self.record.status or len(self.tried) > MAX_RETRIES or not others:
+            return False  # the client has its answer's start, or there is nobody left to ask
+        log.warning("provider %s failed before answering (%s); retrying on another", slot.id, exc.code)
+        return True
 
 
 class DirectDispatch(_Dispatch):
     """A request on a direct route: one CLI resource, no queue, no slot, no failover."""
 
-    def __init__(
-        self, relay: Relay, alias: str, node: str, resource: str, *, on_finished: Finished | None = None
-    ) -> None:
-        super().__init__(relay, DispatchResult(alias, "direct", node=node, provider=resource), on_finished)
+    def __init__(self, relay: Relay, alias: str, node: str, resource: str, record: Trace) -> None:
+        super().__init__(relay, alias, record, None)
         self.node = node
         self.resource = resource
+        record.route, record.node, record.provider = "direct", node, resource
 
-    async def run(self, make_item: MakeItem, answer: Answer) -> None:
-        """Serve the request; raises the RequestError the client must get as an HTTP error."""
-        exc: BaseException | None = None
-        ch = self.relay.open(self.node)
-        self.result.attempts = 1
-        try:
-            await self.relay.dispatch_direct(ch, self.node, self.resource, make_item(ch))
-            self.result.error = await answer(ch, self.resource)
-        except BaseException as err:  # noted for the result (a cancelled client too), then raised on
-            exc = err
-            raise
-        finally:
-            self._observe(ch)
-            self.relay.close(ch)
-            self._finish(exc)
+    async def __anext__(self) -> Attempt:
+        if self.done:
+            raise StopAsyncIteration
+        self.record.attempts = 1
+        return Attempt(self, self.resource)

@@ -1,20 +1,121 @@
-"""The fields the edge reads of a Messages, embeddings or completions request (chat and Responses: api.py).
+"""What the edge reads of a request body (chat, Responses, Messages, embeddings, completions):
+the model, the stream flag, the session key.
 
-As for chat and Responses, the edge checks the types of what iop reads or translates, so a wrongly
-typed field is a 400 naming it here, never a failure on a node that would count against the provider;
-everything else passes through unread.
+The body itself passes through untouched; only these few fields are decoded (and checked, so that
+a client's wrongly typed field is a 400 naming it here, never a crash on a node).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import msgspec
 
-from iop import wire
-from iop.errors import BadRequest
+from iop import config, endpoints, wire
+from iop.errors import BadRequest, RequestError
+from iop.openai.responses_request import responses_to_chat_request
+
+# The edge checks the types of the fields iop itself reads or translates (on the node: the
+# translations, the mock's writer), so that a client's wrongly typed field is a 400 naming it here,
+# never a crash on a node that would count against the provider. Everything else passes through
+# unread; empty Structs check "an object" without decoding its contents.
 
 
 class _Object(msgspec.Struct):
     """Any JSON object (its fields unread)."""
+
+
+class _ToolCall(msgspec.Struct):
+    function: _Object | None = None
+
+
+class _Message(msgspec.Struct):
+    """A chat message as far as the edge checks it: an object with a string `role`."""
+
+    role: str
+    tool_calls: list[_ToolCall] | None = None
+
+
+class _Item(msgspec.Struct):
+    """A Responses input item as far as the edge checks it: an object, its `type` a string."""
+
+    type: str | None = None
+
+
+class ChatHead(msgspec.Struct):
+    """The few fields of a chat request the edge reads; the body itself passes through untouched."""
+
+    model: str
+    messages: list[_Message]
+    stream: bool = False
+    tools: list[_Object] | None = None
+    prompt_cache_key: str | None = None
+    user: str | None = None
+    """Chat clients without a `prompt_cache_key` often name the session's user: a session key too."""
+
+
+class ResponsesHead(msgspec.Struct):
+    model: str
+    input: str | list[_Item]
+    stream: bool = False
+    tools: list[_Object] | None = None
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+
+    def stateful(self) -> bool:
+        """The request names or makes state the edge holds (iop/responses): it is expanded first."""
+        if self.store is not False or self.previous_response_id is not None:
+            return True
+        return not isinstance(self.input, str) and any(i.type == "item_reference" for i in self.input)
+
+
+_chat_head = msgspec.json.Decoder(ChatHead).decode
+_responses_head = msgspec.json.Decoder(ResponsesHead).decode
+_decode_json = msgspec.json.Decoder().decode
+
+
+class Head(NamedTuple):
+    model: str
+    stream: bool
+    cache_key: str | None
+    """`prompt_cache_key`: the client's session key (prefix-cache affinity)."""
+    user: str | None
+    """Chat's `user`: the session key of last resort (after the session-id headers)."""
+    stateful: bool = False
+    """A Responses request the edge expands and whose answer it may keep (iop/responses)."""
+
+
+def parse_head(api: wire.Api, body: bytes) -> Head:
+    """The model, stream flag and session key, after checking the body is a request of this API at all."""
+    if not body.isascii():
+        # The edge skips most of the body; make sure what it forwards is UTF-8 all through.
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from None
+    try:
+        if api == "chat":
+            chat = _chat_head(body)
+            if not chat.messages:
+                raise BadRequest("'messages' must not be empty", param="messages")
+            return Head(chat.model, chat.stream, chat.prompt_cache_key, chat.user)
+        if api == "responses":
+            resp = _responses_head(body)
+            return Head(resp.model, resp.stream, resp.prompt_cache_key, None, resp.stateful())
+        model, stream, user = other_head(api, body)
+        return Head(model, stream, None, user)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid request body: {_path_message(exc)}", param=_param(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        # msgspec recurses once per nesting level, even in the parts it skips.
+        raise BadRequest("request body is nested too deeply", code="invalid_json") from None
+
+
+# --- Messages, embeddings, completions -------------------------------------------------------
 
 
 class _Turn(msgspec.Struct):
@@ -90,3 +191,39 @@ def other_head(api: wire.Api, body: bytes) -> tuple[str, bool, str | None]:
         return emb.model, False, emb.user
     comp = completions_head(body)
     return comp.model, comp.stream, comp.user
+
+
+def _path_message(exc: msgspec.ValidationError) -> str:
+    return str(exc).replace("`$.", "`").replace(" - at `$`", "")
+
+
+def _param(exc: msgspec.ValidationError) -> str | None:
+    msg = str(exc)
+    if "`$." in msg:
+        return msg.split("`$.", 1)[1].split("`", 1)[0]
+    if "missing required field `" in msg:
+        return msg.split("missing required field `", 1)[1].split("`", 1)[0]
+    return None
+
+
+def check_mixed_pool(catalog: config.Catalog, alias: str, body: bytes) -> None:
+    """Refuse here what a chat-only provider of a mixed pool would refuse (e.g. previous_response_id).
+
+    A pool of chat-only and Responses providers must give a request the same answer whichever
+    provider it lands on; the edge decides before it picks one. Pools that are all one kind decide
+    on the node, the same way on every provider, and cost the edge nothing.
+    """
+    members = catalog.pools[alias]
+    translating = [p for p in members if _translates_responses(catalog.providers[p].adapter)]
+    if not translating or len(translating) == len(members):
+        return
+    try:
+        responses_to_chat_request(_decode_json(body), alias)
+    except RequestError as exc:
+        exc.headers.setdefault("x-iop-provider", translating[0])
+        raise
+
+
+def _translates_responses(adapter: config.Adapter) -> bool:
+    own = endpoints.native(adapter)
+    return isinstance(adapter, config.OpenAIAdapter) and "responses" not in own and "chat" in own

@@ -11,9 +11,9 @@ import logging
 import re
 import secrets
 import time
+from typing import Literal
 
 from iop import wire
-from iop.edge.dispatch import DispatchResult
 from iop.edge.ledger import LedgerWriter, RequestRecord
 from iop.edge.metrics import Metrics
 
@@ -30,14 +30,16 @@ class Trace:
     """One request's facts as they become known; `record()` freezes them. Cheap: plain slots.
 
     The HTTP side notes what the client saw (status, first byte, bytes); the request's dispatch
-    hands over its `DispatchResult` (node, provider, attempts, queue wait, the node's report).
-    Requests refused before any dispatch (400, 401, 404) have none.
+    notes where it went (route, node, provider, attempts, queue wait, the node's report).
+    Requests refused before any dispatch (400, 401, 404) have none of the latter.
     """
 
     __slots__ = (
+        "affinity",
         "alias",
         "api",
         "arrived",
+        "attempts",
         "bytes_in",
         "bytes_out",
         "cancelled",
@@ -47,8 +49,12 @@ class Trace:
         "key",
         "method",
         "model",
+        "node",
         "path",
-        "result",
+        "provider",
+        "queue_ms",
+        "report",
+        "route",
         "start",
         "status",
         "stream",
@@ -69,7 +75,18 @@ class Trace:
         self.error = ""
         self.cancelled = False
         self.first_byte = 0.0
-        self.result: DispatchResult | None = None
+        self.route: Literal["pool", "direct", ""] = ""
+        self.node = ""
+        self.provider = ""
+        """The last try's provider (or a direct route's CLI resource)."""
+        self.attempts = 0
+        """Providers tried: 1 unless the request failed over."""
+        self.queue_ms: float | None = None
+        """From the dispatch until the node started the answering try (None: no node ever started it)."""
+        self.report: wire.Done | wire.Failure | None = None
+        """The node's last word on the last try: what only it knows (tokens, upstream status, exit code)."""
+        self.affinity = False
+        """The last try went to the provider its session used last (prefix-cache affinity)."""
         self.method = ""
         """Set (with `path`) for a request refused before its model was known: what the log shows instead."""
         self.path = ""
@@ -79,29 +96,24 @@ class Trace:
         self.method = _printable(method.encode(), 16)
         self.path = _printable(raw_path, 200)
 
-    def dispatched(self, result: DispatchResult) -> None:
-        """The dispatch's `on_finished`: what became of the request on its way through the edge."""
-        self.result = result
-
     def record(self, edge_id: str) -> RequestRecord:
-        res = self.result
-        out = res.report if res is not None else None
+        out = self.report
         usage = out.usage if out is not None else None
         return RequestRecord(
             id=self.id,
             start=self.start,
             alias=self.alias,
-            route=res.route if res is not None else "",
+            route=self.route,
             api=self.api,
             stream=self.stream,
             status=self.status,
             error=self.error,
             edge=edge_id,
-            node=res.node if res is not None else "",
-            provider=res.provider if res is not None else "",
+            node=self.node,
+            provider=self.provider,
             model=self.model,
-            attempts=res.attempts if res is not None else 0,
-            queue_ms=round(res.queue_wait_ms, 3) if res is not None and res.queue_wait_ms is not None else None,
+            attempts=self.attempts,
+            queue_ms=self.queue_ms,
             ttfb_ms=round((self.first_byte - self.arrived) * 1000, 3) if self.first_byte else None,
             duration_ms=round((time.monotonic() - self.arrived) * 1000, 3),
             input_tokens=usage.input_tokens if usage is not None else None,
@@ -116,7 +128,7 @@ class Trace:
             exit_code=out.exit_code if out is not None else None,
             run_ms=(out.run_ms or None) if out is not None else None,
             node_ttfb_ms=(out.ttfb_ms or None) if out is not None else None,
-            affinity=res.affinity if res is not None else False,
+            affinity=self.affinity,
         )
 
 

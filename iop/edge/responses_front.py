@@ -24,7 +24,7 @@ import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iop import config
-from iop.edge.api import check_content_type
+from iop.edge.asgi import check_content_type
 from iop.errors import (
     BadRequest,
     ErrorResponse,

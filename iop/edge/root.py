@@ -27,7 +27,7 @@ from iop.edge.ledger import LedgerWriter, ensure_ledger_stream
 from iop.edge.memory import BurstTrim
 from iop.edge.metrics import Metrics
 from iop.edge.observe import Observer
-from iop.edge.qualify import QualifyDesk
+from iop.edge.qualification import QualifyDesk
 from iop.edge.refresh import Refresher, publish_catalog
 from iop.edge.registry import Registry
 from iop.edge.relay import Relay
@@ -102,8 +102,8 @@ class Edge:
             self.scheduler,
             self.edge_id,
             self.relay.node_lost,
-            on_reconnected=self.relay.bus_reconnected,
-            on_tick=self.relay.sweep,
+            on_reconnected=self.relay.recovery.bus_reconnected,
+            on_tick=self.relay.recovery.sweep,
         )
         self.refresher = Refresher(
             self.current, self.scheduler, self.registry, nc, self.js, authorize_nodes=authorize_nodes
@@ -145,7 +145,7 @@ class Edge:
         """Hands the memory of a drained burst of large bodies back (counted in MiB, not requests)."""
         """Hands the memory of a drained burst of waiting requests back to the OS (iop/edge/memory.py)."""
 
-    # What a request reads (api.py's `Serving`, qualify.py's `Qualified`): from `current`, so a refresh applies.
+    # What a request reads (api.py's `Serving`, qualification.py's `Qualified`): from `current`, so a refresh applies.
 
     @property
     def deployment(self) -> config.Deployment:

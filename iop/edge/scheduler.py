@@ -63,7 +63,7 @@ class ProviderSlots:
     removed: bool = False
     """Taken out by a refresh: takes no new work, finishes what it runs, then disappears."""
     drained: bool = False
-    """Out of its pools for an exclusive qualification: pinned requests only (iop/edge/qualify.py)."""
+    """Out of its pools for an exclusive qualification: pinned requests only (iop/edge/qualification.py)."""
 
     def __setattr__(self, name: str, value: object) -> None:
         # Every change of what ranks a provider (a dispatch, a release, a heartbeat's `elsewhere`,

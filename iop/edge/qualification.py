@@ -34,28 +34,16 @@ from nats.js import api as js_api
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from iop import config
 from iop.contracts.refresh import RefreshResult
 from iop.contracts.status import QualificationSummary
 from iop.edge.api import (
     ApiEndpoint,
-    ClientLeft,
     Serving,
-    _TrackedSend,
-    _watch_disconnect,
-    check_content_type,
-    parse_head,
-    read_body,
-    send_error,
 )
-from iop.edge.dispatch import Answer, DispatchResult, MakeItem, _Dispatch, _Lease
 from iop.edge.keys import EdgeKeys
-from iop.edge.observe import Trace, new_request_id
-from iop.edge.relay import Channel, Relay
-from iop.edge.scheduler import PinnedQueue, Scheduler
-from iop.errors import BadRequest, MethodNotAllowed, NotFound, RequestError, Unavailable, error_response
+from iop.errors import BadRequest, NotFound, Unavailable
 from iop.nats import streams
 
 log = logging.getLogger("iop.edge")
@@ -309,95 +297,6 @@ def _with_capacities(dep: config.Deployment, capacity: dict[str, int]) -> config
     return msgspec.structs.replace(dep, nodes=nodes)
 
 
-class PinnedDispatch(_Dispatch):
-    """A request pinned to one provider: a slot of that provider through the scheduler, no failover."""
-
-    def __init__(self, scheduler: Scheduler, relay: Relay, alias: str, provider: str, deadline: float) -> None:
-        super().__init__(relay, DispatchResult(alias, "pool", provider=provider), None)
-        self.scheduler = scheduler
-        self.provider = provider
-        self.deadline = deadline
-
-    async def run(self, make_item: MakeItem, answer: Answer) -> None:
-        exc: BaseException | None = None
-        try:
-            slot = await self.scheduler.acquire_pinned(self.provider, self.deadline)
-            pinned = next(q for q in slot.pools if isinstance(q, PinnedQueue))
-            lease = _Lease(self.scheduler, slot, pinned)
-            ch = self.relay.open(slot.node, on_started=lease.start, on_ended=lease.end)
-            self.result.attempts = 1
-            try:
-                await self.relay.dispatch_pool(ch, slot.id, make_item(ch))
-                self.result.error = await answer(ch, slot.id)
-            finally:
-                self._observe(ch)
-                self.relay.close(ch)
-                lease.end()
-        except BaseException as err:  # noted for the result (a cancelled client too), then raised on
-            exc = err
-            raise
-        finally:
-            self._finish(exc)
-
-
-class PinnedEndpoint(ApiEndpoint):
-    """`/admin/qualify/providers/{provider}/v1/...`: the OpenAI endpoint, served by one provider."""
-
-    def __init__(self, edge: Qualified, api: Any) -> None:
-        super().__init__(edge, api)
-        self.qualified = edge
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # The trace is never finished: a measurement is not usage, so it leaves no ledger record.
-        out = _TrackedSend(send, Trace(scope.get("iop.request_id") or new_request_id(), self.api))
-        try:
-            if scope["method"] != "POST":
-                raise MethodNotAllowed("use POST")
-            self.qualified.keys.admin(scope)
-            provider = scope["path_params"]["provider"]
-            alias = self._alias_of(provider)
-            check_content_type(scope)
-            body = await read_body(scope, receive, self.edge.max_body_bytes)
-            stream = parse_head(self.api, body).stream
-            await self._serve_pinned(body, alias, provider, stream, receive, out)
-        except ClientLeft:
-            return  # hung up mid-body: no answer to send, nothing to log
-        except RequestError as exc:
-            if not out.started:
-                await send_error(send, error_response(exc))
-
-    def _alias_of(self, provider: str) -> str:
-        """The first pool alias of the provider: what its node sees as the work item's alias."""
-        if provider not in self.edge.scheduler.providers:
-            raise NotFound(f"provider '{provider}' does not exist or has no capacity", code="unknown_provider")
-        for alias, members in self.edge.catalog.pools.items():
-            if provider in members:
-                return alias
-        return provider
-
-    async def _serve_pinned(
-        self, body: bytes, alias: str, provider: str, stream: bool, receive: Receive, out: _TrackedSend
-    ) -> None:
-        edge = self.edge
-        task = asyncio.current_task()
-        assert task is not None
-        watcher = asyncio.create_task(_watch_disconnect(receive, task))
-        arrived = asyncio.get_running_loop().time()
-        deadline = arrived + edge.queue_timeout_s
-        dispatch = PinnedDispatch(edge.scheduler, edge.relay, alias, provider, deadline)
-
-        async def answer(ch: Channel, prov: str) -> RequestError | None:
-            return await self._answer(ch, prov, stream, out, arrived, deadline)
-
-        try:
-            await dispatch.run(lambda ch: self._item(ch, body, alias, stream, out.trace.id), answer)
-        except asyncio.CancelledError:
-            if task.cancelling():
-                task.uncancel()
-        finally:
-            watcher.cancel()
-
-
 def qualify_routes(edge: Qualified, desk: Callable[[], QualifyDesk], status: Callable[[], bytes]) -> list[Route]:
     """The admin routes of qualification (`desk()` is read per request: the edge owns it).
 
@@ -435,8 +334,8 @@ def qualify_routes(edge: Qualified, desk: Callable[[], QualifyDesk], status: Cal
         return Response(await desk().latest(), media_type="application/json")
 
     return [
-        Route("/admin/qualify/providers/{provider}/v1/chat/completions", PinnedEndpoint(edge, "chat")),
-        Route("/admin/qualify/providers/{provider}/v1/responses", PinnedEndpoint(edge, "responses")),
+        Route("/admin/qualify/providers/{provider}/v1/chat/completions", ApiEndpoint(edge, "chat", pinned=True)),
+        Route("/admin/qualify/providers/{provider}/v1/responses", ApiEndpoint(edge, "responses", pinned=True)),
         Route("/admin/qualify/status", targets, methods=["GET"]),
         Route("/admin/qualify/leases", leases, methods=["POST"]),
         Route("/admin/qualify/leases/{sid}", lease, methods=["PUT", "DELETE"]),
