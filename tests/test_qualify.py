@@ -208,7 +208,7 @@ async def test_ctrl_c_puts_the_provider_back_at_once(nats_server: EmbeddedNats) 
                 assert await qualifier.exit_code(timeout_s=20) == 130
                 assert not slots.drained and slots.capacity == 2
             assert any("interrupted: the providers were put back" in line for line in qualifier.stderr)
-            assert not h.edge.qualify.sessions
+            assert not h.edge.qualify.leases
 
 
 async def _true(value: bool) -> bool:

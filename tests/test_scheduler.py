@@ -21,11 +21,13 @@ from nats.aio.msg import Msg
 
 from iop import errors, wire
 from iop.edge import scheduler as scheduler_module
+from iop.edge import slots as slots_module
 from iop.edge.channel import Channel
 from iop.edge.dispatch import DirectDispatch, PoolDispatch
 from iop.edge.observe import Trace
 from iop.edge.relay import Relay
-from iop.edge.scheduler import ProviderSlots, Scheduler
+from iop.edge.scheduler import Scheduler
+from iop.edge.slots import ProviderSlots
 from iop.errors import (
     BadRequest,
     NodeLost,
@@ -258,6 +260,7 @@ async def test_scheduler_breaker_wakes_its_waiter_even_when_the_timer_fires_earl
     monkeypatch.setattr(scheduler_module, "BREAKER_COOLDOWN_S", 0.05)
     skew = [0.0]
     monkeypatch.setattr(scheduler_module, "monotonic", lambda: time.monotonic() + skew[0])
+    monkeypatch.setattr(slots_module, "monotonic", lambda: time.monotonic() + skew[0])
     s = scheduler({"p": 1, "busy": 1}, {"m": ["p", "busy"]})
     p = s.providers["p"]
     await s.acquire("m", soon(), frozenset({"p"}))  # busy throughout: the request waits for p
@@ -438,6 +441,7 @@ async def test_scheduler_best_matches_a_scan_of_the_pool_through_random_changes(
     # half-opening with the clock and closing, capacities and members changed by a refresh.
     clock = [0.0]
     monkeypatch.setattr(scheduler_module, "monotonic", lambda: time.monotonic() + clock[0])
+    monkeypatch.setattr(slots_module, "monotonic", lambda: time.monotonic() + clock[0])
     rng = random.Random(19)
     ids = [f"p{i}" for i in range(12)]
     caps = {pid: rng.randint(1, 4) for pid in ids}
@@ -844,6 +848,7 @@ def cooled(monkeypatch: pytest.MonkeyPatch, p: ProviderSlots) -> None:
     """Move the scheduler's clock past `p`'s breaker cooldown: its trial may go now."""
     ahead = p.open_until - time.monotonic() + 0.001
     monkeypatch.setattr(scheduler_module, "monotonic", lambda: time.monotonic() + ahead)
+    monkeypatch.setattr(slots_module, "monotonic", lambda: time.monotonic() + ahead)
 
 
 async def test_dispatch_a_half_open_trial_refused_as_a_4xx_lets_the_next_trial_go(

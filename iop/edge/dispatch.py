@@ -32,7 +32,8 @@ from iop.edge.affinity import Sessions
 from iop.edge.channel import Channel
 from iop.edge.observe import Trace
 from iop.edge.relay import Relay
-from iop.edge.scheduler import PinnedQueue, PoolQueue, ProviderSlots, Scheduler
+from iop.edge.scheduler import Scheduler
+from iop.edge.slots import PinnedQueue, PoolQueue, ProviderSlots
 from iop.errors import RequestError, Unavailable
 
 log = logging.getLogger("iop.edge")

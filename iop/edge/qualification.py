@@ -6,7 +6,7 @@ loopback): a client key never pins a request to a provider, drains one or writes
 - `POST /admin/qualify/providers/{provider}/v1/chat/completions` (and `/v1/responses`): the
   request is served by that provider only. It still takes one of the provider's slots through the
   scheduler (`Scheduler.acquire_pinned`), so this edge's counts and the broker's cap stay exact.
-- `POST /admin/qualify/leases` opens a session; `exclusive` drains the providers out of their
+- `POST /admin/qualify/leases` opens a lease; `exclusive` drains the providers out of their
   pools (no new user work) and may raise their capacity to a `ceiling` for the sweep (applied as a
   refresh: consumers, node catalogs and the scheduler move together). The qualifier renews the
   lease (`PUT .../leases/{id}`) every few seconds; when it ends (`DELETE`) or is not renewed in
@@ -105,7 +105,9 @@ class Qualified(Serving, Protocol):
 
 
 @dataclass(eq=False)
-class _Session:
+class QualificationLease:
+    """One `iop qualify` run's hold on its providers (drained and raised when exclusive), renewed or expired."""
+
     id: str
     providers: list[str]
     exclusive: bool
@@ -121,7 +123,7 @@ class QualifyDesk:
     """The edge's side of `iop qualify`: leases, drains, raised capacities, and the kept reports."""
 
     edge: Qualified
-    sessions: dict[str, _Session] = field(default_factory=dict)
+    leases: dict[str, QualificationLease] = field(default_factory=dict)
     summaries: dict[str, QualificationSummary] = field(default_factory=dict)
     reports: dict[str, bytes] = field(default_factory=dict)
     _kv: Any = None
@@ -157,7 +159,7 @@ class QualifyDesk:
             log.warning("qualification report of %s in %s is unreadable: %s", provider, RESULTS_BUCKET, exc)
 
     async def stop(self) -> None:
-        for s in list(self.sessions.values()):
+        for s in list(self.leases.values()):
             await self.end(s.id)
 
     # --- leases -----------------------------------------------------------------------------
@@ -174,7 +176,7 @@ class QualifyDesk:
             if ref is None or ref.provider.capacity is None or pid not in sched.providers:
                 raise NotFound(f"provider '{pid}' does not exist or has no capacity", param="providers")
             configured[pid] = ref.provider.capacity
-            if req.exclusive and any(pid in s.providers and s.exclusive for s in self.sessions.values()):
+            if req.exclusive and any(pid in s.providers and s.exclusive for s in self.leases.values()):
                 raise BadRequest(f"provider '{pid}' is already qualified exclusively", code="provider_busy", status=409)
         capacity = dict(configured)
         if req.exclusive and req.ceiling is not None:
@@ -188,27 +190,29 @@ class QualifyDesk:
                 capacity[pid] = req.ceiling
         elif req.ceiling is not None:
             raise BadRequest("a ceiling above the capacity needs an exclusive lease", param="ceiling")
-        session = _Session(secrets.token_hex(8), list(req.providers), req.exclusive, req.ttl_s, configured, capacity)
-        self.sessions[session.id] = session
+        lease = QualificationLease(
+            secrets.token_hex(8), list(req.providers), req.exclusive, req.ttl_s, configured, capacity
+        )
+        self.leases[lease.id] = lease
         if req.exclusive:
-            for pid in session.providers:
+            for pid in lease.providers:
                 sched.set_drained(pid, True)
             if capacity != configured:
                 result = await self.edge.refresh_to(_with_capacities(self.edge.deployment, capacity))
                 if result.error:
-                    await self.end(session.id)
+                    await self.end(lease.id)
                     raise Unavailable(f"could not raise the capacity for the sweep: {result.error}")
-        self._arm(session)
+        self._arm(lease)
         log.info(
             "qualify lease %s by %s: %s%s",
-            session.id,
+            lease.id,
             who,
-            ", ".join(f"{p} at {capacity[p]}" for p in session.providers),
+            ", ".join(f"{p} at {capacity[p]}" for p in lease.providers),
             " (exclusive: drained out of their pools)" if req.exclusive else "",
         )
-        return self._grant_of(session)
+        return self._grant_of(lease)
 
-    def _grant_of(self, s: _Session) -> LeaseGrant:
+    def _grant_of(self, s: QualificationLease) -> LeaseGrant:
         return LeaseGrant(
             id=s.id,
             providers=s.providers,
@@ -218,7 +222,7 @@ class QualifyDesk:
             configured=s.configured,
         )
 
-    def _arm(self, s: _Session) -> None:
+    def _arm(self, s: QualificationLease) -> None:
         if s.timer is not None:
             s.timer.cancel()
         s.timer = asyncio.get_running_loop().call_later(s.ttl_s, self._expire, s.id)
@@ -230,7 +234,7 @@ class QualifyDesk:
         task.add_done_callback(self._tasks.discard)
 
     def renew(self, sid: str) -> LeaseGrant:
-        s = self.sessions.get(sid)
+        s = self.leases.get(sid)
         if s is None:
             raise NotFound(f"qualify lease '{sid}' is over (ended or expired)", code="lease_over")
         self._arm(s)
@@ -238,7 +242,7 @@ class QualifyDesk:
 
     async def end(self, sid: str) -> bool:
         """Put the lease's providers back: their configured capacity, then their pools. False if already over."""
-        s = self.sessions.pop(sid, None)
+        s = self.leases.pop(sid, None)
         if s is None or s.ended:
             return False
         s.ended = True

@@ -10,13 +10,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from time import monotonic
 
 from iop.edge.affinity import Sessions
-from iop.edge.freeslots import FreeSlots
+from iop.edge.slots import PinnedQueue, PoolQueue, ProviderSlots, Waiter
 from iop.errors import QueueFull, Unavailable
 
 CONNECT_GRACE_S = 2.5
@@ -28,180 +26,6 @@ BREAKER_COOLDOWN_S = 5.0
 BREAKER_COOLDOWN_MAX_S = 60.0
 GONE_RETRY_AFTER_S = 1
 """Retry-After when every provider of a pool is on a node that is gone (a node restarts in about 1 s)."""
-WAIT_SAMPLES = 512
-"""Queue waits kept per pool (the most recent admissions) for the p50/p95 that /status shows."""
-_BROKEN = -1
-"""Index rank of a provider whose breaker is open or half-open: whether it may take work depends on
-the clock and its trial, so its pools check it on every dispatch instead of ranking it."""
-_RANKED = frozenset({"in_flight", "elsewhere", "capacity", "connected", "removed", "drained", "open_until"})
-"""The fields a provider's rank in its pools' indexes depends on: setting one re-ranks it."""
-
-
-@dataclass(eq=False)
-class ProviderSlots:
-    """This edge's view of one provider: capacity, requests it sent there, and its breaker."""
-
-    id: str
-    node: str
-    capacity: int
-    pools: list[PoolQueue] = field(default_factory=list)
-    in_flight: int = 0
-    elsewhere: int = 0
-    """Slots other edges hold, from the node's last heartbeat (at most one interval old)."""
-    connected: bool = False
-    seen: bool = False
-    """Connected at least once since this edge started (before that, requests wait a grace period)."""
-    dispatched: int = 0
-    """Requests ever dispatched to it (status, tests)."""
-    failures: int = 0
-    """Consecutive failures (reset by a success)."""
-    open_until: float = 0.0
-    """Monotonic time until which the breaker keeps it out of rotation."""
-    trips: int = 0
-    trial: bool = False
-    """Half-open: one request is out to see whether it works again."""
-    removed: bool = False
-    """Taken out by a refresh: takes no new work, finishes what it runs, then disappears."""
-    drained: bool = False
-    """Out of its pools for an exclusive qualification: pinned requests only (iop/edge/qualification.py)."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        # Every change of what ranks a provider (a dispatch, a release, a heartbeat's `elsewhere`,
-        # a breaker, a refresh) re-ranks it in its pools' indexes at once, whoever makes it, so
-        # the index can never be stale; other fields cost one set membership test.
-        object.__setattr__(self, name, value)
-        if name in _RANKED:
-            self._rerank()
-
-    def _rerank(self) -> None:
-        pools = self.__dict__.get("pools")
-        if pools:  # empty while the dataclass is being built: its pools join it afterwards
-            rank = self.rank()
-            for pool in pools:
-                pool.ranked(self, rank)
-
-    def rank(self) -> int | None:
-        """Its key in its pools' indexes: free slots; None when it can take nothing; _BROKEN."""
-        if not self.connected or self.removed or self.drained:
-            return None
-        if self.open_until:
-            return _BROKEN
-        free = self.capacity - self.in_flight - self.elsewhere
-        return free if free > 0 else None
-
-    def usable(self, now: float) -> bool:
-        if not self.connected or self.removed or self.drained or self.in_flight + self.elsewhere >= self.capacity:
-            return False
-        if self.open_until:
-            return now >= self.open_until and not self.trial
-        return True
-
-    @property
-    def free(self) -> int:
-        return self.capacity - self.in_flight - self.elsewhere if self.connected else 0
-
-    def breaker(self, now: float) -> str:
-        if not self.open_until:
-            return "closed"
-        return "open" if now < self.open_until else "half_open"
-
-
-@dataclass(eq=False)
-class Waiter:
-    future: asyncio.Future[ProviderSlots]
-    order: int
-    exclude: frozenset[str]
-    size: int = 0
-    """Bytes of the request body it holds while it waits (counted in Scheduler.waiting_bytes)."""
-    prefer: str | None = None
-    """The provider its session used last (prefix-cache affinity): taken whenever it is free."""
-    holding: bool = False
-    """Waits for `prefer` even while another provider is free, until its `affinity_wait_ms` is over."""
-    queued: bool = True
-    """Still in its pool's queue (Scheduler._left takes it out of the count when it leaves)."""
-
-
-@dataclass(eq=False)
-class PoolQueue:
-    """The requests waiting for one alias, oldest first."""
-
-    alias: str
-    providers: list[ProviderSlots]
-    waiters: deque[Waiter] = field(default_factory=deque)
-    running: int = 0
-    """Requests of this pool that a node has started and not yet finished (this edge's)."""
-    peak_running: int = 0
-    waits_s: deque[float] = field(default_factory=lambda: deque(maxlen=WAIT_SAMPLES))
-    """How long recent admissions waited in this queue (0 for a slot taken at once)."""
-    ranking: FreeSlots[ProviderSlots] = field(default_factory=FreeSlots, repr=False)
-    """Its usable providers with a closed breaker, by free slots: `best()` reads it, never scans."""
-    broken: dict[ProviderSlots, None] = field(default_factory=dict, repr=False)
-    """Its providers whose breaker is open or half-open (usually none): checked on every `best()`."""
-
-    def __post_init__(self) -> None:
-        self.rebuild()
-
-    def rebuild(self) -> None:
-        """Rank every member afresh (the pool was made or its members changed)."""
-        self.ranking.clear()
-        self.broken.clear()
-        for p in self.providers:
-            self.ranked(p, p.rank())
-
-    def ranked(self, p: ProviderSlots, rank: int | None) -> None:
-        """`p` has a new rank (ProviderSlots re-ranks itself whenever a field it depends on changes)."""
-        if rank == _BROKEN:
-            self.ranking.set(p, None)
-            self.broken[p] = None
-        else:
-            self.broken.pop(p, None)
-            self.ranking.set(p, rank)
-
-    def run_started(self) -> None:
-        self.running += 1
-        if self.running > self.peak_running:
-            self.peak_running = self.running
-
-    def run_ended(self) -> None:
-        self.running -= 1
-
-    def best(self, exclude: frozenset[str] = frozenset()) -> ProviderSlots | None:
-        """The usable provider with the most free slots; ties take turns so load spreads evenly.
-
-        O(log k) in the index (k distinct free-slot counts), plus one check per provider whose
-        breaker is open: the pool's size does not enter."""
-        best = self.ranking.first(exclude)
-        if self.broken:
-            now = monotonic()
-            for p in self.broken:
-                if p.usable(now) and p.id not in exclude and (best is None or p.free > best.free):
-                    best = p
-        return best
-
-    @property
-    def connected(self) -> bool:
-        return any(p.connected for p in self.providers)
-
-
-@dataclass(eq=False)
-class PinnedQueue(PoolQueue):
-    """Requests pinned to one provider by a qualification: no pool, the breaker and a drain ignored.
-
-    It sits in the provider's `pools` so that a freed slot reaches its waiters in arrival order
-    with everyone else's; the slot is taken and released like any pool request's.
-    """
-
-    def rebuild(self) -> None:
-        pass  # one provider, checked directly: no index
-
-    def ranked(self, p: ProviderSlots, rank: int | None) -> None:
-        pass
-
-    def best(self, exclude: frozenset[str] = frozenset()) -> ProviderSlots | None:
-        p = self.providers[0]
-        if p.connected and not p.removed and p.in_flight + p.elsewhere < p.capacity:
-            return p
-        return None
 
 
 class Scheduler:
@@ -274,6 +98,7 @@ class Scheduler:
         if slot is None or slot.drained == drained:
             return
         slot.drained = drained
+        slot.rerank()
         if not drained:
             self._pump(slot.pools)
 
@@ -429,6 +254,7 @@ class Scheduler:
 
     def _take(self, slot: ProviderSlots, pool: PoolQueue) -> None:
         slot.in_flight += 1
+        slot.rerank()
         if self.on_count is not None:
             self.on_count(slot)
         slot.dispatched += 1
@@ -451,6 +277,7 @@ class Scheduler:
 
     def release(self, slot: ProviderSlots) -> None:
         slot.in_flight -= 1
+        slot.rerank()
         if self.on_count is not None:
             self.on_count(slot)
         if slot.removed and slot.in_flight == 0 and self.providers.get(slot.id) is slot:
@@ -470,10 +297,12 @@ class Scheduler:
                 connected = slot.connected if slot is not None else False
                 slot = self.providers[pid] = ProviderSlots(pid, node, capacity, connected=connected, seen=connected)
             slot.node, slot.capacity = node, capacity
+            slot.rerank()
         draining = []
         for pid, slot in list(self.providers.items()):
             if pid not in providers:
                 slot.removed = True
+                slot.rerank()
                 if slot.in_flight:
                     draining.append(pid)
                 else:
@@ -509,6 +338,7 @@ class Scheduler:
         slot.failures = 0
         if slot.open_until:
             slot.open_until = 0.0
+            slot.rerank()
             slot.trips = 0
             slot.trial = False
             self._pump(slot.pools)
@@ -529,6 +359,7 @@ class Scheduler:
             slot.trips += 1
             slot.trial = False
             slot.open_until = now + cooldown
+            slot.rerank()
             # When the cooldown ends the provider may take a trial request: wake its waiters then.
             asyncio.get_running_loop().call_later(cooldown, self._cooled, slot)
             self._fail_if_unusable(slot.pools)
@@ -550,6 +381,7 @@ class Scheduler:
             return
         fewer = held < slot.elsewhere
         slot.elsewhere = held
+        slot.rerank()
         if fewer:
             self._pump(slot.pools)
 
@@ -558,6 +390,7 @@ class Scheduler:
         if slot is None or slot.connected == connected:
             return
         slot.connected = connected
+        slot.rerank()
         if connected:
             slot.seen = True
             self._connected.set()

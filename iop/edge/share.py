@@ -23,7 +23,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from iop import wire
-from iop.edge.scheduler import ProviderSlots, Scheduler
+from iop.edge.scheduler import Scheduler
+from iop.edge.slots import ProviderSlots
 
 log = logging.getLogger("iop.edge")
 

@@ -22,7 +22,7 @@ from iop.contracts.status import (
     StatusSummary,
     encode_summary,
 )
-from iop.edge.scheduler import ProviderSlots
+from iop.edge.slots import ProviderSlots
 from iop.edge.status import StatusSources, edge_info, retry_after_of, wait_quantiles_ms
 
 MAX_AGE_S = 0.25

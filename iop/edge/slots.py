@@ -1,0 +1,180 @@
+"""What the scheduler ranks: a provider's slots at this edge, and the queue of requests for one pool.
+
+A provider's rank in its pools' indexes (free slots, or out of rotation) changes only through
+`ProviderSlots.rerank()`, which the scheduler calls after every change of a field the rank
+depends on (a dispatch, a release, a heartbeat's `elsewhere`, a breaker, a refresh, a drain).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+from time import monotonic
+
+from iop.edge.freeslots import FreeSlots
+
+WAIT_SAMPLES = 512
+"""Queue waits kept per pool (the most recent admissions) for the p50/p95 that /status shows."""
+_BROKEN = -1
+"""Index rank of a provider whose breaker is open or half-open: whether it may take work depends on
+the clock and its trial, so its pools check it on every dispatch instead of ranking it."""
+
+
+@dataclass(eq=False)
+class ProviderSlots:
+    """This edge's view of one provider: capacity, requests it sent there, and its breaker."""
+
+    id: str
+    node: str
+    capacity: int
+    pools: list[PoolQueue] = field(default_factory=list)
+    in_flight: int = 0
+    elsewhere: int = 0
+    """Slots other edges hold, from the node's last heartbeat (at most one interval old)."""
+    connected: bool = False
+    seen: bool = False
+    """Connected at least once since this edge started (before that, requests wait a grace period)."""
+    dispatched: int = 0
+    """Requests ever dispatched to it (status, tests)."""
+    failures: int = 0
+    """Consecutive failures (reset by a success)."""
+    open_until: float = 0.0
+    """Monotonic time until which the breaker keeps it out of rotation."""
+    trips: int = 0
+    trial: bool = False
+    """Half-open: one request is out to see whether it works again."""
+    removed: bool = False
+    """Taken out by a refresh: takes no new work, finishes what it runs, then disappears."""
+    drained: bool = False
+    """Out of its pools for an exclusive qualification: pinned requests only (iop/edge/qualification.py)."""
+
+    def rerank(self) -> None:
+        """Its place in its pools' indexes after a change of what ranks it: in_flight, elsewhere,
+        capacity, connected, removed, drained or open_until (the scheduler calls it after each)."""
+        rank = self.rank()
+        for pool in self.pools:
+            pool.ranked(self, rank)
+
+    def rank(self) -> int | None:
+        """Its key in its pools' indexes: free slots; None when it can take nothing; _BROKEN."""
+        if not self.connected or self.removed or self.drained:
+            return None
+        if self.open_until:
+            return _BROKEN
+        free = self.capacity - self.in_flight - self.elsewhere
+        return free if free > 0 else None
+
+    def usable(self, now: float) -> bool:
+        if not self.connected or self.removed or self.drained or self.in_flight + self.elsewhere >= self.capacity:
+            return False
+        if self.open_until:
+            return now >= self.open_until and not self.trial
+        return True
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.in_flight - self.elsewhere if self.connected else 0
+
+    def breaker(self, now: float) -> str:
+        if not self.open_until:
+            return "closed"
+        return "open" if now < self.open_until else "half_open"
+
+
+@dataclass(eq=False)
+class Waiter:
+    future: asyncio.Future[ProviderSlots]
+    order: int
+    exclude: frozenset[str]
+    size: int = 0
+    """Bytes of the request body it holds while it waits (counted in Scheduler.waiting_bytes)."""
+    prefer: str | None = None
+    """The provider its session used last (prefix-cache affinity): taken whenever it is free."""
+    holding: bool = False
+    """Waits for `prefer` even while another provider is free, until its `affinity_wait_ms` is over."""
+    queued: bool = True
+    """Still in its pool's queue (Scheduler._left takes it out of the count when it leaves)."""
+
+
+@dataclass(eq=False)
+class PoolQueue:
+    """The requests waiting for one alias, oldest first."""
+
+    alias: str
+    providers: list[ProviderSlots]
+    waiters: deque[Waiter] = field(default_factory=deque)
+    running: int = 0
+    """Requests of this pool that a node has started and not yet finished (this edge's)."""
+    peak_running: int = 0
+    waits_s: deque[float] = field(default_factory=lambda: deque(maxlen=WAIT_SAMPLES))
+    """How long recent admissions waited in this queue (0 for a slot taken at once)."""
+    ranking: FreeSlots[ProviderSlots] = field(default_factory=FreeSlots, repr=False)
+    """Its usable providers with a closed breaker, by free slots: `best()` reads it, never scans."""
+    broken: dict[ProviderSlots, None] = field(default_factory=dict, repr=False)
+    """Its providers whose breaker is open or half-open (usually none): checked on every `best()`."""
+
+    def __post_init__(self) -> None:
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Rank every member afresh (the pool was made or its members changed)."""
+        self.ranking.clear()
+        self.broken.clear()
+        for p in self.providers:
+            self.ranked(p, p.rank())
+
+    def ranked(self, p: ProviderSlots, rank: int | None) -> None:
+        """`p` has a new rank (`ProviderSlots.rerank`)."""
+        if rank == _BROKEN:
+            self.ranking.set(p, None)
+            self.broken[p] = None
+        else:
+            self.broken.pop(p, None)
+            self.ranking.set(p, rank)
+
+    def run_started(self) -> None:
+        self.running += 1
+        if self.running > self.peak_running:
+            self.peak_running = self.running
+
+    def run_ended(self) -> None:
+        self.running -= 1
+
+    def best(self, exclude: frozenset[str] = frozenset()) -> ProviderSlots | None:
+        """The usable provider with the most free slots; ties take turns so load spreads evenly.
+
+        O(log k) in the index (k distinct free-slot counts), plus one check per provider whose
+        breaker is open: the pool's size does not enter."""
+        best = self.ranking.first(exclude)
+        if self.broken:
+            now = monotonic()
+            for p in self.broken:
+                if p.usable(now) and p.id not in exclude and (best is None or p.free > best.free):
+                    best = p
+        return best
+
+    @property
+    def connected(self) -> bool:
+        return any(p.connected for p in self.providers)
+
+
+@dataclass(eq=False)
+class PinnedQueue(PoolQueue):
+    """Requests pinned to one provider by a qualification: no pool, the breaker and a drain ignored.
+
+    It sits in the provider's `pools` so that a freed slot reaches its waiters in arrival order
+    with everyone else's; the slot is taken and released like any pool request's.
+    """
+
+    def rebuild(self) -> None:
+        pass  # one provider, checked directly: no index
+
+    def ranked(self, p: ProviderSlots, rank: int | None) -> None:
+        pass
+
+    def best(self, exclude: frozenset[str] = frozenset()) -> ProviderSlots | None:
+        p = self.providers[0]
+        if p.connected and not p.removed and p.in_flight + p.elsewhere < p.capacity:
+            return p
+        return None
