@@ -38,10 +38,7 @@ from starlette.routing import Route
 from iop import config
 from iop.contracts.refresh import RefreshResult
 from iop.contracts.status import QualificationSummary
-from iop.edge.api import (
-    ApiEndpoint,
-    Serving,
-)
+from iop.edge.api import ApiEndpoint, Serving
 from iop.edge.keys import EdgeKeys
 from iop.errors import BadRequest, NotFound, Unavailable
 from iop.nats import streams
