@@ -408,10 +408,10 @@ async def test_codex_default_provider_first_turn_is_as_quick_as_the_custom_provi
         default = default_home(tmp_path / "default-home", h.url)
         custom = codex_home(tmp_path / "custom-home", h.url)
         times: dict[str, list[float]] = {"default": [], "custom": []}
-        for _ in range(3):  # alternated, so the machine's load falls on both alike
+        for _ in range(5):  # alternated, so the machine's load falls on both alike
             times["default"].append(await codex_seconds(default, work, {"CODEX_API_KEY": "k"}))
             times["custom"].append(await codex_seconds(custom, work, {}))
     best = {name: min(values) for name, values in times.items()}
-    print(f"codex first turn: default provider {best['default']:.2f}s, custom provider {best['custom']:.2f}s")
+    print(f"codex first turn, best of 5: default {best['default']:.2f}s, custom {best['custom']:.2f}s; {times}")
     # The target of issue 25: no socket retries and fallback (they cost 5-10 s) on the default path.
     assert best["default"] <= 1.5 * best["custom"], times
