@@ -233,8 +233,14 @@ class ResponsesSocket:
             self.waiting.append(message)
 
     async def frame(self, text: str) -> None:
-        if not self.closed:
+        if self.closed:
+            return
+        try:
             await self.send({"type": "websocket.send", "text": text})
+        except OSError:
+            # The connection is gone (uvicorn's ClientDisconnected) before its disconnect was read:
+            # the endpoint must not fail for it; the disconnect that follows cancels the response.
+            self.closed = True
 
 
 def _items(value: object) -> list[Any]:
