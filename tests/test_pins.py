@@ -56,6 +56,6 @@ def test_pins_test_constraints_apply_the_archives_pins() -> None:
 def test_pins_ci_runs_the_readmes_test_command() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     (command,) = [line for line in readme.splitlines() if "python -m pytest" in line and "pip install" in line]
-    assert "-c test-constraints.txt" in command
+    assert "-c test-constraints.txt" in command and " -n " in command  # parallel: the suite mostly waits
     last = (ROOT / ".ci" / "run").read_text(encoding="utf-8").rstrip("\n").splitlines()[-1]
     assert last == command
