@@ -62,7 +62,7 @@ def qualify_cmd(
     from pathlib import Path
 
     from iop.qualify import runner
-    from iop.qualify.render import markdown
+    from iop.qualify.pages import markdown
     from iop.qualify.schema import Report
 
     opts = runner.Options(

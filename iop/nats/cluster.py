@@ -21,7 +21,7 @@ from iop.nats.access import Credentials, NatsAccess
 
 
 @dataclass
-class Report:
+class ClusterHealth:
     lines: list[str]
     healthy: bool
 
@@ -75,7 +75,7 @@ def _stream_line(info: js_api.StreamInfo) -> tuple[str, bool]:
     return f"stream {cfg.name}: R{want}, {info.state.messages} messages, {', '.join(peers)}", ok
 
 
-async def check(url: str, access: NatsAccess) -> Report:
+async def check(url: str, access: NatsAccess) -> ClusterHealth:
     """One line per server and per stream; `healthy` False when any is down, leaderless or behind."""
     if not access.has_credentials:
         access = connection.url_access(url, access)  # each server alone gets the URL's credential too
@@ -102,7 +102,7 @@ async def check(url: str, access: NatsAccess) -> Report:
         line, ok = _stream_line(info)
         lines.append(line)
         healthy = healthy and ok
-    return Report(lines, healthy)
+    return ClusterHealth(lines, healthy)
 
 
 def target(dep: config.Deployment, nats_url: str | None) -> tuple[str, NatsAccess]:

@@ -23,8 +23,8 @@ from iop import __version__, wire
 from iop.client import EdgeClient
 from iop.contracts.status import NodeStatus, PoolProviderStatus, QualificationSummary, Status
 from iop.errors import IopError
+from iop.qualify.pages import html_report, markdown
 from iop.qualify.probes import Target, context_window, run_checks
-from iop.qualify.render import html_report, markdown
 from iop.qualify.schema import Device, Report, decode_kept, encode_report
 from iop.qualify.sweep import SweepSettings, recommend, sweep
 

@@ -27,7 +27,7 @@ from iop.errors import ConfigError, IopError, PlanError, UsageError
 from iop.smoke.burst import run_burst
 from iop.smoke.procs import Children, child_env, iop_command
 from iop.smoke.ready import Plan, describe_ready, make_plan, missing
-from iop.smoke.report import Report, judge, ready_check, render, to_json, unsettled
+from iop.smoke.verdict import SmokeResult, judge, ready_check, to_json, to_text, unsettled
 
 READY_LINE = re.compile(r"iop edge listening on (http://\S+) nats=(\S+)")
 EDGE_START_S = 30.0
@@ -122,7 +122,7 @@ async def _main(opts: Options, out: TextIO, err: TextIO) -> int:
             loop.remove_signal_handler(sig)
     report.duration_s = time.monotonic() - ui.t0
     ui.say("PASS" if report.ok else "FAIL")
-    print(json.dumps(to_json(report), indent=2) if opts.as_json else render(report), file=out, flush=True)
+    print(json.dumps(to_json(report), indent=2) if opts.as_json else to_text(report), file=out, flush=True)
     if caught:
         return 128 + caught[0]  # interrupted while stopping: the run was complete, the user still said stop
     return 0 if report.ok else 1
@@ -188,11 +188,11 @@ def _precheck(opts: Options, dep: config.Deployment, source: str) -> None:
         )
 
 
-async def _self_contained(opts: Options, ui: Progress, spawned: list[Children]) -> Report:
+async def _self_contained(opts: Options, ui: Progress, spawned: list[Children]) -> SmokeResult:
     source, text = _config_text(opts.config)
     dep = config.parse(text, source).deployment
     _precheck(opts, dep, source)
-    report = Report("self-contained", edge="", config=source)
+    report = SmokeResult("self-contained", edge="", config=source)
     work = Path(tempfile.mkdtemp(prefix="iop-smoke-"))
     children: Children | None = None
     try:
@@ -246,8 +246,8 @@ async def _self_contained(opts: Options, ui: Progress, spawned: list[Children]) 
 # --- against a running edge -------------------------------------------------------------------------
 
 
-async def _against_edge(opts: Options, ui: Progress) -> Report:
-    report = Report("edge", edge=opts.edge.rstrip("/") if opts.edge else "")
+async def _against_edge(opts: Options, ui: Progress) -> SmokeResult:
+    report = SmokeResult("edge", edge=opts.edge.rstrip("/") if opts.edge else "")
     ui.say(f"checking the deployment behind {report.edge}")
     await _exercise(report, opts, ui, None)
     return report
@@ -256,7 +256,7 @@ async def _against_edge(opts: Options, ui: Progress) -> Report:
 # --- the run itself ---------------------------------------------------------------------------------
 
 
-async def _exercise(report: Report, opts: Options, ui: Progress, children: Children | None) -> None:
+async def _exercise(report: SmokeResult, opts: Options, ui: Progress, children: Children | None) -> None:
     """Wait for readiness, send the burst, let status settle, judge; failures become checks."""
     mine = children is not None
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
@@ -359,7 +359,7 @@ def _silent_nodes(status: Status, children: Children | None) -> list[str]:
     return out
 
 
-async def _settle(reader: EdgeClient, plan: Plan, report: Report) -> tuple[Status, list[str]]:
+async def _settle(reader: EdgeClient, plan: Plan, report: SmokeResult) -> tuple[Status, list[str]]:
     assert report.burst is not None and report.baseline is not None
     loop = asyncio.get_running_loop()
     until = loop.time() + SETTLE_S

@@ -20,7 +20,7 @@ class Check:
 
 
 @dataclass
-class Report:
+class SmokeResult:
     """Everything smoke found; `checks` decide the exit code."""
 
     mode: str
@@ -88,7 +88,7 @@ def unsettled(status: Status, plan: Plan, baseline: Status | None, burst: BurstR
     return gaps
 
 
-def judge(report: Report, settle_gaps: list[str], edge_log: list[str] | None = None) -> None:
+def judge(report: SmokeResult, settle_gaps: list[str], edge_log: list[str] | None = None) -> None:
     """Append every check of a run that got as far as the burst.
 
     `edge_log` (smoke's own edge only) explains provider failures the clients never saw.
@@ -196,7 +196,7 @@ def judge(report: Report, settle_gaps: list[str], edge_log: list[str] | None = N
         checks.append(_counted_check(report))
 
 
-def _provider_errors_check(report: Report, edge_log: list[str]) -> Check:
+def _provider_errors_check(report: SmokeResult, edge_log: list[str]) -> Check:
     final = report.final
     d = deltas(report.baseline, final)
     found = []
@@ -247,7 +247,7 @@ def _direct_check(alias: str, burst: BurstResult) -> Check:
     )
 
 
-def _counted_check(report: Report) -> Check:
+def _counted_check(report: SmokeResult) -> Check:
     plan, burst = report.plan, report.burst
     assert plan is not None and burst is not None
     pool = report.final.pool(plan.model) if report.final is not None else None
@@ -295,7 +295,7 @@ def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 1)
 
 
-def request_groups(report: Report) -> list[dict[str, Any]]:
+def request_groups(report: SmokeResult) -> list[dict[str, Any]]:
     burst = report.burst
     if burst is None or report.plan is None:
         return []
@@ -311,7 +311,7 @@ def request_groups(report: Report) -> list[dict[str, Any]]:
     return groups
 
 
-def provider_rows(report: Report) -> list[dict[str, Any]]:
+def provider_rows(report: SmokeResult) -> list[dict[str, Any]]:
     status = report.final or report.baseline
     if status is None:
         return []
@@ -335,7 +335,7 @@ def provider_rows(report: Report) -> list[dict[str, Any]]:
     return rows
 
 
-def to_json(report: Report) -> dict[str, Any]:
+def to_json(report: SmokeResult) -> dict[str, Any]:
     plan = report.plan
     status = report.final or report.baseline
     pool = status.pool(plan.model) if plan and status else None
@@ -385,7 +385,7 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
 
 
-def render(report: Report) -> str:
+def to_text(report: SmokeResult) -> str:
     verdict = "PASS" if report.ok else f"FAIL ({sum(not c.ok for c in report.checks)} checks failed)"
     what = f"self-contained run of {report.config}" if report.mode == "self-contained" else f"edge {report.edge}"
     out = [f"iop smoke: {verdict}: {what}, {report.duration_s:.1f}s"]
