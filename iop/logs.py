@@ -38,6 +38,13 @@ def setup(level: str = "info", fmt: str = "text") -> None:
     for h in list(root.handlers):
         root.removeHandler(h)
     root.addHandler(handler)
+    # uvicorn's own logging config (if anything applied it) gives its loggers handlers of their
+    # own that do not propagate: its lines would bypass this format, tracebacks included.
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        lg = logging.getLogger(name)
+        for h in list(lg.handlers):
+            lg.removeHandler(h)
+        lg.propagate = True
     numeric = getattr(logging, level.upper())
     root.setLevel(numeric)
     # Our own lines are what an operator reads; the libraries' chatter only at debug.

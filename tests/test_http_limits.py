@@ -176,9 +176,13 @@ async def test_http_a_head_over_the_limits_in_one_write_is_refused_431_before_th
 
 
 async def test_http_a_client_hanging_up_mid_body_leaves_one_info_line_and_no_error(
-    served: Served, caplog: pytest.LogCaptureFixture
+    served: Served, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.DEBUG)
+    # As under `iop edge` (iop.logs): uvicorn's lines reach the root logger, so caplog sees them,
+    # whatever an earlier test's uvicorn (with its own logging config) left behind.
+    for name in ("uvicorn", "uvicorn.error"):
+        monkeypatch.setattr(logging.getLogger(name), "propagate", True)
     for path in (b"/v1/chat/completions", b"/v1/responses"):
         _, writer = await asyncio.open_connection("127.0.0.1", served.port)
         writer.write(
