@@ -306,6 +306,13 @@ class OpenAIAdapter(_Strict, tag="openai", tag_field="type"):
             "as image_url parts (else they become a short text placeholder)."
         ),
     ] = False
+    tokenize: Annotated[
+        Literal["vllm", "llama.cpp"] | None,
+        Meta(
+            description="The upstream counts tokens for /v1/messages/count_tokens: vLLM's /tokenize, or "
+            "llama.cpp's /apply-template and /tokenize (at the server's root); unset: iop's estimate."
+        ),
+    ] = None
     replay_reasoning: Annotated[
         bool,
         Meta(

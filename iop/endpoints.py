@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import get_args
 
-from iop import config
+from iop import config, wire
 from iop.errors import BadRequest
 
 Endpoint = config.UpstreamApi
@@ -75,9 +75,11 @@ def ordered(endpoints: frozenset[Endpoint]) -> list[Endpoint]:
     return [e for e in ALL if e in endpoints]
 
 
-def check(catalog: config.Catalog, alias: str, api: Endpoint) -> None:
+def check(catalog: config.Catalog, alias: str, api: wire.Api) -> None:
     """Refuse at once (400 endpoint_not_served) a request for an endpoint some provider behind `alias` cannot answer."""
     served = of_alias(catalog, alias)
+    if api == "count_tokens":
+        api = "messages"  # counted by whoever answers the Messages request
     if api not in served:
         names = ", ".join(PATHS[e] for e in ordered(served)) or "nothing"
         raise BadRequest(
@@ -85,3 +87,12 @@ def check(catalog: config.Catalog, alias: str, api: Endpoint) -> None:
             code="endpoint_not_served",
             param="model",
         )
+
+
+def counts_tokens(catalog: config.Catalog, alias: str) -> bool:
+    """Every provider of the pool `alias` has an upstream tokenizer (`tokenize`): count_tokens asks it."""
+    members = catalog.pools.get(alias)
+    if not members:
+        return False
+    adapters = [catalog.providers[p].adapter for p in members if p in catalog.providers]
+    return bool(adapters) and all(isinstance(a, config.OpenAIAdapter) and a.tokenize for a in adapters)

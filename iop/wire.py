@@ -132,7 +132,7 @@ def reply_subject(edge: str, node: str, request: str) -> str:
 
 # --- messages -------------------------------------------------------------------------------------
 
-Api = Literal["chat", "responses", "messages", "embeddings", "completions"]
+Api = Literal["chat", "responses", "messages", "embeddings", "completions", "count_tokens"]
 """The endpoint the client called; a node older than messages/embeddings/completions refuses their items."""
 
 

@@ -106,8 +106,27 @@ class FakeUpstream:
                 Route("/v1/messages", handle, methods=["POST"]),
                 Route("/v1/embeddings", handle, methods=["POST"]),
                 Route("/v1/completions", handle, methods=["POST"]),
+                Route("/tokenize", self._tokenize, methods=["POST"]),
+                Route("/apply-template", self._apply_template, methods=["POST"]),
             ]
         )
+
+    async def _tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize (chat messages; a token per word of every message) or llama.cpp's (`content`)."""
+        body = json.loads(await request.body())
+        await self._enter("/tokenize", body)
+        await self._leave()
+        if "content" in body:
+            return JSONResponse({"tokens": list(range(len(body["content"].split())))})
+        words = sum(len(str(m.get("content") or "").split()) for m in body["messages"])
+        return JSONResponse({"count": words, "max_model_len": 4096, "tokens": list(range(words))})
+
+    async def _apply_template(self, request: Request) -> Response:
+        """llama.cpp's /apply-template: the messages as one prompt (a `<turn>` word per message)."""
+        body = json.loads(await request.body())
+        await self._enter("/apply-template", body)
+        await self._leave()
+        return JSONResponse({"prompt": " ".join(f"<turn> {m.get('content') or ''}" for m in body["messages"])})
 
     def serves(self) -> set[str]:
         return {"chat", "responses"} if self.api == "both" else set(self.api.split(","))

@@ -28,26 +28,26 @@ TOOLS: list[Any] = [
 HELLO: list[Any] = [{"role": "user", "content": "hello"}]
 
 
-def one_provider(url: str, api: str, extra: str = "") -> str:
+def one_provider(url: str, api: str, extra: str = "", adapter: str = "") -> str:
     return f"""
 edge: {{api_keys_env: IOP_TEST_KEYS{extra}}}
 models: [{{alias: m, pool: [p]}}]
 nodes:
   - id: n
-    adapters: [{{id: up, type: openai, base_url: "{url}", api: {api}}}]
+    adapters: [{{id: up, type: openai, base_url: "{url}", api: {api}{adapter}}}]
     providers: [{{id: p, adapter: up, model: served-model, capacity: 1}}]
 """
 
 
 @asynccontextmanager
 async def served(
-    nats_url: str, api: str, monkeypatch: pytest.MonkeyPatch, extra: str = "", **knobs: Any
+    nats_url: str, api: str, monkeypatch: pytest.MonkeyPatch, extra: str = "", adapter: str = "", **knobs: Any
 ) -> AsyncIterator[tuple[EdgeHandle, FakeUpstream, anthropic.AsyncAnthropic]]:
     monkeypatch.setenv("IOP_TEST_KEYS", KEY)
     upstream_api = api.strip("[]").replace(" ", "")
     async with (
         fake_upstream(api=upstream_api, **knobs) as up,
-        deployment_running(deployment(one_provider(up.url, api, extra)), nats_url) as h,
+        deployment_running(deployment(one_provider(up.url, api, extra, adapter)), nats_url) as h,
     ):
         # The SDK sends x-api-key (never Authorization), as Claude Code does.
         client = anthropic.AsyncAnthropic(base_url=h.url, api_key=KEY, max_retries=0)
@@ -203,6 +203,25 @@ async def test_count_tokens_estimates_without_a_model(
         with pytest.raises(anthropic.BadRequestError):
             await client.messages.count_tokens(model="m", messages="hi")  # type: ignore[arg-type]
     assert up.total == 0  # counted on the edge
+
+
+@pytest.mark.parametrize("tokenizer", ["vllm", "llama.cpp"])
+async def test_count_tokens_asks_the_upstreams_tokenizer_through_the_pool(
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch, tokenizer: str
+) -> None:
+    async with served(nats_server.url, "chat", monkeypatch, adapter=f", tokenize: {tokenizer}") as (h, up, client):
+        asked = [{"role": "user", "content": "one two three four"}]
+        counted = await client.messages.count_tokens(model="m", system="be brief", messages=asked)
+        records = await ledger_records(h, 1)
+    # A token a word in the fake: the system prompt and the message (llama.cpp: and a <turn> each).
+    assert counted.input_tokens == (6 if tokenizer == "vllm" else 8)
+    if tokenizer == "vllm":
+        assert up.by_path == {"/tokenize": 1}
+        assert up.bodies[0]["messages"][0] == {"role": "system", "content": "be brief"}
+        assert up.bodies[0]["model"] == "served-model" and up.bodies[0]["add_generation_prompt"] is True
+    else:
+        assert up.by_path == {"/apply-template": 1, "/tokenize": 1}
+    assert [(r.api, r.provider, r.status) for r in records] == [("count_tokens", "p", 200)]
 
 
 async def test_an_endpoint_the_pool_cannot_serve_is_refused_at_once(

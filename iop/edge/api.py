@@ -174,7 +174,7 @@ class ApiEndpoint:
 
     def _error_response(self, exc: RequestError, request_id: str) -> ErrorResponse:
         """The error in the shape of the API called: Anthropic's for Messages, OpenAI's for the rest."""
-        if self.api == "messages":
+        if self.api == "messages" or self.api == "count_tokens":
             return anthropic_errors.error_response(exc, request_id)
         return error_response(exc)
 

@@ -189,6 +189,9 @@ def other_head(api: wire.Api, body: bytes) -> tuple[str, bool, str | None]:
         if not emb.input:
             raise BadRequest("'input' must not be empty", param="input")
         return emb.model, False, emb.user
+    if api == "count_tokens":
+        count = count_tokens_head(body)
+        return count.model, False, None
     comp = completions_head(body)
     return comp.model, comp.stream, comp.user
 

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
 from iop import wire
 from iop.anthropic.answer import chat_to_messages_answer
+from iop.anthropic.count import estimate_input_tokens
 from iop.anthropic.errors import error_type
-from iop.anthropic.request import messages_to_chat_request
+from iop.anthropic.request import ChatRequest, messages_to_chat_request
 from iop.anthropic.stream import ChatToMessagesStream
 from iop.errors import BadRequest, RequestError, UpstreamError
 from iop.node.adapters.base import Adapter, Send
+from iop.node.adapters.openai import OpenAIAdapter
 
 log = logging.getLogger("iop.node")
 _decode = msgspec.json.Decoder().decode
@@ -41,15 +44,11 @@ class MessagesOverChat:
         self.native = native
 
     async def run(self, item: wire.WorkItem, model: str | None, send: Send) -> wire.Usage | None:
+        if item.api == "count_tokens":
+            return await self._count(item, model, send)
         if item.api != "messages" or self.native:
             return await self.inner.run(item, model, send)
-        try:
-            request = _decode(item.body)
-            if not isinstance(request, Mapping):
-                raise BadRequest("the request body must be a JSON object")
-            chat = messages_to_chat_request(request)
-        except (TypeError, AttributeError, KeyError, ValueError) as exc:
-            raise BadRequest(f"the request cannot be translated to chat: {type(exc).__name__}: {exc}") from exc
+        chat = _chat_of(item.body)
         extra: dict[str, str] = {}
         if chat.dropped_tools:
             dropped = ",".join(chat.dropped_tools)
@@ -101,5 +100,27 @@ class MessagesOverChat:
                 await send(stream.fail(exc.message, error_type(exc.status)))
             raise TranslatedStreamFailed(exc.message, code=exc.code, status=exc.status) from exc
 
+    async def _count(self, item: wire.WorkItem, model: str | None, send: Send) -> wire.Usage | None:
+        """count_tokens: the upstream's tokenizer over the chat prompt (the edge sends only where there is one)."""
+        chat = _chat_of(item.body, {"max_tokens": 1, "stream": False})
+        chat.body["model"] = model or item.alias
+        inner = self.inner
+        if isinstance(inner, OpenAIAdapter) and inner.cfg.tokenize:
+            count = await inner.count_tokens(chat.body)
+        else:
+            count = estimate_input_tokens(chat.body)
+        await send(_encode({"input_tokens": count}))
+        return None
+
     async def close(self) -> None:
         await self.inner.close()
+
+
+def _chat_of(body: bytes, override: Mapping[str, Any] | None = None) -> ChatRequest:
+    try:
+        request = _decode(body)
+        if not isinstance(request, Mapping):
+            raise BadRequest("the request body must be a JSON object")
+        return messages_to_chat_request({**request, **override} if override else request)
+    except (TypeError, AttributeError, KeyError, ValueError) as exc:
+        raise BadRequest(f"the request cannot be translated to chat: {type(exc).__name__}: {exc}") from exc

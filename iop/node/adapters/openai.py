@@ -64,6 +64,9 @@ class OpenAIAdapter:
         if cfg.api_key_env and (key := os.environ.get(cfg.api_key_env)):
             headers["authorization"] = f"Bearer {key}"
         self.native = native(cfg)
+        self.pool_headers = headers
+        self.root: HttpPool | None = None
+        """The server's root (base_url without /v1), for its tokenizer; made on first use."""
         self.pool = HttpPool(cfg.base_url, headers=headers, read_timeout_s=min(cfg.idle_timeout_s, cfg.timeout_s))
 
     def serves(self, api: str) -> bool:
@@ -223,8 +226,54 @@ class OpenAIAdapter:
             raise upstream_error(response.status, raw)
         return response
 
+    async def count_tokens(self, chat: Mapping[str, Any]) -> int:
+        """The prompt tokens of a chat request by the upstream's own tokenizer and chat template."""
+        if self.root is None:
+            # /tokenize lives at the server's root, beside /v1.
+            self.root = HttpPool(_root_of(self.cfg.base_url), headers=self.pool_headers, read_timeout_s=30.0)
+        body: dict[str, Any] = {"model": chat.get("model"), "messages": chat["messages"]}
+        try:
+            if self.cfg.tokenize == "vllm":
+                if chat.get("tools"):
+                    body["tools"] = chat["tools"]
+                answer = await self._root_post("/tokenize", {**body, "add_generation_prompt": True})
+                count = answer.get("count")
+                return count if isinstance(count, int) else len(answer.get("tokens") or [])
+            prompt = (await self._root_post("/apply-template", body)).get("prompt")
+            if not isinstance(prompt, str):
+                raise UpstreamError("upstream /apply-template answered without a prompt", code="upstream_bad_answer")
+            tokens = (await self._root_post("/tokenize", {"content": prompt})).get("tokens")
+            return len(tokens) if isinstance(tokens, list) else 0
+        except (msgspec.DecodeError, AttributeError) as exc:
+            raise UpstreamError("upstream's tokenizer answered with invalid JSON", code="upstream_bad_answer") from exc
+
+    async def _root_post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        assert self.root is not None
+        try:
+            response = await self.root.post(path, _encode(body))
+        except ConnectFailed as exc:
+            raise UpstreamError(
+                f"upstream unreachable: {self.cfg.base_url}: {exc}", code="upstream_unavailable"
+            ) from exc
+        except HttpError as exc:
+            raise UpstreamError(f"upstream failed: {self.cfg.base_url}: {exc}", code="upstream_error") from exc
+        try:
+            raw = await response.read()
+        except HttpError as exc:
+            raise _mid_answer(exc) from exc
+        finally:
+            await response.aclose()
+        if response.status >= 400:
+            raise upstream_error(response.status, raw)
+        answer = _decode(raw)
+        if not isinstance(answer, dict):
+            raise UpstreamError(f"upstream {path} answered JSON that is not an object", code="upstream_bad_answer")
+        return answer
+
     async def close(self) -> None:
         await self.pool.close()
+        if self.root is not None:
+            await self.root.close()
 
 
 _SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")
@@ -283,6 +332,12 @@ class _StreamEnd:
         joint = self.carry + data[:24]
         self.seen = any(end in data or end in joint for end in _STREAM_ENDS)
         self.carry = data[-24:] if len(data) >= 24 else joint[-24:]
+
+
+def _root_of(base_url: str) -> str:
+    """The server's root URL: base_url without a trailing /v1."""
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
 def _mid_answer(exc: HttpError) -> UpstreamError:
