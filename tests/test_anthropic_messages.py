@@ -210,7 +210,7 @@ async def test_count_tokens_asks_the_upstreams_tokenizer_through_the_pool(
     nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch, tokenizer: str
 ) -> None:
     async with served(nats_server.url, "chat", monkeypatch, adapter=f", tokenize: {tokenizer}") as (h, up, client):
-        asked = [{"role": "user", "content": "one two three four"}]
+        asked: list[Any] = [{"role": "user", "content": "one two three four"}]
         counted = await client.messages.count_tokens(model="m", system="be brief", messages=asked)
         records = await ledger_records(h, 1)
     # A token a word in the fake: the system prompt and the message (llama.cpp: and a <turn> each).
