@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from iop import errors
 from iop.errors import ErrorResponse, RequestError
 
 _encode = msgspec.json.Encoder().encode
@@ -55,3 +56,13 @@ def error_event(exc: RequestError) -> bytes:
     """The `error` event ending a Messages stream that already started."""
     event = {"type": "error", "error": {"type": error_type(exc.status), "message": exc.message}}
     return b"event: error\ndata: " + _encode(event) + b"\n\n"
+
+
+def is_messages_path(path: str) -> bool:
+    """`/v1/messages` and the paths under it: where Anthropic's clients call, and read Anthropic's errors."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def refusal(path: str, exc: RequestError, request_id: str | None = None) -> ErrorResponse:
+    """A refusal made before any endpoint runs (Host, Origin, request id), in the shape of the API at `path`."""
+    return error_response(exc, request_id) if is_messages_path(path) else errors.error_response(exc)

@@ -330,7 +330,8 @@ class RequestIds:
                 param="x-request-id",
                 headers={"x-request-id": new_request_id()},
             )
-            await send_error(send, error_response(refused))
+            answer = anthropic_errors.refusal(scope["path"], refused, refused.headers["x-request-id"])
+            await send_error(send, answer)
             return
         scope["iop.request_id"] = rid
         header = (b"x-request-id", rid.encode())

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from iop import config
-from iop.errors import Forbidden, error_response
+from iop.anthropic.errors import refusal as refusal_answer
+from iop.errors import Forbidden
 
 _DEFAULT_PORTS = {b"http": b":80", b"https": b":443"}
 
@@ -119,7 +120,8 @@ class SameOrigin:
                     code="cross_origin",
                 )
             if refusal is not None:
-                err = error_response(refusal)
+                # Anthropic's clients read Anthropic's error bodies: the shape follows the path.
+                err = refusal_answer(scope["path"], refusal, scope.get("iop.request_id"))
                 headers = [(b"content-type", b"application/json")]
                 headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
                 # A handshake is refused with an HTTP answer too (the ASGI extension uvicorn offers).
