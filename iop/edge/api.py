@@ -134,7 +134,7 @@ class ApiEndpoint:
         responses = self.edge.responses
         owner = self.edge.owner(scope)
         request = _decode_json(body)
-        turn = await responses.expand(request, owner)
+        turn = await responses.expand(request, owner, self.edge.max_body_bytes)
         turn.request = request
         out.send = KeepingSend(out.send, responses, owner, turn, stream)
         return _encode_json(turn.body), turn, owner

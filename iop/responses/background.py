@@ -67,7 +67,7 @@ async def cancel(responses: Responses, owner: str, stored: Stored) -> dict[str, 
         return response
     response = {**response, "status": "cancelled", "completed_at": None}
     assert responses.store is not None
-    await responses.store.keep(owner, Stored(response, stored.input, stored.previous, stored.chain), [])
+    await responses.store.keep(owner, Stored(response, stored.input, stored.previous, stored.chain, stored.size), [])
     task = responses.running.get(str(response["id"]))
     if task is not None:
         task.cancel()

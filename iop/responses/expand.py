@@ -14,10 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from iop.errors import BadRequest, NotFound
 from iop.responses.store import ResponseStore, Stored
 
 log = logging.getLogger("iop.responses")
+_encode = msgspec.json.Encoder().encode
 
 MAX_CHAIN = 10_000
 """Turns a `previous_response_id` chain may have (ids never repeat; this only bounds a broken store)."""
@@ -25,6 +28,15 @@ MAX_CHAIN = 10_000
 
 class PreviousResponseNotFound(BadRequest):
     code = "previous_response_not_found"
+
+
+def _too_large(size: int, limit: int) -> BadRequest:
+    return BadRequest(
+        f"the conversation with its earlier turns is {size} bytes, more than the {limit} a request may be "
+        "(edge.max_body_mb): compact it or start a new one",
+        param="previous_response_id",
+        code="conversation_too_large",
+    )
 
 
 @dataclass
@@ -47,6 +59,8 @@ class Turn:
     """The earlier responses' ids, oldest first (kept with the answer: the next turn reads them at once)."""
     request: dict[str, Any] = field(default_factory=dict)
     """The client's request as it came (a background response echoes it before any answer)."""
+    size: int = 0
+    """Bytes of the whole input (the earlier turns' items and this turn's), encoded."""
 
 
 class Responses:
@@ -66,11 +80,13 @@ class Responses:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def expand(self, body: Mapping[str, Any], owner: str) -> Turn:
+    async def expand(self, body: Mapping[str, Any], owner: str, max_bytes: int | None = None) -> Turn:
         """The stateless request for `body`, its references resolved for `owner`.
 
         Unknown ids (or another owner's) are `previous_response_not_found` (400) for
         `previous_response_id` and 404 for an `item_reference`: a client learns nothing of others'.
+        A conversation whose input would be over `max_bytes` (what a stateless client may send) is
+        `conversation_too_large` (400): one key cannot make the edge read and hold a chain of any size.
         """
         out = dict(body)
         previous = out.pop("previous_response_id", None)
@@ -90,10 +106,13 @@ class Responses:
         items = await self._resolve(_input_items(out.get("input")), owner)
         referenced = {str(item.get("id")) for item, ref in items if ref}
         turn_items = [item for item, _ in items]
-        history, chain = await self._history(previous, owner) if previous else ([], [])
+        history, chain = await self._history(previous, owner, max_bytes) if previous else ([], [])
         out["input"] = history + turn_items
+        size = len(_encode(out["input"])) if history else 0
+        if max_bytes is not None and size > max_bytes:
+            raise _too_large(size, max_bytes)
         stored = asked and self.store is not None
-        return Turn(out, turn_items, previous or None, stored, referenced, background, chain=chain)
+        return Turn(out, turn_items, previous or None, stored, referenced, background, chain=chain, size=size)
 
     async def keep(self, owner: str, turn: Turn, response: dict[str, Any]) -> None:
         """Keep an answered turn (when it is to be kept); a store that cannot is logged, never raised."""
@@ -109,8 +128,11 @@ class Responses:
         # that came from a reference, already there) and every output item.
         new = [i for i in turn.items if isinstance(i, dict) and i.get("id") not in turn.referenced]
         new += [i for i in response.get("output") or [] if isinstance(i, dict)]
+        output = response.get("output") or []
+        size = (turn.size or len(_encode(turn.items))) + len(_encode(output))
         try:
-            kept = await self.store.keep(owner, Stored(response, list(turn.items), turn.previous, turn.chain), new)
+            record = Stored(response, list(turn.items), turn.previous, turn.chain, size)
+            kept = await self.store.keep(owner, record, new)
         except Exception as exc:  # NATS down, a bucket at its limit: the answer still goes out
             log.warning("response store: %s not kept: %s", response.get("id"), type(exc).__name__)
             return
@@ -129,13 +151,15 @@ class Responses:
 
         return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(items))))
 
-    async def _history(self, previous: str, owner: str) -> tuple[list[Any], list[str]]:
+    async def _history(self, previous: str, owner: str, max_bytes: int | None) -> tuple[list[Any], list[str]]:
         """The input and output items of `previous` and every response before it, oldest first, and their ids.
 
         The previous response names all its ancestors, so they are read at once: two round trips
         to NATS whatever the conversation's length.
         """
         last = await self._stored(previous, owner)
+        if max_bytes is not None and last.size > max_bytes:
+            raise _too_large(last.size, max_bytes)  # before the chain is read
         chain = [*last.chain, previous]
         if len(chain) > MAX_CHAIN:
             raise BadRequest(f"the conversation is longer than {MAX_CHAIN} responses", param="previous_response_id")

@@ -61,6 +61,9 @@ class Stored(msgspec.Struct):
     previous: str | None = None
     chain: list[str] = msgspec.field(default_factory=list)
     """Every earlier response of the conversation, oldest first (`previous` last): read all at once."""
+    size: int = 0
+    """Bytes of the conversation's items up to and including this response (encoded JSON): a next turn
+    that would pass the limit is refused without reading the chain (0: a record from before it was kept)."""
 
 
 _encode = msgspec.json.Encoder().encode
