@@ -1,8 +1,9 @@
-"""Token counts read from an upstream's own answer: the `usage` object, in either OpenAI API.
+"""Token counts read from an upstream's own answer: the `usage` object, in the OpenAI APIs and Messages.
 
 Whole answers are decoded for `usage` alone (msgspec skips the rest). Streams are not parsed
 chunk by chunk: `UsageTail` keeps the last bytes and reads the final usage (the chat chunk with
-empty `choices`, or the Responses `response.completed` event) once, when the stream has ended.
+empty `choices`, the Responses `response.completed` event, Messages' `message_delta`) once, when
+the stream has ended; `OpeningUsage` reads a Messages stream's input tokens from its first event.
 """
 
 from __future__ import annotations
@@ -74,7 +75,16 @@ def usage_in_tail(tail: bytes) -> wire.Usage | None:
         pass
     if last is None:
         return None
-    start = last.end()
+    return _usage_after(tail, last.end())
+
+
+def usage_in_head(head: bytes) -> wire.Usage | None:
+    """The first `"usage": {...}` object in the start of a stream."""
+    first = _KEY.search(head)
+    return _usage_after(head, first.end()) if first is not None else None
+
+
+def _usage_after(tail: bytes, start: int) -> wire.Usage | None:
     if tail[start : start + 1] != b"{":
         return None  # "usage": null
     depth = 0
@@ -112,3 +122,31 @@ class UsageTail:
 
     def usage(self) -> wire.Usage | None:
         return usage_in_tail(b"".join(self.parts)[-TAIL_BYTES:])
+
+
+class OpeningUsage:
+    """The usage of a stream's first event (Messages' `message_start` holds the input tokens; its
+    last, `message_delta`, often only the output). Reads the first HEAD_BYTES, then nothing."""
+
+    HEAD_BYTES = 16 * 1024
+    __slots__ = ("head", "usage")
+
+    def __init__(self) -> None:
+        self.head = b""
+        self.usage: wire.Usage | None = None
+
+    def feed(self, data: bytes) -> None:
+        if self.usage is not None or len(self.head) >= self.HEAD_BYTES:
+            return
+        self.head += data[: self.HEAD_BYTES - len(self.head)]
+        self.usage = usage_in_head(self.head)
+
+    def merge(self, closing: wire.Usage | None) -> wire.Usage | None:
+        """The closing usage, its missing input tokens taken from the opening one."""
+        if self.usage is None or closing is None:
+            return closing or self.usage
+        if closing.input_tokens:
+            return closing
+        return wire.Usage(
+            self.usage.input_tokens, closing.output_tokens, closing.cached_tokens, closing.reasoning_tokens
+        )

@@ -18,7 +18,7 @@ from iop.endpoints import native
 from iop.errors import BadRequest, NotFound, RequestError, UpstreamError, error_for_status
 from iop.node.adapters.base import Send, note_upstream_status
 from iop.node.http1 import ConnectFailed, HttpError, HttpPool, HttpResponse, Timeout
-from iop.node.tokens import UsageTail, usage_of_body
+from iop.node.tokens import OpeningUsage, UsageTail, usage_of_body
 from iop.openai.tool_names import ToolMap
 from iop.openai.translate import (
     ChatToResponsesStream,
@@ -103,9 +103,13 @@ class OpenAIAdapter:
                 if item.stream:
                     tail = UsageTail()  # the usage is in the stream's last event: no per-chunk parsing
                     end = _StreamEnd()
+                    # A Messages stream says its input tokens in its first event (message_start).
+                    opening = OpeningUsage() if item.api == "messages" else None
                     async for data in response.iter_body():
                         if not end.started:
                             end.check_start(data)  # raises before the client got anything: retryable
+                        if opening is not None:
+                            opening.feed(data)
                         end.feed(data)
                         tail.feed(data)  # what the upstream sent, before the usage chunk is taken out
                         if strip is not None:
@@ -120,7 +124,7 @@ class OpenAIAdapter:
                             "upstream stream ended before its final event ([DONE]): the answer was cut short",
                             code="upstream_truncated",
                         )
-                    return tail.usage()
+                    return opening.merge(tail.usage()) if opening is not None else tail.usage()
                 answer = await response.read()
                 usage = usage_of_body(answer)
                 if usage is None and not _is_json_object(answer):
