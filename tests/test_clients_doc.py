@@ -21,6 +21,7 @@ import pytest
 from iop.edge.keys import EdgeKeys, Key
 from iop.nats.server import EmbeddedNats
 from tests.codex_upstream import Turn, scripted_chat
+from tests.fakes import fake_upstream
 from tests.harness import REPO, EdgeHandle, deployment, deployment_running
 
 PAGE = REPO / "docs" / "clients.md"
@@ -123,3 +124,38 @@ async def test_clients_doc_openai_sdk_snippet_answers(nats_server: EmbeddedNats,
         rc, out = await run([sys.executable, "-c", script], env, tmp_path)
     assert rc == 0, out
     assert out.splitlines() == [ANSWER] * out.count(ANSWER) and out.count(ANSWER) >= 1
+
+
+async def test_clients_doc_claude_code_command_answers(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    if not (CODEX_BIN / "claude").exists():
+        pytest.skip("Claude Code is not installed (.ci/run installs it into .ci/npm when npm exists)")
+    async with doc_edge(nats_server) as h:
+        env = {"PATH": f"{CODEX_BIN}:{os.environ.get('PATH', '')}", "HOME": str(tmp_path)}
+        rc, out = await run(["/bin/sh", "-c", block("claude-code", "sh").replace(DOC_EDGE, h.url)], env, tmp_path)
+    assert rc == 0, out[-3000:]
+    assert ANSWER in out
+
+
+async def test_clients_doc_anthropic_sdk_snippet_answers(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    async with doc_edge(nats_server) as h:
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)}
+        script = block("anthropic-sdk", "python").replace(DOC_EDGE, h.url)
+        rc, out = await run([sys.executable, "-c", script], env, tmp_path)
+    assert rc == 0, out
+    assert out.splitlines() == [ANSWER]
+
+
+async def test_clients_doc_embeddings_and_completions_snippet_answers(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    keys = EdgeKeys(clients=[Key("doc", DOC_KEY)], admins=[])
+    async with fake_upstream(api="chat,embeddings,completions") as up:
+        pool = POOL.format(url=up.url).replace("api: chat", "api: [chat, embeddings, completions]")
+        async with deployment_running(deployment(pool), nats_server.url, keys) as h:
+            env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)}
+            script = block("openai-embeddings", "python").replace(DOC_EDGE, h.url)
+            rc, out = await run([sys.executable, "-c", script], env, tmp_path)
+    assert rc == 0, out
+    # The fake: a token per word of every input; its completion ends with the suffix it was given.
+    assert out.splitlines() == ["2 4", "w0 w1 w2 <fim ", ">"]
+    assert set(up.by_path) == {"/v1/embeddings", "/v1/completions"}
