@@ -76,6 +76,13 @@ async def test_client_keys_guard_every_v1_path_and_status_but_not_healthz(
         ("GET", "/v1/models", None),
         ("GET", "/status", None),
         ("GET", "/status?view=summary", None),
+        ("POST", "/v1/messages", {"model": "sim", "max_tokens": 8, "messages": chat["messages"]}),
+        ("POST", "/v1/messages/count_tokens", {"model": "sim", "messages": chat["messages"]}),
+    ]
+    # Served only by upstreams that have them (the mock has not): refused for the key first all the same.
+    refused_only = [
+        ("POST", "/v1/embeddings", {"model": "sim", "input": "hi"}),
+        ("POST", "/v1/completions", {"model": "sim", "prompt": "hi"}),
     ]
     wrong = [
         {},
@@ -83,14 +90,23 @@ async def test_client_keys_guard_every_v1_path_and_status_but_not_healthz(
         {"Authorization": f"Bearer {KEY[:-1]}"},  # a prefix of a real key
         {"Authorization": f"Basic {KEY}"},
         {"Authorization": KEY},
+        {"x-api-key": "sk-iop-wrong"},  # Anthropic's header: the same keys
+        {"x-api-key": KEY[:-1]},
+        {"x-api-key": f"Bearer {KEY}"},
     ]
     async with deployment_running(dep, nats_server.url) as h, h.http() as http:
-        for method, path, body in calls:
+        for method, path, body in calls + refused_only:
             for headers in wrong:
                 r = await http.request(method, path, json=body, headers=headers)
                 assert r.status_code == 401, (path, headers, r.text)
-                assert r.json()["error"]["code"] == "invalid_api_key"
+                error = r.json()["error"]
+                if path.startswith("/v1/messages"):
+                    assert error["type"] == "authentication_error"  # Anthropic's error shape
+                else:
+                    assert error["code"] == "invalid_api_key"
         assert (await http.get("/healthz")).status_code == 200
+        r = await http.post("/v1/messages", json=calls[-2][2], headers={"x-api-key": KEY})
+        assert r.status_code == 200 and r.json()["type"] == "message"
 
         for key in (KEY, OTHER_KEY):
             auth = {"Authorization": f"Bearer {key}"}
