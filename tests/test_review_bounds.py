@@ -54,3 +54,19 @@ async def test_responses_chain_larger_than_max_body_is_refused_before_it_is_disp
             "/v1/responses", json={"model": "m", "input": "short", "previous_response_id": previous}, headers=AUTH
         )
         assert r.status_code == 200, r.text
+
+
+async def test_responses_background_that_is_not_a_boolean_is_refused_not_run_in_the_foreground(
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IOP_TEST_KEYS", KEY)
+    async with (
+        fake_upstream(api="chat") as up,
+        deployment_running(deployment(YAML.format(url=up.url)), nats_server.url) as h,
+        httpx.AsyncClient(base_url=h.url, timeout=30) as http,
+    ):
+        for value in ("yes", 1, "false"):
+            r = await http.post("/v1/responses", json={"model": "m", "input": "x", "background": value}, headers=AUTH)
+            assert r.status_code == 400, (value, r.text)
+            assert r.json()["error"]["param"] == "background"
+        assert up.total == 0

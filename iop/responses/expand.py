@@ -97,6 +97,9 @@ class Responses:
             raise BadRequest("store must be a boolean", param="store")
         out["store"] = False
         background = out.get("background") is True
+        if out.get("background") is not None and not isinstance(out.get("background"), bool):
+            # Not silently a foreground run: the client would wait on what it asked not to wait on.
+            raise BadRequest("background must be a boolean", param="background")
         if background:
             if not asked:
                 raise BadRequest("background responses must be stored: send store: true", param="background")
