@@ -147,6 +147,26 @@ async def test_a_stream_cut_without_done_under_until_close_framing_ends_with_an_
         assert events[-1]["error"]["code"] == "upstream_truncated"
 
 
+async def test_a_translated_messages_stream_cut_short_ends_with_one_anthropic_error_event(
+    nats_server: EmbeddedNats,
+) -> None:
+    async with (
+        broken_upstream(cut_until_close) as bad,
+        deployment_running(deployment(one_provider(bad)), nats_server.url) as h,
+        h.http() as http,
+    ):
+        body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "stream": True}
+        r = await http.post("/v1/messages", json=body)
+        assert r.status_code == 200  # the text had started: the error can only be an event
+        events = sse_events(r.text)
+        assert events[0]["type"] == "message_start"
+        assert [e["delta"]["text"] for e in events if e["type"] == "content_block_delta"] == ["hi"] * 3
+        # The stream's last event, once: Anthropic's error shape (never a chat error, never two).
+        assert [e["type"] for e in events].count("error") == 1 and events[-1]["type"] == "error"
+        assert events[-1]["error"]["type"] == "api_error" and "cut short" in events[-1]["error"]["message"]
+        assert "message_stop" not in [e["type"] for e in events]
+
+
 async def test_timeout_s_bounds_the_whole_request_and_idle_timeout_s_each_silence(nats_server: EmbeddedNats) -> None:
     async def trickle(w: asyncio.StreamWriter) -> None:
         w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
