@@ -25,6 +25,7 @@ import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iop import config
+from iop.edge.bodies import ReceivingBodies
 from iop.edge.observe import new_request_id
 from iop.edge.responses_front import call_endpoint
 from iop.errors import (
@@ -32,6 +33,7 @@ from iop.errors import (
     MethodNotAllowed,
     NotFound,
     RequestError,
+    Unavailable,
     error_response,
 )
 from iop.openai.sse import SseDecoder
@@ -50,6 +52,9 @@ _NOT_FORWARDED = frozenset(
 class SocketEdge(Protocol):
     @property
     def catalog(self) -> config.Catalog: ...
+
+    @property
+    def bodies(self) -> ReceivingBodies: ...
 
     def authorize(self, scope: Scope) -> str: ...
 
@@ -109,6 +114,8 @@ class ResponsesSocket:
         self._receive = receive
         self.send = send
         self.waiting: deque[Message] = deque()
+        self.held = 0
+        """Bytes of the waiting events, counted in the edge's body budget (edge.queue.max_waiting_mb)."""
         self.closed = False
         self.last: _Last | None = None
         self.made: set[str] = set()
@@ -126,12 +133,23 @@ class ResponsesSocket:
             await refuse(self.send, exc)
             return
         await self.send({"type": "websocket.accept"})
-        while not self.closed:
-            message = self.waiting.popleft() if self.waiting else await self._receive()
-            if message["type"] == "websocket.disconnect":
-                return
-            if message["type"] == "websocket.receive":
-                await self.turn(message)
+        try:
+            while not self.closed:
+                message = self._next_waiting() if self.waiting else await self._receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                if message["type"] == "websocket.receive":
+                    await self.turn(message)
+        finally:
+            self.edge.bodies.give(self.held)
+            self.held = 0
+
+    def _next_waiting(self) -> Message:
+        message = self.waiting.popleft()
+        size = _size(message)
+        self.held -= size
+        self.edge.bodies.give(size)
+        return message
 
     async def turn(self, message: Message) -> None:
         """One client event: a response run to its end, or an `error` frame."""
@@ -230,6 +248,16 @@ class ResponsesSocket:
                 self.closed = True
                 await self.send({"type": "websocket.close", "code": 1008, "reason": "too many events ahead"})
                 return {"type": "http.disconnect"}
+            # Waiting events hold memory as bodies being received do: the same budget bounds both.
+            size = _size(message)
+            try:
+                self.edge.bodies.take(size)
+            except Unavailable:
+                self.closed = True
+                reason = "too many bytes ahead (edge.queue.max_waiting_mb); try again later"
+                await self.send({"type": "websocket.close", "code": 1013, "reason": reason})
+                return {"type": "http.disconnect"}
+            self.held += size
             self.waiting.append(message)
 
     async def frame(self, text: str) -> None:
@@ -241,6 +269,14 @@ class ResponsesSocket:
             # The connection is gone (uvicorn's ClientDisconnected) before its disconnect was read:
             # the endpoint must not fail for it; the disconnect that follows cancels the response.
             self.closed = True
+
+
+def _size(message: Message) -> int:
+    text = message.get("text")
+    if isinstance(text, str):
+        return len(text)  # characters: close enough to bytes for a budget, and no copy
+    data = message.get("bytes")
+    return len(data) if isinstance(data, bytes) else 0
 
 
 def _items(value: object) -> list[Any]:
