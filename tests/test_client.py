@@ -65,6 +65,7 @@ POOL_FIELDS = {
     "affinity_wait_ms",
     "affinity_hits",
     "affinity_misses",
+    "endpoints",
 }
 
 
@@ -145,7 +146,8 @@ async def test_status_keeps_its_field_names_and_decodes_into_the_schema(
         assert set(pool_provider) == PROVIDER_FIELDS | POOL_PROVIDER_FIELDS
         assert (cli["kind"], pool_provider["kind"]) == ("cli", "pool")
         assert set(raw["pools"][0]) == POOL_FIELDS
-        assert set(raw["routes"][0]) == {"alias", "node", "resource", "connected"}
+        assert set(raw["routes"][0]) == {"alias", "node", "resource", "connected", "endpoints"}
+        assert raw["pools"][0]["endpoints"] and raw["routes"][0]["endpoints"]
 
         st = await h.status()
         (n,) = st.nodes
