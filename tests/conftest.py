@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -38,10 +40,22 @@ def archive_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def built_archive(archive_sources: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """dist/iop.pyz as `python build.py` writes it, built once per test run (test_build, test_smoke)."""
-    out = tmp_path_factory.mktemp("dist") / "iop.pyz"
-    done = build_archive(archive_sources, out)
-    assert str(out) in done.stdout and "sha256" in done.stdout
+    """dist/iop.pyz as `python build.py` writes it, built once per test run (test_build, test_smoke, test_ui).
+
+    Under pytest-xdist the workers of one run share it: the first to get the lock builds it into
+    the run's own temporary folder, the others wait and read it (one build instead of one per worker).
+    """
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out = shared / "dist" / "iop.pyz"
+    with (shared / "dist.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            out.parent.mkdir(exist_ok=True)
+            building = out.with_name("building.pyz")  # renamed once whole: a failed build leaves no archive
+            done = build_archive(archive_sources, building)
+            assert str(building) in done.stdout and "sha256" in done.stdout
+            building.rename(out)
     return out
 
 
