@@ -39,7 +39,7 @@ class CountTokensEndpoint:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{scope['method']} {scope['path']}: use POST", headers={"Allow": "POST"})
             check_content_type(scope)
-            body = await read_body(scope, receive, self.edge.max_body_bytes)
+            body = await read_body(scope, receive, self.edge.max_body_bytes, self.edge.bodies)
             model = _model_of(body)
             if model is not None and endpoints.counts_tokens(self.edge.catalog, model):
                 await self.upstream(scope, _replay(body, receive), send)

@@ -25,12 +25,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iop import config
 from iop.edge.asgi import check_content_type
+from iop.edge.bodies import ReceivingBodies
 from iop.errors import (
     BadRequest,
     ErrorResponse,
     MethodNotAllowed,
     NotFound,
     RequestError,
+    Unavailable,
     UpstreamError,
     error_response,
 )
@@ -54,6 +56,8 @@ class FrontEdge(Protocol):
     def max_body_bytes(self) -> int: ...
     @property
     def sealer(self) -> compaction.Sealer: ...
+    @property
+    def bodies(self) -> ReceivingBodies: ...
 
     def authorize(self, scope: Scope) -> str: ...
 
@@ -79,7 +83,7 @@ class ResponsesFront:
         if scope["type"] != "http" or scope["method"] != "POST":
             await self.endpoint(scope, receive, send)
             return
-        body, seen = await buffer_body(scope, receive, self.edge.max_body_bytes)
+        body, seen = await buffer_body(scope, receive, self.edge.max_body_bytes, self.edge.bodies)
         replay = replaying(seen, receive)
         request = self._owned(scope, body)
         if request is None:
@@ -156,7 +160,7 @@ class CompactEndpoint:
             if scope["method"] != "POST":
                 raise MethodNotAllowed("use POST", headers={"Allow": "POST"})
             check_content_type(scope)
-            body, seen = await buffer_body(scope, receive, edge.max_body_bytes)
+            body, seen = await buffer_body(scope, receive, edge.max_body_bytes, edge.bodies)
             if body is None:
                 # Over the limit (or the client left): the endpoint's own check says which.
                 await self.front.endpoint(scope, replaying(seen, receive), send)
@@ -222,27 +226,41 @@ async def send_error(send: Send, response: ErrorResponse) -> None:
     await send({"type": "http.response.body", "body": response.body})
 
 
-async def buffer_body(scope: Scope, receive: Receive, limit: int) -> tuple[bytes | None, list[Message]]:
-    """The request body and the messages it came in; None when it is over `limit` or the client left.
+async def buffer_body(
+    scope: Scope, receive: Receive, limit: int, bodies: ReceivingBodies | None = None
+) -> tuple[bytes | None, list[Message]]:
+    """The request body and the messages it came in; None when it is over `limit`, over the edge's
+    budget for bodies (`bodies`, edge.queue.max_waiting_mb) or the client left.
 
-    Nothing past `limit` is read: the messages go back to the endpoint, which refuses the body
-    the way it refuses every other.
+    Nothing past either is read: the messages go back to the endpoint, which refuses the body the
+    way it refuses every other (its own count of them meets the same budget). While it arrives the
+    body is counted in `bodies`, and given back once read: the endpoint counts it again.
     """
     for name, value in scope["headers"]:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
             return None, []
     seen: list[Message] = []
     size = 0
-    while True:
-        message = await receive()
-        seen.append(message)
-        if message["type"] != "http.request":
-            return None, seen
-        size += len(message.get("body", b""))
-        if size > limit:
-            return None, seen
-        if not message.get("more_body", False):
-            return b"".join(m.get("body", b"") for m in seen), seen
+    try:
+        while True:
+            message = await receive()
+            seen.append(message)
+            if message["type"] != "http.request":
+                return None, seen
+            chunk = len(message.get("body", b""))
+            if size + chunk > limit:
+                return None, seen
+            if bodies is not None:
+                try:
+                    bodies.take(chunk)
+                except Unavailable:
+                    return None, seen
+            size += chunk
+            if not message.get("more_body", False):
+                return b"".join(m.get("body", b"") for m in seen), seen
+    finally:
+        if bodies is not None:
+            bodies.give(size)
 
 
 def replaying(messages: list[Message], receive: Receive) -> Receive:
