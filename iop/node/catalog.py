@@ -60,7 +60,7 @@ class CatalogSource:
             return None
         try:
             node = msgspec.json.decode(entry.value, type=config.Node)
-        except msgspec.ValidationError as exc:
+        except msgspec.DecodeError as exc:  # not JSON at all too: a reply subject can put any bytes here
             raise IopError(f"the edge's catalog for node {self.node_id} is unreadable: {exc}") from exc
         return entry.revision, node
 
