@@ -372,10 +372,10 @@ class NatsCut:
         self.is_open = True
         self.cuts = 0
         self._conns: set[asyncio.StreamWriter] = set()
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)
+        self._sock = self._listening(0)
+        self._port: int = self._sock.getsockname()[1]
         self._listener: asyncio.Server | None = None
+        self._serving: set[asyncio.Task[asyncio.Server]] = set()
         self.connected = asyncio.Event()
         """Set each time a client connection is relayed to the server (cleared by `cut`)."""
 
@@ -383,28 +383,54 @@ class NatsCut:
     def url(self) -> str:
         """The server's URL (with the edge's credential) through this relay."""
         access = self.server.access
-        return f"nats://{access.user}:{access.password}@127.0.0.1:{self._sock.getsockname()[1]}"
+        return f"nats://{access.user}:{access.password}@127.0.0.1:{self._port}"
 
     async def __aenter__(self) -> NatsCut:
         self._listener = await asyncio.start_server(self._relay, sock=self._sock)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        for task in self._serving:
+            self._listener = await task
         self.cut()
-        if self._listener is not None:
-            self._listener.close()
-            await self._listener.wait_closed()
+
+    @staticmethod
+    def _listening(port: int) -> socket.socket:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(64)
+        return sock
 
     def cut(self) -> None:
+        # Nothing listens while cut, so a reconnecting client is refused, as by a dead server. (A
+        # connection accepted and closed at once would leave nats-py a half-closed stream it
+        # replaces without closing: an unclosed StreamWriter, not what a lost server does.)
         self.is_open = False
         self.cuts += 1
         self.connected.clear()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         for w in list(self._conns):
             w.transport.abort()
         self._conns.clear()
 
     def heal(self) -> None:
         self.is_open = True
+        sock = self._listening(self._port)
+        task = asyncio.get_running_loop().create_task(asyncio.start_server(self._relay, sock=sock))
+        self._serving.add(task)
+
+        def served(done: asyncio.Task[asyncio.Server]) -> None:
+            self._serving.discard(done)
+            if not done.cancelled() and done.exception() is None:
+                self._listener = done.result()
+                if not self.is_open:  # cut again before it was serving
+                    self._listener.close()
+                    self._listener = None
+
+        task.add_done_callback(served)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not self.is_open:
