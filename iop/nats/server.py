@@ -194,17 +194,7 @@ class EmbeddedNats:
         """
 
         async def again() -> None:
-            proc = self.proc
-            if proc is not None and proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-                try:
-                    async with asyncio.timeout(timeout_s):
-                        await proc.wait()
-                except TimeoutError:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-                    await proc.wait()
+            await _terminate(self.proc, timeout_s)
             self.store_failed = ""
             self.store_failed_event.clear()
             await self.restart(timeout_s)
@@ -281,16 +271,7 @@ class EmbeddedNats:
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, wait up to `timeout_s`, then SIGKILL; release the store lock."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await proc.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
+        await _terminate(proc, timeout_s)
         await self._release_process()
         if self._lock_file is not None:
             self._lock_file.close()
@@ -359,3 +340,18 @@ async def _drain_log(
 
 def _quote(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+async def _terminate(proc: asyncio.subprocess.Process | None, timeout_s: float) -> None:
+    """SIGTERM a running server, wait up to `timeout_s`, then SIGKILL it and wait."""
+    if proc is None or proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await proc.wait()
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
