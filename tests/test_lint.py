@@ -13,6 +13,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,6 +40,7 @@ def test_ruff_format_is_clean() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.timeout(400)  # a fresh checkout has no mypy cache: over a minute of CPU beside busy workers
 def test_mypy_strict_is_clean() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "mypy", "--no-error-summary"],

@@ -172,7 +172,7 @@ async def test_exclusive_drains_and_the_edge_restores_when_the_qualifier_is_kill
     ):
         dep = deployment(TWO.format(uq=url_q, uo=url_o))
         async with deployment_running(dep, nats_server.url) as h:
-            args = ("qualify", "--edge", h.url, "--provider", "q", "--exclusive", "--tokens", "400", "--lease-ttl", "2")
+            args = ("qualify", "--edge", h.url, "--provider", "q", "--exclusive", "--tokens", "400", "--lease-ttl", "5")
             async with iop_process(*args, stop_grace_s=0) as qualifier:
                 await qualifier.wait_line(r"q: sweep", timeout_s=60)
                 slots = h.edge.scheduler.providers["q"]
