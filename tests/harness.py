@@ -596,3 +596,20 @@ nodes:
     adapters: [{{id: up, type: openai, base_url: "{url}", api: both}}]
     providers: [{{id: p, adapter: up, capacity: 1}}]
 """
+
+
+# Codex CLI's settings that keep it offline but for the edge (tests/test_codex_cli.py, test_clients_doc.py):
+# top-level keys first, then the tables, as TOML requires.
+CODEX_OFFLINE_TOP = "check_for_update_on_startup = false\n"
+CODEX_OFFLINE_TABLES = """
+[analytics]
+enabled = false
+
+[features]
+plugins = false
+remote_plugin = false
+apps = false
+skill_search = false
+tool_suggest = false
+skill_mcp_dependency_install = false
+"""

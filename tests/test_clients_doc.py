@@ -22,7 +22,7 @@ from iop.edge.keys import EdgeKeys, Key
 from iop.nats.server import EmbeddedNats
 from tests.codex_upstream import Turn, scripted_chat
 from tests.fakes import fake_upstream
-from tests.harness import REPO, EdgeHandle, deployment, deployment_running
+from tests.harness import CODEX_OFFLINE_TABLES, CODEX_OFFLINE_TOP, REPO, EdgeHandle, deployment, deployment_running
 
 PAGE = REPO / "docs" / "clients.md"
 CODEX_BIN = REPO / ".ci" / "npm" / "node_modules" / ".bin"
@@ -35,20 +35,6 @@ nodes:
   - id: n
     adapters: [{{id: up, type: openai, base_url: "{url}", api: chat}}]
     providers: [{{id: p, adapter: up, model: served-model, capacity: 2}}]
-"""
-# Settings of the test, not of the page: Codex stays offline but for the edge.
-OFFLINE_TOP = "check_for_update_on_startup = false\n"
-OFFLINE_TABLES = """
-[analytics]
-enabled = false
-
-[features]
-plugins = false
-remote_plugin = false
-apps = false
-skill_search = false
-tool_suggest = false
-skill_mcp_dependency_install = false
 """
 
 
@@ -100,7 +86,7 @@ async def test_clients_doc_codex_config_and_command_answer(nats_server: Embedded
         home = tmp_path / "codex-home"
         home.mkdir()
         config = block(way, "toml").replace(DOC_EDGE, h.url)
-        (home / "config.toml").write_text(OFFLINE_TOP + config + OFFLINE_TABLES)
+        (home / "config.toml").write_text(CODEX_OFFLINE_TOP + config + CODEX_OFFLINE_TABLES)
         work = tmp_path / "project"
         work.mkdir()
         env = {"PATH": f"{CODEX_BIN}:{os.environ.get('PATH', '')}", "HOME": str(tmp_path), "CODEX_HOME": str(home)}

@@ -24,7 +24,7 @@ from iop.edge.keys import EdgeKeys, Key
 from iop.nats.server import EmbeddedNats
 from iop.openai.compaction import COMPACTION_PROMPT, SUMMARY_PREFIX
 from tests.codex_upstream import Call, ScriptedChat, Turn, scripted_chat
-from tests.harness import EdgeHandle, deployment, deployment_running
+from tests.harness import CODEX_OFFLINE_TABLES, CODEX_OFFLINE_TOP, EdgeHandle, deployment, deployment_running
 
 CODEX_VERSION = "0.169.0"
 """The Codex CLI release whose requests docs/openai-compat.md was written from (../shared spec)."""
@@ -48,21 +48,10 @@ def codex_home(home: Path, edge_url: str) -> Path:
     """A CODEX_HOME whose config sends Codex to the edge, with no retries and nothing online."""
     home.mkdir(parents=True, exist_ok=True)
     (home / "config.toml").write_text(
-        f"""
-model_provider = "iop"
-check_for_update_on_startup = false
-
-[analytics]
-enabled = false
-
-[features]
-plugins = false
-remote_plugin = false
-apps = false
-skill_search = false
-tool_suggest = false
-skill_mcp_dependency_install = false
-
+        'model_provider = "iop"\n'
+        + CODEX_OFFLINE_TOP
+        + CODEX_OFFLINE_TABLES
+        + f"""
 [model_providers.iop]
 name = "iop"
 base_url = "{edge_url}/v1"
@@ -300,22 +289,7 @@ def default_home(home: Path, edge_url: str, extra: str = "") -> Path:
     """A CODEX_HOME that leaves Codex on its built-in (OpenAI) provider, only its base URL moved to the edge."""
     home.mkdir(parents=True, exist_ok=True)
     (home / "config.toml").write_text(
-        f"""
-openai_base_url = "{edge_url}/v1"
-check_for_update_on_startup = false
-{extra}
-
-[analytics]
-enabled = false
-
-[features]
-plugins = false
-remote_plugin = false
-apps = false
-skill_search = false
-tool_suggest = false
-skill_mcp_dependency_install = false
-"""
+        f'openai_base_url = "{edge_url}/v1"\n' + CODEX_OFFLINE_TOP + f"{extra}\n" + CODEX_OFFLINE_TABLES
     )
     return home
 
