@@ -95,6 +95,10 @@ def targets(result: dict[str, Any]) -> list[Target]:
         out.append(
             at_least("warm turns with prefix-cache affinity", None if warm is None else round(100 * warm, 1), 90.0, "%")
         )
+    for c in (sc.get("bodies") or {}).get("cells", []):
+        goal = {800_000: 3.0, 3_000_000: 8.0}.get(c["bytes_asked"])
+        if goal is not None:
+            out.append(at_most(f"added p50, {c['cell']}", c["added_p50_ms"], goal, "ms"))
     levels = (sc.get("scale") or {}).get("levels") or []
     if len(levels) >= 2:
         lo, hi = levels[0], levels[-1]
@@ -375,6 +379,9 @@ def render(result: dict[str, Any]) -> str:
                 rows,
             )
         )
+    bodies = sc.get("bodies")
+    if bodies:
+        parts.append(render_bodies(bodies))
     st = sc.get("startup")
     if st:
         parts.append(
@@ -398,6 +405,55 @@ def render(result: dict[str, Any]) -> str:
     if ts:
         parts.append("Targets\n" + table(["target", "goal", "measured", "verdict", "gap"], [t.row() for t in ts]))
     return "\n\n".join(parts)
+
+
+def render_bodies(bodies: dict[str, Any]) -> str:
+    rows = [
+        [
+            c["cell"],
+            _num(c["direct_p50_ms"]),
+            _num(c["iop_p50_ms"]),
+            _num(c["added_p50_ms"]),
+            _num(c["added_p90_ms"]),
+            _num(c.get("floor_p50_ms")),
+            _num(c.get("above_floor_p50_ms")),
+            " / ".join(_num(c["cpu_ms_per_request"][k]) for k in ("edge", "node", "nats")),
+            _num(c["other_cores"]),
+        ]
+        for c in bodies.get("cells", [])
+    ]
+    out = "Agent-sized bodies, c=1, a connection per request, arms interleaved (ms)\n" + table(
+        [
+            "cell",
+            "direct p50",
+            "iop p50",
+            "added p50",
+            "added p90",
+            "floor p50",
+            "above floor",
+            "CPU-ms edge / node / nats",
+            "foreign cores",
+        ],
+        rows,
+    )
+    waits = bodies.get("waiting") or []
+    if waits:
+        out += "\n\nRequests waiting on a saturated pool\n" + table(
+            ["body", "sent", "waiting", "refused 503", "budget MiB", "edge RSS idle / full / after MB", "nats MB"],
+            [
+                [
+                    f"{w['size'] // 1000} KB",
+                    str(w["sent"]),
+                    str(w["waiting"]),
+                    str(w["refused_503"]),
+                    str(w["budget_mib"]),
+                    f"{w['edge_rss_idle_mb']} / {w['edge_rss_full_mb']} / {w['edge_rss_after_mb']}",
+                    str(w["nats_rss_mb"]),
+                ]
+                for w in waits
+            ],
+        )
+    return out
 
 
 PROCESSES = ("edge", "node", "nats", "upstream", "client")

@@ -14,6 +14,8 @@ table with medians [min..max] and every target with PASS/MISS and its gap, and w
     startup     the archive's first and warm start to a served request
     affinity    prefix-cache affinity: 16 sessions x 20 growing turns on a pool 2/4/4 whose providers
                 simulate a prefix cache; warm-turn rate and time to first token with and without
+    bodies      agent-sized bodies (1 KB .. 3 MB), chat and Responses, against direct and the floor
+                (a bare JetStream work-queue round trip); edge memory with 200 of them waiting
 
 Everything listens on 127.0.0.1; every load is bounded in count and time; only processes started
 here are ended, by PID, also on Ctrl-C.
@@ -34,13 +36,14 @@ from typing import Any
 
 from bench.abtest import AbOptions, run_ab
 from bench.affinity import AffinityOptions, run_affinity
+from bench.bodies import BodiesOptions, run_bodies
 from bench.capacity import CapacityOptions, run_capacity
 from bench.procs import REPO, Owned, git_state, install_signal_handlers, loadavg, log, machine
 from bench.report import judge, render
 from bench.scale import ScaleOptions, run_memory, run_scale
 from bench.startup import StartupOptions, run_startup
 
-SCENARIOS = ("latency", "throughput", "relay", "capacity", "scale", "memory", "startup", "affinity")
+SCENARIOS = ("latency", "throughput", "relay", "capacity", "scale", "memory", "startup", "affinity", "bodies")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
             if a.quick:
                 af.turns = 10
             attempt("affinity", lambda: run_affinity(owned, workdir, af))
+        if "bodies" in only:
+            bo = BodiesOptions(storage=a.storage, archive=a.archive)
+            if a.quick:
+                bo.requests = 10
+            attempt("bodies", lambda: run_bodies(owned, workdir, bo))
     except KeyboardInterrupt:
         log("interrupted: stopping our processes")
         result["meta"]["interrupted"] = True

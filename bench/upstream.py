@@ -280,6 +280,42 @@ _PATHS = {
 }
 
 
+def _json_decoder() -> Callable[[bytes], dict[str, Any]]:
+    """The few fields an answer depends on; msgspec skips the rest of a multi-megabyte body unread
+    (json.loads spent ~12 ms on 3 MB, in both arms, as noise on what the bodies scenario measures)."""
+    try:
+        import msgspec
+    except ImportError:
+        return cast(Callable[[bytes], dict[str, Any]], json.loads)
+
+    class _Req(msgspec.Struct):
+        model: Any = None
+        stream: Any = None
+        max_tokens: Any = None
+        max_output_tokens: Any = None
+        stream_options: Any = None
+
+    decode = msgspec.json.Decoder(_Req).decode
+
+    def head(body: bytes) -> dict[str, Any]:
+        try:
+            r = decode(body)
+        except msgspec.DecodeError as exc:
+            raise ValueError(str(exc)) from None
+        return {
+            "model": r.model,
+            "stream": r.stream,
+            "max_tokens": r.max_tokens,
+            "max_output_tokens": r.max_output_tokens,
+            "stream_options": r.stream_options,
+        }
+
+    return head
+
+
+_decode = _json_decoder()
+
+
 class Handler(asyncio.Protocol):
     """One keep-alive connection; requests are answered in order, one at a time."""
 
@@ -400,7 +436,7 @@ class Handler(asyncio.Protocol):
 
     def _serve(self, api: str, body: bytes) -> None:
         try:
-            req = json.loads(body)
+            req = _decode(body)
             model = str(req.get("model") or "fake-model")
             stream = req.get("stream") is True
             n = req.get("max_tokens" if api == "chat" else "max_output_tokens") or self.settings.tokens
