@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench import load
+from bench import fixtures, load
 from bench.abtest import start_upstream
 from bench.procs import Owned, context_switches, cpu_split, free_port, install_signal_handlers, log
 from bench.stack import openai_pool_node, start_stack
@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--api", choices=["chat", "responses"], default="chat")
     ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--size", type=int, default=0, help="an agent-sized body of this many bytes (bench/fixtures.py)")
     ap.add_argument("-c", "--concurrency", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             owned, out, "profile", [{"alias": "bench", "pool": ["fake"]}], [openai_pool_node("n", [("fake", port, 64)])]
         )
         target = load.Target("127.0.0.1", int(stack.url.rsplit(":", 1)[1]), "/v1" + load.endpoint(a.api))
-        body = load.body_of(a.api, "bench", a.stream)
+        body = fixtures.body(a.api, "bench", a.size, a.stream) if a.size else load.body_of(a.api, "bench", a.stream)
         load.run(load.LoadSpec(target, body, concurrency=8, requests=500, max_seconds=10))
         result: dict[str, load.LoadResult] = {}
         spec = load.LoadSpec(target, body, concurrency=a.concurrency, requests=10_000_000, max_seconds=a.seconds + 2)
