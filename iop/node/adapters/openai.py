@@ -19,6 +19,7 @@ from iop.errors import BadRequest, NotFound, RequestError, UpstreamError, error_
 from iop.node.adapters.base import Send, note_upstream_status
 from iop.node.http1 import ConnectFailed, HttpError, HttpPool, HttpResponse, Timeout
 from iop.node.tokens import OpeningUsage, UsageTail, usage_of_body
+from iop.openai.passthrough import native_body
 from iop.openai.tool_names import ToolMap
 from iop.openai.translate import (
     ChatToResponsesStream,
@@ -29,7 +30,7 @@ from iop.openai.translate import (
     responses_to_chat_request,
 )
 from iop.openai.usage import usage_from_chat, usage_from_responses
-from iop.openai.usage_chunk import UsageChunkFilter, ask_for_usage
+from iop.openai.usage_chunk import UsageChunkFilter
 
 log = logging.getLogger("iop.node")
 _decode = msgspec.json.Decoder().decode
@@ -85,19 +86,12 @@ class OpenAIAdapter:
 
     async def _run(self, item: wire.WorkItem, model: str | None, send: Send) -> wire.Usage | None:
         if self.serves(item.api):
-            body = item.body
-            strip: UsageChunkFilter | None = None
             # completions streams carry their usage the same way (stream_options.include_usage).
             chat_stream = item.stream and item.api in ("chat", "completions")
-            if model is not None or chat_stream:
-                payload: dict[str, Any] = _decode(body)
-                if model is not None:
-                    payload["model"] = model
-                # A chat stream always asks for its usage (iop counts tokens); the client sees the
-                # usage chunk only if it asked for it too.
-                if chat_stream and ask_for_usage(payload):
-                    strip = UsageChunkFilter()
-                body = _encode(payload)
+            # A chat stream always asks for its usage (iop counts tokens); the client sees the
+            # usage chunk only if it asked for it too.
+            body, asked = native_body(item.body, model, chat_stream)
+            strip = UsageChunkFilter() if asked else None
             response = await self._post(item.api, body, item.request_id)
             try:
                 if item.stream:
