@@ -165,23 +165,17 @@ class LedgerSettings(_Strict):
 
 
 class ResponsesSettings(_Strict):
-    """Stored responses: what `store: true` keeps, in the JetStream KV bucket iop_responses."""
+    """Stored responses (what `store: true` keeps, in the KV bucket iop_responses); what a key holds open."""
 
     enabled: Annotated[
-        bool,
-        Meta(
-            description="Keep every response whose request has `store` true (the default), for "
-            "`previous_response_id`, `item_reference` and `GET /v1/responses/{id}`. Off: `store: true` is "
-            "accepted and nothing is kept."
-        ),
+        bool, Meta(description="Keep each response whose request has `store` true (the default); off: keep none.")
     ] = True
-    max_age: Annotated[
-        Seconds, Meta(description="Seconds a stored response is kept (default 30 days); older ones are removed.")
-    ] = 30 * 86400.0
-    max_bytes: Annotated[
-        int,
-        Meta(ge=1024 * 1024, description="Most bytes the stored responses take (default 1 GiB); the oldest go first."),
-    ] = 1024**3
+    max_age: Annotated[Seconds, Meta(description="Seconds a stored response is kept (default 30 days).")] = 2592000.0
+    max_bytes: Annotated[int, Meta(ge=1 << 20, description="Most bytes stored responses take; oldest go first.")] = (
+        1 << 30
+    )
+    max_sockets_per_key: Annotated[int, Meta(ge=1, description="WebSockets one client key holds open on an edge.")] = 64
+    max_background_per_key: Annotated[int, Meta(ge=1, description="Background responses of one key on an edge.")] = 64
 
 
 class EdgeSettings(_Strict):

@@ -168,7 +168,7 @@ class ApiEndpoint:
             finally:
                 self._finished(trace, inner.started)
 
-        background.run(edge.responses, queued["id"], work())
+        background.run(edge.responses, owner, queued["id"], work())
         await out({"type": "http.response.start", "status": 200, "headers": JSON})
         await out({"type": "http.response.body", "body": _encode_json(queued)})
 

@@ -6,11 +6,13 @@ would refuse (no key, wrong content type, unknown model), also passes through, s
 in one place and the same way as any other.
 
 - `generate: false` (Codex's warm-up at the start of a session): a completed response with no
-  output, at once, with no upstream call and no slot.
+  output, at once, with no upstream call and no slot; stored like any response (its input is
+  what a next turn's `previous_response_id` continues).
 - A request whose input ends with `compaction_trigger` (Codex's remote compaction) and
   `POST /v1/responses/compact`: the model summarises the window (iop/openai/compaction.py) through
   the endpoint, like any request (queue, capacity, ledger), and the answer holds one sealed
-  `compaction` item.
+  `compaction` item, sealed for the client key that asked. A trigger's answer is stored as a
+  conversation of its own: continuing it gives the model the summary alone.
 - `compaction` items in a request's input are opened and given to the model as the summary.
 """
 
@@ -39,6 +41,7 @@ from iop.errors import (
 from iop.openai import compaction
 from iop.openai.responses_events import ResponseEvents, new_id
 from iop.openai.usage import Usage, responses_usage, usage_from_responses
+from iop.responses.expand import Responses, Turn
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -58,8 +61,12 @@ class FrontEdge(Protocol):
     def sealer(self) -> compaction.Sealer: ...
     @property
     def bodies(self) -> ReceivingBodies: ...
+    @property
+    def responses(self) -> Responses: ...
 
     def authorize(self, scope: Scope) -> str: ...
+
+    def owner(self, scope: Scope) -> str: ...
 
 
 class Relayed(Exception):
@@ -89,16 +96,24 @@ class ResponsesFront:
         if request is None:
             await self.endpoint(scope, replay, send)
             return
+        owner = self.edge.owner(scope)
         try:
             if request.get("generate") is False:
-                await send_response(send, request, [], _NO_USAGE)
+                # Kept as its request's turn: the next one may continue it with previous_response_id.
+                turn = await self.edge.responses.expand(request, owner, self.edge.max_body_bytes)
+                await send_response(send, request, [], _NO_USAGE, self.edge.responses, owner, turn)
                 return
             if compaction.has_compaction(request):
-                request = compaction.expand(request, self.edge.sealer)
+                request = compaction.expand(request, self.edge.sealer, owner)
             if compaction.ends_with_trigger(request):
                 items = (compaction.input_items(request) or [])[:-1]
                 sealed, usage = await self.summarise(scope, replay, request, items)
-                await send_response(send, request, [compaction.compaction_item(sealed)], usage)
+                # Kept as the start of a conversation: what follows it reads the summary, not the
+                # window it replaces (nor the trigger).
+                kept = request.get("store", True) is True and self.edge.responses.store is not None
+                turn = Turn({}, [], None, kept)
+                item = compaction.compaction_item(sealed)
+                await send_response(send, request, [item], usage, self.edge.responses, owner, turn)
                 return
             await call_endpoint(self.endpoint, scope, replay, _encode(request), send)
         except Relayed as answer:
@@ -144,7 +159,9 @@ class ResponsesFront:
         if not text:
             raise UpstreamError("the model answered the compaction request with no summary", code="empty_summary")
         usage = response.get("usage") if isinstance(response, dict) else None
-        return self.edge.sealer.seal(text), usage_from_responses(usage) if isinstance(usage, dict) else _NO_USAGE
+        return self.edge.sealer.seal(text, self.edge.owner(scope)), usage_from_responses(usage) if isinstance(
+            usage, dict
+        ) else _NO_USAGE
 
 
 class CompactEndpoint:
@@ -175,7 +192,7 @@ class CompactEndpoint:
                     f"model '{request['model']}' does not exist; GET /v1/models lists the models", param="model"
                 )
             original = _window(request)
-            expanded = compaction.expand({**request, "input": original}, edge.sealer)["input"]
+            expanded = compaction.opened(original, edge.sealer, edge.owner(scope))
             sealed, usage = await self.front.summarise(scope, replaying([], receive), request, expanded)
             answer = {
                 "id": new_id("resp_"),
@@ -208,10 +225,22 @@ def _window(request: dict[str, Any]) -> list[Any]:
     return items
 
 
-async def send_response(send: Send, request: dict[str, Any], items: list[dict[str, Any]], usage: Usage) -> None:
-    """A whole response the edge made itself, streamed or not as the request asked."""
+async def send_response(
+    send: Send,
+    request: dict[str, Any],
+    items: list[dict[str, Any]],
+    usage: Usage,
+    responses: Responses,
+    owner: str,
+    turn: Turn,
+) -> None:
+    """A whole response the edge made itself, streamed or not as the request asked, and kept as
+    `turn` (when it is to be kept) before the client hears of it."""
     events = ResponseEvents(request, str(request.get("model")))
+    previous = request.get("previous_response_id")
+    events.response.update(store=turn.store, previous_response_id=previous if isinstance(previous, str) else None)
     stream = events.finish_items(items, usage)
+    await responses.keep(owner, turn, events.response)
     if request.get("stream") is True:
         await send({"type": "http.response.start", "status": 200, "headers": _SSE})
         await send({"type": "http.response.body", "body": stream})

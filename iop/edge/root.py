@@ -38,6 +38,7 @@ from iop.edge.summary import SummaryCache
 from iop.edge.ui import StatusFeed
 from iop.nats import connection, streams
 from iop.openai.compaction import Sealer
+from iop.responses.caps import ResponseCaps
 from iop.responses.expand import Responses
 from iop.responses.store import ResponseStore, owner_of
 
@@ -118,7 +119,10 @@ class Edge:
         self.metrics = Metrics(self.scheduler, self.registry, self.ledger, nc, self.started_at)
         self.observer = Observer(self.edge_id, self.metrics, self.ledger)
         self.qualify = QualifyDesk(self)
-        self.responses = Responses(None)
+        self.sealer = sealer if sealer is not None else Sealer.random()
+        """Seals iop's compaction items; `run_edge` derives it from the deployment's secret (docs/security.md)."""
+        self.responses = Responses(None, ResponseCaps(lambda: self.current.deployment.edge.responses), self.sealer)
+        self.metrics.registry.register(self.responses.caps)
         """Stored responses (iop/responses); its store opens at start when `edge.responses` is on."""
         self.status_sources = StatusSources(
             edge_id=self.edge_id,
@@ -136,8 +140,6 @@ class Edge:
         """`/status/events`: the live status the `/ui` page reads."""
         self.summary = SummaryCache(self.status_sources)
         """`/status?view=summary`: built at most once per 0.25 s, whatever the number of readers."""
-        self.sealer = sealer if sealer is not None else Sealer.random()
-        """Seals iop's compaction items; `run_edge` derives it from the deployment's secret (docs/security.md)."""
         self.burst_trim = BurstTrim(self.waiting_requests, self.scheduler.changed)
         self.bodies = ReceivingBodies(self.scheduler)
         """Request bodies being received, bounded with the waiting ones by edge.queue.max_waiting_mb."""

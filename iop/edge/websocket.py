@@ -12,8 +12,9 @@ The socket keeps its last response's input and output, so the next turn may send
 when it closes. An id the socket did not make goes on to the endpoint as it is (the store, where
 there is one, answers it). A client that closes the socket cancels the running response.
 
-Refusals before the handshake (a wrong key, a path without WebSocket mode) are HTTP answers of
-the usual shape; a refused event after it is an `error` event, and the socket stays open.
+Refusals before the handshake (a wrong key, a path without WebSocket mode, a key that holds
+`edge.responses.max_sockets_per_key` sockets already: 429) are HTTP answers of the usual shape;
+a refused event after it is an `error` event, and the socket stays open.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from iop.errors import (
     error_response,
 )
 from iop.openai.sse import SseDecoder
+from iop.responses.expand import Responses
 
 MAX_WAITING = 16
 """`response.create` events a socket may send ahead of the one running (more closes it: 1008)."""
@@ -56,7 +58,12 @@ class SocketEdge(Protocol):
     @property
     def bodies(self) -> ReceivingBodies: ...
 
+    @property
+    def responses(self) -> Responses: ...
+
     def authorize(self, scope: Scope) -> str: ...
+
+    def owner(self, scope: Scope) -> str: ...
 
 
 class Sockets:
@@ -127,13 +134,16 @@ class ResponsesSocket:
         connect = await self._receive()
         if connect["type"] != "websocket.connect":
             return
+        sockets = self.edge.responses.caps.sockets
         try:
             self.edge.authorize(self.scope)
+            owner = self.edge.owner(self.scope)
+            sockets.take(owner)  # 429 past edge.responses.max_sockets_per_key
         except RequestError as exc:
             await refuse(self.send, exc)
             return
-        await self.send({"type": "websocket.accept"})
         try:
+            await self.send({"type": "websocket.accept"})
             while not self.closed:
                 message = self._next_waiting() if self.waiting else await self._receive()
                 if message["type"] == "websocket.disconnect":
@@ -141,6 +151,7 @@ class ResponsesSocket:
                 if message["type"] == "websocket.receive":
                     await self.turn(message)
         finally:
+            sockets.give(owner)
             self.edge.bodies.give(self.held)
             self.held = 0
 
@@ -232,8 +243,12 @@ class ResponsesSocket:
         if not isinstance(response, dict) or not isinstance(response.get("id"), str):
             return
         self.made.add(response["id"])
-        if response.get("status") in ("completed", "incomplete"):
-            self.last = _Last(response["id"], [*_items(request.get("input")), *(response.get("output") or [])])
+        output = response.get("output") or []
+        if output and all(isinstance(i, dict) and i.get("type") == "compaction" for i in output):
+            # A compaction answer replaces the window (and its trigger): what follows reads the summary.
+            self.last = _Last(response["id"], list(output))
+        elif response.get("status") in ("completed", "incomplete"):
+            self.last = _Last(response["id"], [*_items(request.get("input")), *output])
         else:
             self.last = None
 

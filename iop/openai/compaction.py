@@ -4,9 +4,11 @@ A client compacts in one of two ways: `POST /v1/responses/compact`, or (Codex's 
 an ordinary request whose input ends with a `{"type": "compaction_trigger"}` item. Either way the
 model summarises the window with a fixed prompt and no tools, and the summary comes back in one
 `compaction` item whose `encrypted_content` is the summary sealed by the edges (HMAC-SHA256 with a
-key only they hold). When that item comes back as input, the edge opens it and the model reads the
-summary as a user message; an item iop did not seal is refused, so no client can pass text off as
-a summary of a conversation it did not have.
+key only they hold, over the summary and the id of the client key that asked). When that item
+comes back as input, the edge opens it and the model reads the summary as a user message; an item
+iop did not seal, or sealed for another client key, is refused (400 `invalid_encrypted_content`, as
+OpenAI refuses another organisation's encrypted items), so no client can pass text off as a
+summary of a conversation it did not have, nor replay another key's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ COMPACTION_PROMPT = (
     "and what is left to do next. Write only the summary, as plain text."
 )
 SUMMARY_PREFIX = "Summary of the conversation before this point (written when its context was compacted):\n\n"
-_SEAL_VERSION = "iop1"
+_SEAL_VERSION = "iop2"
+"""Items sealed by edges before seals named their key (`iop1`) are refused like any other."""
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 
@@ -54,15 +57,16 @@ class Sealer:
         """A sealer of this process only: its items do not survive a restart or reach another edge."""
         return cls(secrets.token_bytes(32))
 
-    def seal(self, summary: str) -> str:
+    def seal(self, summary: str, owner: str) -> str:
+        """`summary` sealed for the client key whose owner id is `owner` (iop/responses/store.py)."""
         payload = _b64(_encode({"summary": summary}))
-        return f"{_SEAL_VERSION}.{payload}.{self._mac(payload)}"
+        return f"{_SEAL_VERSION}.{payload}.{self._mac(payload, owner)}"
 
-    def open(self, token: str) -> str | None:
-        """The summary in `token`, or None when iop's edges did not seal it."""
+    def open(self, token: str, owner: str) -> str | None:
+        """The summary in `token`, or None when iop's edges did not seal it for `owner`."""
         version, _, rest = token.partition(".")
         payload, _, mac = rest.partition(".")
-        if version != _SEAL_VERSION or not hmac.compare_digest(mac, self._mac(payload)):
+        if version != _SEAL_VERSION or not hmac.compare_digest(mac, self._mac(payload, owner)):
             return None
         try:
             value = _decode(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
@@ -71,8 +75,9 @@ class Sealer:
         summary = value.get("summary") if isinstance(value, dict) else None
         return summary if isinstance(summary, str) else None
 
-    def _mac(self, payload: str) -> str:
-        return _b64(hmac.new(self._key, _SEAL_VERSION.encode() + b"." + payload.encode(), hashlib.sha256).digest())
+    def _mac(self, payload: str, owner: str) -> str:
+        signed = f"{_SEAL_VERSION}.{owner}.{payload}".encode()  # an owner id has no '.'
+        return _b64(hmac.new(self._key, signed, hashlib.sha256).digest())
 
 
 def _b64(data: bytes) -> str:
@@ -100,25 +105,30 @@ def has_compaction(request: Mapping[str, Any]) -> bool:
     return any(isinstance(item, Mapping) and item.get("type") == "compaction" for item in items)
 
 
-def expand(request: dict[str, Any], sealer: Sealer) -> dict[str, Any]:
+def expand(request: dict[str, Any], sealer: Sealer, owner: str) -> dict[str, Any]:
     """The request with every `compaction` input item replaced by the summary it holds.
 
-    An item iop did not seal (another service's, or made up) is a 400 naming it: dropping it
-    would silently lose the conversation it stands for.
+    An item iop did not seal for `owner` (another service's, another key's, or made up) is a 400
+    naming it: dropping it would silently lose the conversation it stands for.
     """
     items = input_items(request)
     if items is None:
         return request
+    return {**request, "input": opened(items, sealer, owner)}
+
+
+def opened(items: list[Any], sealer: Sealer, owner: str, where: str = "input") -> list[Any]:
+    """`items` with each `compaction` item replaced by the summary it holds (see `expand`)."""
     out: list[Any] = []
     for i, item in enumerate(items):
         if isinstance(item, Mapping) and item.get("type") == "compaction":
             token = item.get("encrypted_content")
-            summary = sealer.open(token) if isinstance(token, str) else None
+            summary = sealer.open(token, owner) if isinstance(token, str) else None
             if summary is None:
                 raise BadRequest(
-                    "this compaction item was not made by iop (or was altered): iop reads only the "
-                    "compaction items its own edges made",
-                    param=f"input[{i}].encrypted_content",
+                    "this compaction item was not made by iop for this API key (or was altered): iop "
+                    "reads only the compaction items its own edges made for the key that sends them",
+                    param=f"{where}[{i}].encrypted_content",
                     code="invalid_encrypted_content",
                 )
             item = {
@@ -127,7 +137,7 @@ def expand(request: dict[str, Any], sealer: Sealer) -> dict[str, Any]:
                 "content": [{"type": "input_text", "text": SUMMARY_PREFIX + summary}],
             }
         out.append(item)
-    return {**request, "input": out}
+    return out
 
 
 def summary_request(request: Mapping[str, Any], items: list[Any]) -> dict[str, Any]:

@@ -35,15 +35,25 @@ async def queue(responses: Responses, owner: str, turn: Turn, request: Mapping[s
     queued.update(status="queued", background=True, store=True, previous_response_id=turn.previous)
     turn.response_id = queued["id"]
     assert responses.store is not None  # expand refuses background without a store
-    await responses.store.keep(owner, Stored(queued, list(turn.items), turn.previous, turn.chain), [])
+    responses.caps.background.take(owner)  # 429 when the key runs its bound already; given back by `run`
+    try:
+        await responses.store.keep(owner, Stored(queued, list(turn.items), turn.previous, turn.chain), [])
+    except BaseException:
+        responses.caps.background.give(owner)
+        raise
     return queued
 
 
-def run(responses: Responses, response_id: str, work: Coroutine[Any, Any, None]) -> None:
-    """Run `work` as the background response `response_id` (this edge can then cancel it)."""
+def run(responses: Responses, owner: str, response_id: str, work: Coroutine[Any, Any, None]) -> None:
+    """Run `work` as `owner`'s background response `response_id` (this edge can then cancel it)."""
     task = asyncio.create_task(work)
     responses.running[response_id] = task
-    task.add_done_callback(lambda _: responses.running.pop(response_id, None))
+
+    def done(_: object) -> None:
+        responses.running.pop(response_id, None)
+        responses.caps.background.give(owner)
+
+    task.add_done_callback(done)
 
 
 async def failed(responses: Responses, owner: str, turn: Turn, queued: dict[str, Any], exc: RequestError) -> None:

@@ -16,7 +16,10 @@ from typing import Any
 
 import msgspec
 
+from iop import config
 from iop.errors import BadRequest, NotFound
+from iop.openai import compaction
+from iop.responses.caps import ResponseCaps
 from iop.responses.store import ResponseStore, Stored
 
 log = logging.getLogger("iop.responses")
@@ -66,8 +69,14 @@ class Turn:
 class Responses:
     """The edge's stored-response state; `store` None when the deployment keeps none."""
 
-    def __init__(self, store: ResponseStore | None) -> None:
+    def __init__(
+        self, store: ResponseStore | None, caps: ResponseCaps | None = None, sealer: compaction.Sealer | None = None
+    ) -> None:
         self.store = store
+        self.caps = caps if caps is not None else ResponseCaps(config.ResponsesSettings)
+        """What each client key holds open on this edge (iop/responses/caps.py)."""
+        self.sealer = sealer if sealer is not None else compaction.Sealer.random()
+        """Opens the compaction items a stored conversation holds (a compaction answer's output)."""
         self.running: dict[str, asyncio.Task[None]] = {}
         """Background responses this edge is running, by id (iop/responses/background.py)."""
         self.stopping = False
@@ -110,6 +119,9 @@ class Responses:
         referenced = {str(item.get("id")) for item, ref in items if ref}
         turn_items = [item for item, _ in items]
         history, chain = await self._history(previous, owner, max_bytes) if previous else ([], [])
+        if any(isinstance(i, Mapping) and i.get("type") == "compaction" for i in history):
+            # A stored compaction answer: the model reads the summary its item holds.
+            history = compaction.opened(history, self.sealer, owner, "previous_response_id")
         out["input"] = history + turn_items
         size = len(_encode(out["input"])) if history else 0
         if max_bytes is not None and size > max_bytes:
