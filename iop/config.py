@@ -10,7 +10,7 @@ import msgspec
 import msgspec.inspect
 from msgspec import Meta
 
-from iop import crosscheck, validate, yamldoc
+from iop import crosscheck, tenancy, validate, yamldoc
 from iop.errors import ConfigError
 
 Id = Annotated[str, Meta(min_length=1, pattern=validate.ID_PATTERN, extra={"format": "id"})]
@@ -227,6 +227,8 @@ class EdgeSettings(_Strict):
     metrics_public: Annotated[
         bool, Meta(description="Serve /metrics without a client key (for a Prometheus that holds none).")
     ] = False
+    tenants: tenancy.TenantsField = msgspec.field(default_factory=dict)
+    tenant_defaults: tenancy.DefaultsField = msgspec.field(default_factory=tenancy.TenantPolicy)
 
 
 class ModelAlias(_Strict):
@@ -433,9 +435,6 @@ class Loaded:
     deployment: Deployment
     warnings: list[str]
     path: Path | None = None
-
-
-# --- validation ---------------------------------------------------------------------------------
 
 
 _CHECKER = validate.Checker(validate.FORMATS)

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from iop import tenancy
 from iop.validate import FORMATS, is_loopback, suggest
 from iop.yamldoc import Path, Problem, render
 
@@ -106,6 +107,9 @@ class CrossCheck:
             elif alias is not None:
                 aliases[alias] = ("models", i)
             self.model(("models", i), model)
+        if isinstance(edge, dict):
+            pools = {a for a in aliases if isinstance(data["models"][aliases[a][1]].get("pool"), list)}
+            self.problems.extend(tenancy.cross_check(edge, pools))
         for provider_id, seen in self.providers.items():
             if provider_id not in self.used and seen.adapter_type is not None:
                 how = "alias routes to it" if seen.adapter_type == self.defaults.cli_type else "pool lists it"

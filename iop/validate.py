@@ -82,6 +82,13 @@ class Checker:
                 out.append(Problem(path, need))
             for i, item in enumerate(value):
                 self._check(item, t.item_type, (*path, i), out)
+        elif isinstance(t, mi.DictType):
+            if not isinstance(value, dict):
+                out.append(Problem(path, f"expected a mapping, got {_got(value)}"))
+                return
+            for key, item in value.items():
+                self._check(key, t.key_type, (*path, str(key)), out)
+                self._check(item, t.value_type, (*path, str(key)), out)
         elif isinstance(t, mi.StrType):
             self._str(value, t, path, out, fmt)
         elif isinstance(t, mi.IntType | mi.FloatType):

@@ -196,7 +196,7 @@ def test_config_unknown_field_without_a_near_name_lists_the_known_ones() -> None
     data["edge"]["frobnicate"] = 1
     assert only_problem(data) == (
         "edge.frobnicate: unknown field; known fields: listen, nats, queue, http, api_keys_env, admin_keys_env, "
-        "allow_anonymous, allowed_hosts, max_body_mb, ledger, responses, metrics_public"
+        "allow_anonymous, allowed_hosts, max_body_mb, ledger, responses, metrics_public, tenants, tenant_defaults"
     )
 
 

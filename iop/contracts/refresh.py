@@ -139,6 +139,16 @@ def diff(old: config.Deployment, new: config.Deployment) -> list[Change]:
     if old.edge.queue != new.edge.queue:
         before, after = _enc(old.edge.queue), _enc(new.edge.queue)
         changes.append(Change(kind="queue", target="edge.queue", before=before, after=after))
+    if old.edge.tenants != new.edge.tenants or old.edge.tenant_defaults != new.edge.tenant_defaults:
+        for name in sorted(old.edge.tenants.keys() | new.edge.tenants.keys()):
+            a_pol, b_pol = old.edge.tenants.get(name), new.edge.tenants.get(name)
+            if a_pol != b_pol:
+                before = _enc(a_pol) if a_pol is not None else "defaults"
+                after = _enc(b_pol) if b_pol is not None else "defaults"
+                changes.append(Change(kind="tenant", target=f"edge.tenants.{name}", before=before, after=after))
+        if old.edge.tenant_defaults != new.edge.tenant_defaults:
+            before, after = _enc(old.edge.tenant_defaults), _enc(new.edge.tenant_defaults)
+            changes.append(Change(kind="tenant", target="edge.tenant_defaults", before=before, after=after))
     restart = ("listen", "nats", "api_keys_env", "admin_keys_env", "allow_anonymous", "allowed_hosts", "ledger")
     for name in (*restart, "responses", "metrics_public"):
         a_val, b_val = getattr(old.edge, name), getattr(new.edge, name)

@@ -36,6 +36,7 @@ from iop.edge.keys import EdgeKeys
 from iop.edge.observe import REQUEST_ID, Observer, Trace, new_request_id
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
+from iop.edge.tenants import Tenants
 from iop.errors import BadRequest, ErrorResponse, MethodNotAllowed, NotFound, RequestError, error_response
 from iop.responses import background
 from iop.responses.expand import Responses, Turn
@@ -68,6 +69,8 @@ class Serving(Protocol):
     def keys(self) -> EdgeKeys: ...
     @property
     def responses(self) -> Responses: ...
+    @property
+    def tenants(self) -> Tenants: ...
 
     def authorize(self, scope: Scope) -> str:
         """The client key's name ("" without keys); raises Unauthorized."""
@@ -101,6 +104,7 @@ class ApiEndpoint:
                 self.edge.keys.admin(scope)
             else:
                 trace.key = self.edge.authorize(scope)
+                trace.tenant = self.edge.tenants.tenant_of_key(trace.key)
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{scope['method']} {scope['path']}: use POST", headers={"Allow": "POST"})
             check_content_type(scope)
@@ -148,7 +152,7 @@ class ApiEndpoint:
             raise NotFound(f"model '{model}' does not exist; GET /v1/models lists the models", param="model")
         queued = await background.queue(edge.responses, owner, turn, turn.request, model)
         trace = Trace(new_request_id(), self.api)
-        trace.key = out.trace.key
+        trace.key, trace.tenant = out.trace.key, out.trace.tenant
         keeper = KeepingSend(_discard, edge.responses, owner, turn, False)
         inner = TrackedSend(keeper, trace)
         never = asyncio.Event()
@@ -216,6 +220,10 @@ class ApiEndpoint:
             provider = scope["path_params"]["provider"]
             return PoolDispatch(edge.scheduler, edge.relay, self._alias_of(provider), deadline, trace, pin=provider)
         model, catalog = head.model, edge.catalog
+        tenant = edge.tenants.get(trace.tenant)
+        if not tenant.policy.allows(model):
+            # As OpenAI answers a model a key may not use: it does not exist for this key.
+            raise NotFound(f"model '{model}' does not exist; GET /v1/models lists the models", param="model")
         if model in catalog.pools:
             trace.alias = model
             endpoints.check(catalog, model, self.api)
@@ -231,6 +239,7 @@ class ApiEndpoint:
                 session=head.cache_key or session_header(scope) or head.user,
                 affinity_wait_s=catalog.affinity_wait_s.get(model, 0.0),
                 size=len(body),
+                tenant=tenant,
             )
         if model in catalog.routes:
             trace.alias = model

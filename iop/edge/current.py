@@ -8,6 +8,7 @@ deployment or the new one, never a mix, and nobody holds a stale copy.
 from __future__ import annotations
 
 from iop import config
+from iop.edge.tenants import Tenants
 
 
 class CurrentDeployment:
@@ -18,6 +19,7 @@ class CurrentDeployment:
         self.catalog = config.Catalog.of(deployment)
         self.queue_timeout_s = deployment.edge.queue.timeout_s
         self.max_body_bytes = int(deployment.edge.max_body_mb * 1024 * 1024)
+        self.tenants = Tenants(deployment.edge)
 
     def replace(self, new: config.Deployment, catalog: config.Catalog | None = None) -> None:
         """Serve `new` from now on (`catalog` when the caller has built it already)."""
@@ -25,6 +27,7 @@ class CurrentDeployment:
         self.catalog = catalog if catalog is not None else config.Catalog.of(new)
         self.queue_timeout_s = new.edge.queue.timeout_s
         self.max_body_bytes = int(new.edge.max_body_mb * 1024 * 1024)
+        self.tenants = Tenants(new.edge)
 
     def capacities(self) -> dict[str, int]:
         """Provider id → capacity of every pool provider (the ones with a work-queue consumer)."""

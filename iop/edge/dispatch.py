@@ -34,12 +34,16 @@ from iop.edge.observe import Trace
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
 from iop.edge.slots import PinnedQueue, PoolQueue, ProviderSlots
+from iop.edge.tenants import UNLIMITED, Tenant
 from iop.errors import RequestError, Unavailable
 
 log = logging.getLogger("iop.edge")
 
 MAX_RETRIES = 2
 """Other providers a pool request may fail over to after its first one failed before answering."""
+
+
+_NO_TENANT = Tenant("", UNLIMITED)
 
 
 class Attempt:
@@ -165,6 +169,7 @@ class PoolDispatch(_Dispatch):
         session: str | None = None,
         affinity_wait_s: float = 0.0,
         pin: str | None = None,
+        tenant: Tenant | None = None,
     ) -> None:
         super().__init__(relay, alias, record, deadline)
         record.route = "pool"
@@ -178,6 +183,8 @@ class PoolDispatch(_Dispatch):
         self.session = session or ""
         """The request's session key (prefix-cache affinity); "" without one."""
         self.affinity_wait_s = affinity_wait_s
+        self.tenant = tenant
+        """Whose request this is: the scheduler's fair queueing reads its name, priority and weight."""
         self.prefer: str | None = None
         self.tried: frozenset[str] = frozenset()
         self.last: RequestError | None = None
@@ -193,8 +200,18 @@ class PoolDispatch(_Dispatch):
             pinned = next(q for q in slot.pools if isinstance(q, PinnedQueue))
             return self._attempt(slot, pinned)
         try:
+            tenant = self.tenant or _NO_TENANT
             slot = await sched.acquire(
-                self.alias, self.deadline, self.tried, self.size, prefer=self.prefer, prefer_wait_s=self.affinity_wait_s
+                self.alias,
+                self.deadline,
+                self.tried,
+                self.size,
+                prefer=self.prefer,
+                prefer_wait_s=self.affinity_wait_s,
+                tenant=tenant.name,
+                priority=tenant.priority,
+                weight=tenant.weight,
+                max_concurrent=tenant.policy.max_concurrent_on(self.alias),
             )
         except Unavailable as unusable:
             if self.last is not None and unusable.code == "pool_unavailable":

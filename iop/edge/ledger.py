@@ -123,6 +123,8 @@ class RequestRecord(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     """From the node's start until it sent the first answer byte: the gateway's own share is ttfb_ms minus this."""
     affinity: bool = False
     """Routed by prefix-cache affinity: the provider its session (session key) used last."""
+    tenant: str = ""
+    """The tenant of the client key (iop/edge/tenants.py): its name, "" without client keys."""
 
 
 encode_batch = msgspec.msgpack.Encoder().encode

@@ -58,6 +58,7 @@ class Trace:
         "start",
         "status",
         "stream",
+        "tenant",
     )
 
     def __init__(self, request_id: str, api: wire.Api | None) -> None:
@@ -68,6 +69,7 @@ class Trace:
         self.alias = ""
         self.stream = False
         self.key = ""
+        self.tenant = ""
         self.model = ""
         self.bytes_in = 0
         self.bytes_out = 0
@@ -129,6 +131,7 @@ class Trace:
             run_ms=(out.run_ms or None) if out is not None else None,
             node_ttfb_ms=(out.ttfb_ms or None) if out is not None else None,
             affinity=self.affinity,
+            tenant=self.tenant,
         )
 
 

@@ -35,6 +35,7 @@ from iop.edge.scheduler import Scheduler
 from iop.edge.status import StatusSources
 from iop.edge.storage import WorkStream
 from iop.edge.summary import SummaryCache
+from iop.edge.tenants import Tenants
 from iop.edge.ui import StatusFeed
 from iop.nats import connection, streams
 from iop.openai.compaction import Sealer
@@ -164,6 +165,10 @@ class Edge:
     @property
     def max_body_bytes(self) -> int:
         return self.current.max_body_bytes
+
+    @property
+    def tenants(self) -> Tenants:
+        return self.current.tenants
 
     def authorize(self, scope: Scope) -> str:
         """Check the client key; returns its name for the ledger ("" when the edge has no keys)."""

@@ -16,6 +16,7 @@ from time import monotonic
 from iop.edge.affinity import Sessions
 from iop.edge.slots import PinnedQueue, PoolQueue, ProviderSlots, Waiter
 from iop.errors import QueueFull, Unavailable
+from iop.tenancy import Priority
 
 CONNECT_GRACE_S = 2.5
 """How long a request waits for a provider of its pool to connect before 503 (edge or node start)."""
@@ -68,8 +69,16 @@ class Scheduler:
         *,
         prefer: str | None = None,
         prefer_wait_s: float = 0.0,
+        tenant: str = "",
+        priority: Priority = "standard",
+        weight: float = 1.0,
+        max_concurrent: int | None = None,
     ) -> ProviderSlots:
         """A slot of a provider of `alias` (none of `exclude`); `deadline` is on the loop's clock.
+
+        `tenant`, `priority`, `weight` and `max_concurrent` (the tenant's in-flight bound on this
+        pool, None: none) are the request's tenant and its policy (iop/edge/tenants.py), for fair
+        queueing between tenants.
 
         `prefer` (prefix-cache affinity) is taken over the others whenever it has a free slot when
         this request's turn comes; with `prefer_wait_s` the request waits up to that long for it
