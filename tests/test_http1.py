@@ -145,6 +145,22 @@ async def test_http1_content_length_body_and_request_headers() -> None:
     ]
 
 
+async def test_http1_large_body_arrives_whole_behind_its_head_on_a_kept_connection() -> None:
+    # Bodies past JOIN_BELOW are written beside the head, not copied behind it: same bytes on the wire.
+    big = b'{"x":"' + bytes(range(48, 112)) * (3 * http1.JOIN_BELOW // 64) + b'"}'
+    async with raw_server(answering(OK)) as srv:
+        pool = HttpPool(srv.url)
+        try:
+            assert await fetch(pool, big) == (200, b"ok")
+            assert await fetch(pool, b"{}") == (200, b"ok")
+        finally:
+            await pool.close()
+    assert srv.connections == 1
+    head, _, body = srv.requests[0].partition(b"\r\n\r\n")
+    assert body == big and f"content-length: {len(big)}".encode() in head
+    assert srv.requests[1].endswith(b"content-length: 2\r\n\r\n{}")
+
+
 async def test_http1_chunked_body_with_extensions_and_trailers_keeps_the_connection() -> None:
     chunked = (
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -565,7 +581,7 @@ async def test_http1_parser_gives_the_same_answer_however_bytes_are_split(
     for size in (len(raw), 1, 2, 7):
         conn = http1._Conn(asyncio.get_running_loop(), 5.0)
         conn.connection_made(_FakeTransport())
-        conn.send(b"POST / HTTP/1.1\r\n\r\n")
+        conn.send([b"POST / HTTP/1.1\r\n\r\n"])
         for i in range(0, len(raw), size):
             conn.data_received(raw[i : i + size])
         assert conn.state == http1._DONE and conn.keep_alive and conn.exc is None
@@ -577,7 +593,7 @@ def fed(raw: bytes, size: int) -> http1._Conn:
     """A connection that sent a request and received `raw` in reads of `size` bytes."""
     conn = http1._Conn(asyncio.get_running_loop(), 5.0)
     conn.connection_made(_FakeTransport())
-    conn.send(b"POST / HTTP/1.1\r\n\r\n")
+    conn.send([b"POST / HTTP/1.1\r\n\r\n"])
     for i in range(0, len(raw), size):
         conn.data_received(raw[i : i + size])
     return conn
@@ -625,7 +641,7 @@ async def test_http1_head_and_framing_held_are_bounded_however_slowly_they_come(
     conn = http1._Conn(asyncio.get_running_loop(), 5.0)
     transport = _AbortableTransport()
     conn.connection_made(transport)
-    conn.send(b"POST / HTTP/1.1\r\n\r\n")
+    conn.send([b"POST / HTTP/1.1\r\n\r\n"])
     for i in range(0, len(raw), 1000):
         conn.data_received(raw[i : i + 1000])
         if conn.exc is not None:
