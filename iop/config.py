@@ -12,6 +12,7 @@ from msgspec import Meta
 
 from iop import crosscheck, tenancy, validate, yamldoc
 from iop.errors import ConfigError
+from iop.serverconf import ServerSettings
 
 Id = Annotated[str, Meta(min_length=1, pattern=validate.ID_PATTERN, extra={"format": "id"})]
 Alias = Annotated[str, Meta(min_length=1, pattern=r"^\S+$", extra={"format": "alias"})]
@@ -316,6 +317,10 @@ class OpenAIAdapter(_Strict, tag="openai", tag_field="type"):
             "assistant's reasoning_content (for chat templates that interleave thinking with tool calls)."
         ),
     ] = False
+    server: Annotated[
+        ServerSettings | None,
+        Meta(description="The model server this node starts on demand, stops when idle and swaps in a group."),
+    ] = None
 
 
 class MockAdapter(_Strict, tag="mock", tag_field="type"):

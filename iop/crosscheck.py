@@ -195,11 +195,40 @@ class CrossCheck:
                 adapters[adapter_id] = kind if isinstance(kind, str) and kind in self.defaults.adapter_types else None
         for k, provider in _entries(node, "providers"):
             self.provider((*at, "providers", k), provider, name, adapters)
+        self.servers(at, node)
         if node.get("concurrency") is not None:
             self.warnings.append(Problem((*at, "concurrency"), _LEGACY))
         runtime = node.get("runtime")
         if isinstance(runtime, dict) and runtime.get("concurrency") is not None:
             self.warnings.append(Problem((*at, "runtime", "concurrency"), _LEGACY))
+
+    def servers(self, at: Path, node: dict[Any, Any]) -> None:
+        """Each managed server says how it is ready; a group has one size, whichever member says it."""
+        sizes: dict[str, tuple[object, Path]] = {}
+        for j, adapter in _entries(node, "adapters"):
+            server = adapter.get("server")
+            if not isinstance(server, dict):
+                continue
+            where = (*at, "adapters", j, "server")
+            url, line = server.get("ready_url") is not None, server.get("ready_log") is not None
+            if url and line:
+                self.bad((*where, "ready_log"), "use ready_url or ready_log, not both")
+            elif not (url or line):
+                self.bad(
+                    where,
+                    "needs ready_url (a URL answering 200 once the model is loaded) or ready_log "
+                    "(a regular expression matching the server's ready line)",
+                )
+            group = _text(server, "group")
+            if group is None:
+                continue
+            size = server.get("group_size", 1)
+            first = sizes.setdefault(group, (size, (*where, "group_size")))
+            if first[0] != size:
+                self.bad(
+                    (*where, "group_size"),
+                    f"group {group!r} has group_size {first[0]!r} at {render(first[1])}; one group, one size",
+                )
 
     def provider(self, at: Path, provider: dict[Any, Any], node: str, adapters: dict[str, str | None]) -> None:
         ref = provider.get("adapter")

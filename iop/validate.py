@@ -279,6 +279,14 @@ def _env_problem(value: str) -> str | None:
     return f"{value!r} is not an environment variable name (letters, digits, '_'; not starting with a digit)"
 
 
+def _regex_problem(value: str) -> str | None:
+    try:
+        re.compile(value)
+    except re.error as exc:
+        return f"{value!r} is not a regular expression: {exc}"
+    return None
+
+
 FORMATS: dict[str, Format] = {
     "id": _id_problem,
     "alias": _alias_problem,
@@ -286,6 +294,7 @@ FORMATS: dict[str, Format] = {
     "nats_url": _nats_url_problem,
     "http_url": _http_url_problem,
     "env": _env_problem,
+    "regex": _regex_problem,
 }
 
 

@@ -182,6 +182,8 @@ class Started(msgspec.Struct, tag="s", array_like=True):
     held_ms: float = 0.0
     """How long the node held this message back to send it with the answer's first bytes (see
     `Replies`): the node began that much earlier than the edge hears of it."""
+    cold_start_ms: float = 0.0
+    """How long the node waited for its model server to start before running the item (0: it was ready)."""
 
 
 class Chunk(msgspec.Struct, tag="c", array_like=True):
@@ -355,6 +357,26 @@ class ProviderLive(msgspec.Struct, kw_only=True, omit_defaults=True):
     others hold, so it dispatches to a provider with a slot free whichever edge holds the rest."""
     refused: str = ""
     """Not served: the node's own policy refused it (`command not allowed`, ...)."""
+    server: ServerLive | None = None
+    """The model server the node runs for it (an adapter's `server:` block), else None."""
+
+
+class ServerLive(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A model server a node runs itself (iop/node/servers.py): its state since when, and its counts."""
+
+    state: Literal["stopped", "starting", "ready", "draining", "failed"] = "stopped"
+    since: float = 0.0
+    """Wall clock of the last change of state."""
+    pid: int = 0
+    group: str = ""
+    """Its exclusive group on the node ("" for none)."""
+    cold_starts: int = 0
+    swaps: int = 0
+    """Starts that stopped another server of the group first."""
+    crashes: int = 0
+    """Deaths and failed starts."""
+    last_cold_start_ms: float = 0.0
+    """From the start of its process to ready, the last time."""
 
 
 class Accelerator(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -16,11 +16,15 @@ from iop.errors import Unavailable, failure_of
 from iop.node import replay
 from iop.node.resource import Resource
 from iop.node.running import RunningRequests
+from iop.node.servers import ManagedServer
 
 log = logging.getLogger("iop.node")
 
 FETCH_TIMEOUT_S = 1.0
 """How long one pull request waits; bounds how fast an idle worker notices the node stopping."""
+SERVER_WAIT_CHECK_S = 1.0
+"""While a model server starts, how often its waiting items look at their deadline and cancels (and
+keep their message with a progress ack, well within `wire.ACK_WAIT_S`)."""
 LEASE_CHECK_S = 5.0
 """How long a fetched message waits for an edge to confirm this instance before it is handed back."""
 
@@ -119,14 +123,67 @@ async def _take(running: RunningRequests, r: Resource, msg: Msg) -> None:
         log.info("provider %s: redelivered request %s dropped (its edge does not want it again)", r.cfg.id, item.id)
         await msg.term()
         return
-    if time.time() > item.deadline:
+    server = r.server
+    cold_ms = 0.0
+    if server is not None:
+        waited = await _wait_for_server(running, server, item, msg)
+        if waited is None:
+            await _not_run(running, r, item, msg)
+            return
+        cold_ms = round(waited * 1000, 3)
+    try:
+        if time.time() > item.deadline:
+            await msg.term()
+            late = Unavailable("waited past its deadline", code="queue_timeout")
+            await running.publish(item, failure_of(late, item.id, 0))
+            return
+        run = running.start(r, item, msg, cold_start_ms=cold_ms)
+        assert run.task is not None
+        await asyncio.wait({run.task})
+    finally:
+        if server is not None:
+            server.release()
+
+
+async def _wait_for_server(
+    running: RunningRequests, server: ManagedServer, item: wire.WorkItem, msg: Msg
+) -> float | None:
+    """Wait for the item's model server to be ready (a cold start, a swap); the seconds it took.
+
+    The message stays taken meanwhile, kept from redelivery with progress acks: the slot it holds
+    is the one it runs in, so capacity stays exact. None: the client left, the deadline passed, or
+    the node is stopping.
+    """
+    acquiring = asyncio.create_task(server.acquire())
+    while not acquiring.done():
+        await asyncio.wait({acquiring}, timeout=SERVER_WAIT_CHECK_S)
+        if acquiring.done():
+            break
+        if running.stopping or running.was_cancelled(item.id) or time.time() > item.deadline:
+            acquiring.cancel()
+            await asyncio.wait({acquiring})
+            break
+        try:
+            await msg.in_progress()
+        except (nats.errors.Error, OSError) as exc:
+            log.debug("progress of %s not sent: %s", item.id, exc)
+    if acquiring.cancelled() or acquiring.exception() is not None:
+        return None
+    return acquiring.result()  # granted even if it was given up at the same instant: released by the caller
+
+
+async def _not_run(running: RunningRequests, r: Resource, item: wire.WorkItem, msg: Msg) -> None:
+    """An item given up while its model server started: say why, and leave the message to whom it belongs."""
+    if running.stopping:
+        await msg.nak()  # the node's next instance, or another node's provider, takes it
+    elif running.was_cancelled(item.id):
         await msg.term()
-        late = Unavailable("waited past its deadline", code="queue_timeout")
+    else:
+        await msg.term()
+        late = Unavailable(
+            f"the model server of {r.cfg.id} was not ready before the queue timeout", code="queue_timeout"
+        )
         await running.publish(item, failure_of(late, item.id, 0))
-        return
-    run = running.start(r, item, msg)
-    assert run.task is not None
-    await asyncio.wait({run.task})
 
 
 async def _claim(running: RunningRequests, item: wire.WorkItem) -> bool:

@@ -52,23 +52,30 @@ class NodePolicy(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     policy.upstream_hosts.append(host)
                 if a.api_key_env and a.api_key_env not in policy.env:
                     policy.env.append(a.api_key_env)
+                if a.server is not None:
+                    policy.exact_commands.append(list(a.server.command))
+                    policy.env += [e for e in a.server.env if e not in policy.env]
         return policy
 
     def refusal(self, adapter: config.Adapter) -> str | None:
         """Why `adapter` may not run here, or None when the policy allows it."""
         if isinstance(adapter, config.CliAdapter):
-            argv = list(adapter.command)
-            if argv not in self.exact_commands and not any(argv[: len(p)] == p for p in self.commands):
-                return "command not allowed"
-            extra = [e for e in adapter.env if e not in self.env]
-            if extra:
-                return f"env not allowed: {', '.join(extra)}"
-        elif isinstance(adapter, config.OpenAIAdapter):
+            return self._command_refusal(list(adapter.command), adapter.env, "command")
+        if isinstance(adapter, config.OpenAIAdapter):
             if "*" not in self.upstream_hosts and _host(adapter.base_url) not in self.upstream_hosts:
                 return "upstream host not allowed"
             if adapter.api_key_env and adapter.api_key_env not in self.env:
                 return f"env not allowed: {adapter.api_key_env}"
+            if adapter.server is not None:
+                # A model server is a command like a CLI adapter's: the same rules decide it.
+                return self._command_refusal(list(adapter.server.command), adapter.server.env, "server command")
         return None
+
+    def _command_refusal(self, argv: list[str], env: list[str], what: str) -> str | None:
+        if argv not in self.exact_commands and not any(argv[: len(p)] == p for p in self.commands):
+            return f"{what} not allowed"
+        extra = [e for e in env if e not in self.env]
+        return f"env not allowed: {', '.join(extra)}" if extra else None
 
 
 def _host(url: str) -> str:

@@ -9,6 +9,7 @@ from nats.aio.subscription import Subscription
 
 from iop import config, wire
 from iop.node.adapters.base import Adapter
+from iop.node.servers import ManagedServer
 
 
 @dataclass
@@ -28,6 +29,8 @@ class Resource:
     retired: bool = False
     """Taken out of the catalog: fetches no more work, finishes what it runs."""
     sub: Subscription | None = None
+    server: ManagedServer | None = None
+    """The model server its node runs for it (its adapter's `server:` block): started before work runs."""
 
     def live(self) -> wire.ProviderLive:
         return wire.ProviderLive(
@@ -39,6 +42,7 @@ class Resource:
             served=self.served,
             failed=self.failed,
             by_edge=dict(self.by_edge),
+            server=self.server.live() if self.server is not None else None,
         )
 
 

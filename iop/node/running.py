@@ -45,6 +45,8 @@ class Running:
     """Consecutive probes that found no responder at the edge."""
     answered: bool = False
     """The adapter has finished: the edge may already have forgotten it, nothing to stop any more."""
+    cold_start_ms: float = 0.0
+    """How long it waited for its model server to start (servers.py) before it ran."""
 
 
 class RunningRequests:
@@ -73,9 +75,9 @@ class RunningRequests:
         """Whether a Cancel for this request arrived recently (before its work message did)."""
         return request_id in self._cancelled
 
-    def start(self, r: Resource, item: wire.WorkItem, msg: Msg | None) -> Running:
+    def start(self, r: Resource, item: wire.WorkItem, msg: Msg | None, cold_start_ms: float = 0.0) -> Running:
         # Registered before the task runs, so a Credit or Cancel arriving at once finds it.
-        run = Running(item, msg, FlowWindow(self.changed), time.monotonic())
+        run = Running(item, msg, FlowWindow(self.changed), time.monotonic(), cold_start_ms=cold_start_ms)
         self.by_id[item.id] = run
         run.task = asyncio.create_task(self._run(r, run))
         self.changed.set()
@@ -144,7 +146,7 @@ class RunningRequests:
 
         try:
             ack = run.msg.reply if run.msg is not None else ""
-            out.hold_started(wire.Started(item.id, self.node_id, self.instance, ack))
+            out.hold_started(wire.Started(item.id, self.node_id, self.instance, ack, cold_start_ms=run.cold_start_ms))
             if item.body_size:
                 item = msgspec.structs.replace(item, body=await self._fetch_body(item), body_size=0)
             usage = await r.adapter.run(item, r.cfg.model, send)

@@ -23,6 +23,7 @@ from iop.node.flow import STALL_TIMEOUT_S
 from iop.node.presence import Lease, Presence
 from iop.node.resource import Resource, kind_of
 from iop.node.running import Running, RunningRequests
+from iop.node.servers import ManagedServer, Servers
 
 log = logging.getLogger("iop.node")
 
@@ -75,8 +76,10 @@ class NodeRuntime:
         self._stall_timeout_s = STALL_TIMEOUT_S
         self._probe_interval_s = wire.PROBE_INTERVAL_S
         self.changed = asyncio.Event()
-        """Set when a request starts, ends, or waits for credit, and when a new catalog is applied
-        (observers clear it, then wait)."""
+        """Set when a request starts, ends, or waits for credit, when a new catalog is applied, and
+        when a model server changes state (observers clear it, then wait)."""
+        self.servers = Servers(self.changed.set)
+        """The model servers this node runs itself (adapters with a `server:` block)."""
 
     def requests(self) -> list[Running]:
         """The requests running now (status, tests)."""
@@ -202,6 +205,13 @@ class NodeRuntime:
             if aid not in new_cfgs:
                 self._old_adapters.append(self._adapters.pop(aid))
                 del self._adapter_cfgs[aid]
+        for aid in list(self.servers.by_adapter):
+            now = new_cfgs.get(aid)
+            if not isinstance(now, config.OpenAIAdapter) or now.server is None:
+                retiring = self.servers.drop(aid)  # its running requests finish first
+                if retiring is not None:
+                    self._tasks.add(retiring)
+                    retiring.add_done_callback(self._tasks.discard)
         wanted = {p.id: p for p in node.providers if p.id not in refused}
         for pid, gone in list(self.resources.items()):
             p = wanted.get(pid)
@@ -212,11 +222,13 @@ class NodeRuntime:
         for pid, p in wanted.items():
             adapter = self._adapters[p.adapter]
             existing = self.resources.get(pid)
+            server = self._server_of(node, p)
             if existing is None:
-                fresh = self.resources[pid] = Resource(cfg=p, adapter=adapter, kind=kind_of(node, p))
+                fresh = self.resources[pid] = Resource(cfg=p, adapter=adapter, kind=kind_of(node, p), server=server)
                 await self._serve(fresh, js)
                 continue
             r = existing
+            r.server = server
             before = r.cfg.capacity or 0
             if p.capacity != r.cfg.capacity:
                 # The peak is measured against a capacity: a new capacity starts a new peak (from
@@ -226,6 +238,13 @@ class NodeRuntime:
             if r.kind == "pool" and (p.capacity or 0) > before:
                 # One fetch loop per slot: more slots, more loops (fewer: the extra loops end).
                 r.workers += fetch.start_workers(self._running, r, js, range(before, p.capacity or 0))
+
+    def _server_of(self, node: config.Node, p: config.Provider) -> ManagedServer | None:
+        cfg = self._adapter_cfgs.get(p.adapter)
+        if not isinstance(cfg, config.OpenAIAdapter) or cfg.server is None:
+            return None
+        name = ",".join(q.id for q in node.providers if q.adapter == p.adapter)
+        return self.servers.get(p.adapter, name, cfg.server)
 
     async def _serve(self, r: Resource, js: JetStreamContext) -> None:
         assert self._running is not None
@@ -277,6 +296,7 @@ class NodeRuntime:
             await self._running.finish(grace_s)
         for t in list(self._tasks):
             t.cancel()
+        await self.servers.close()  # every server's process group ends with the node
         if self.nc is not None and self.nc.is_connected and self._presence is not None and self.lease.state == "live":
             try:
                 await self._presence.heartbeat(leaving=True)
