@@ -44,6 +44,15 @@ def test_usage_chunk_filter_drops_only_the_usage_chunk_wherever_the_stream_is_cu
     assert out == WITHOUT_USAGE
 
 
+def test_usage_chunk_filter_gives_done_as_the_usage_chunk_arrives_and_drops_what_follows() -> None:
+    strip = UsageChunkFilter()
+    before_done = STREAM[: STREAM.index(b"data: [DONE]")]
+    # The client's stream is complete before the upstream's own [DONE] has arrived.
+    assert strip.feed(before_done) == WITHOUT_USAGE
+    assert strip.feed(b"data: [DONE]\n\n") == b""
+    assert strip.close() == b""
+
+
 def one_provider(url: str) -> str:
     return f"""
 models: [{{alias: m, pool: [p]}}]

@@ -24,13 +24,25 @@ def ask_for_usage(payload: dict[str, Any]) -> bool:
     return True
 
 
+DONE = b"data: [DONE]\n\n"
+
+
 class UsageChunkFilter:
-    """Chat SSE bytes in, the same bytes out without the usage-only chunk (split anywhere)."""
+    """Chat SSE bytes in, the same bytes out without the usage-only chunk (split anywhere).
+
+    The usage chunk is the last before `[DONE]`, so the client's `[DONE]` goes out in its place at
+    once: waiting for the upstream's own would hold the client's end one upstream write longer
+    than a client that asked for nothing sees direct. What the upstream sends after it is dropped.
+    """
 
     def __init__(self) -> None:
         self._held = b""
+        self.ended = False
+        """The usage chunk arrived and the client has its [DONE]."""
 
     def feed(self, data: bytes) -> bytes:
+        if self.ended:
+            return b""
         buffer = self._held + data if self._held else data
         out: list[bytes] = []
         start = 0
@@ -39,9 +51,11 @@ class UsageChunkFilter:
             start = end.end()
             # The usage chunk: `usage` and no choices. Only such events are looked at twice.
             if b'"usage"' in event and _NO_CHOICES.search(event):
-                continue
+                out.append(DONE)
+                self.ended = True
+                break
             out.append(event)
-        self._held = buffer[start:]
+        self._held = b"" if self.ended else buffer[start:]
         return b"".join(out)
 
     def close(self) -> bytes:
