@@ -70,6 +70,20 @@ def of_alias(catalog: config.Catalog, alias: str) -> frozenset[Endpoint]:
     return common
 
 
+def compacts_natively(catalog: config.Catalog, alias: str) -> bool:
+    """Every provider behind `alias` is an openai adapter whose upstream serves Responses itself: it
+    is given `/v1/responses/compact` as it came (otherwise the edge compacts, iop/edge/responses_front.py)."""
+    if alias in catalog.pools:
+        refs = [catalog.providers.get(p) for p in catalog.pools[alias]]
+    elif alias in catalog.routes:
+        refs = [catalog.providers.get(catalog.routes[alias][1])]
+    else:
+        return False
+    return bool(refs) and all(
+        r is not None and isinstance(r.adapter, config.OpenAIAdapter) and "responses" in native(r.adapter) for r in refs
+    )
+
+
 def ordered(endpoints: frozenset[Endpoint]) -> list[Endpoint]:
     """The endpoints in one fixed order (for /v1/models and /status)."""
     return [e for e in ALL if e in endpoints]
@@ -80,6 +94,14 @@ def check(catalog: config.Catalog, alias: str, api: wire.Api) -> None:
     served = of_alias(catalog, alias)
     if api == "count_tokens":
         api = "messages"  # counted by whoever answers the Messages request
+    if api == "compact":
+        if not compacts_natively(catalog, alias):
+            raise BadRequest(
+                f"model '{alias}' has a provider whose upstream does not serve /v1/responses/compact",
+                code="endpoint_not_served",
+                param="model",
+            )
+        return
     if api not in served:
         names = ", ".join(PATHS[e] for e in ordered(served)) or "nothing"
         raise BadRequest(

@@ -132,8 +132,9 @@ def reply_subject(edge: str, node: str, request: str) -> str:
 
 # --- messages -------------------------------------------------------------------------------------
 
-Api = Literal["chat", "responses", "messages", "embeddings", "completions", "count_tokens"]
-"""The endpoint the client called; a node older than messages/embeddings/completions refuses their items."""
+Api = Literal["chat", "responses", "messages", "embeddings", "completions", "count_tokens", "compact"]
+"""The endpoint the client called; a node older than messages/embeddings/completions refuses their items.
+`compact`: `/v1/responses/compact`, sent only to providers whose upstream serves Responses itself."""
 
 
 class WorkItem(msgspec.Struct, kw_only=True, array_like=True):

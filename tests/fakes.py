@@ -78,7 +78,8 @@ class FakeUpstream:
             path = request.url.path
             kind = path.rsplit("/", 1)[1]
             kind = {"completions": "chat" if path.endswith("/chat/completions") else "completions"}.get(kind, kind)
-            if kind not in self.serves():
+            served = self.serves() | ({"compact"} if "responses" in self.serves() else set())
+            if kind not in served:
                 return JSONResponse({"error": {"message": "not found", "type": "not_found"}}, 404)
             body = json.loads(await request.body())
             self.request_ids.append(request.headers.get("x-request-id"))
@@ -103,6 +104,7 @@ class FakeUpstream:
             routes=[
                 Route("/v1/chat/completions", handle, methods=["POST"]),
                 Route("/v1/responses", handle, methods=["POST"]),
+                Route("/v1/responses/compact", handle, methods=["POST"]),
                 Route("/v1/messages", handle, methods=["POST"]),
                 Route("/v1/embeddings", handle, methods=["POST"]),
                 Route("/v1/completions", handle, methods=["POST"]),
@@ -135,6 +137,11 @@ class FakeUpstream:
         if kind == "embeddings":
             data = embeddings_answer(body)
             return JSONResponse(data)
+        if kind == "compact":
+            # OpenAI's answer: the window's user messages and one compaction item only it can read.
+            item = {"type": "compaction", "id": "cmp_upstream", "encrypted_content": "upstream-sealed"}
+            usage = {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7}
+            return JSONResponse({"id": "resp_c", "object": "response.compaction", "output": [item], "usage": usage})
         if kind == "completions":
             if body.get("stream"):
                 return StreamingResponse(self._tracked(self._completions_stream(body)), media_type="text/event-stream")

@@ -65,4 +65,4 @@ async def relay_stream(
 
 def _openai(api: wire.Api) -> Literal["chat", "responses"]:
     """The OpenAI error event shape for a stream of `api` (completions streams are chat-like)."""
-    return "responses" if api == "responses" else "chat"
+    return "responses" if api in ("responses", "compact") else "chat"

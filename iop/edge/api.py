@@ -140,6 +140,9 @@ class ApiEndpoint:
         request = _decode_json(body)
         turn = await responses.expand(request, owner, self.edge.max_body_bytes)
         turn.request = request
+        if self.api == "compact":
+            turn.body.pop("store", None)  # not a field of /responses/compact: its answer is not a response
+            turn.store = False
         out.send = KeepingSend(out.send, responses, owner, turn, stream)
         return _encode_json(turn.body), turn, owner
 

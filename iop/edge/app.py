@@ -158,7 +158,7 @@ def build_app(edge: Edge) -> ASGIApp:
     api: dict[str, ASGIApp] = {
         "/v1/chat/completions": ApiEndpoint(edge, "chat"),
         "/v1/responses": responses,
-        "/v1/responses/compact": CompactEndpoint(responses),
+        "/v1/responses/compact": CompactEndpoint(responses, ApiEndpoint(edge, "compact")),
         "/v1/messages": ApiEndpoint(edge, "messages"),
         "/v1/messages/count_tokens": CountTokensEndpoint(edge),
         "/v1/embeddings": ApiEndpoint(edge, "embeddings"),

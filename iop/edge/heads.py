@@ -71,6 +71,20 @@ class ResponsesHead(msgspec.Struct):
         return not isinstance(self.input, str) and any(i.type == "item_reference" for i in self.input)
 
 
+class CompactHead(msgspec.Struct):
+    """`/v1/responses/compact`, passed through to a Responses upstream: its window may name stored state."""
+
+    model: str
+    input: str | list[_Item] | None = None
+    previous_response_id: str | None = None
+
+    def stateful(self) -> bool:
+        if self.previous_response_id is not None:
+            return True
+        return isinstance(self.input, list) and any(i.type == "item_reference" for i in self.input)
+
+
+_compact_head = msgspec.json.Decoder(CompactHead).decode
 _chat_head = msgspec.json.Decoder(ChatHead).decode
 _responses_head = msgspec.json.Decoder(ResponsesHead).decode
 _decode_json = msgspec.json.Decoder().decode
@@ -104,6 +118,9 @@ def parse_head(api: wire.Api, body: bytes) -> Head:
         if api == "responses":
             resp = _responses_head(body)
             return Head(resp.model, resp.stream, resp.prompt_cache_key, None, resp.stateful())
+        if api == "compact":
+            compact = _compact_head(body)
+            return Head(compact.model, False, None, None, compact.stateful())
         model, stream, user = other_head(api, body)
         return Head(model, stream, None, user)
     except msgspec.ValidationError as exc:

@@ -85,7 +85,7 @@ class RequestRecord(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     alias: str
     """The `model` the client asked for ("" when the request never named a known one)."""
     route: Literal["pool", "direct", ""]
-    api: Literal["chat", "responses", "messages", "embeddings", "completions", "count_tokens", ""]
+    api: Literal["chat", "responses", "messages", "embeddings", "completions", "count_tokens", "compact", ""]
     stream: bool
     status: int
     """The HTTP status the client got (499: the client went away first)."""

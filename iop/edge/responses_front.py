@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from iop import config
+from iop import config, endpoints
 from iop.edge.asgi import check_content_type
 from iop.edge.bodies import ReceivingBodies
 from iop.errors import (
@@ -104,7 +104,8 @@ class ResponsesFront:
                 await send_response(send, request, [], _NO_USAGE, self.edge.responses, owner, turn)
                 return
             if compaction.has_compaction(request):
-                request = compaction.expand(request, self.edge.sealer, owner)
+                native = endpoints.compacts_natively(self.edge.catalog, str(request.get("model")))
+                request = compaction.expand(request, self.edge.sealer, owner, foreign=native)
             if compaction.ends_with_trigger(request):
                 items = (compaction.input_items(request) or [])[:-1]
                 sealed, usage = await self.summarise(scope, replay, request, items)
@@ -167,8 +168,10 @@ class ResponsesFront:
 class CompactEndpoint:
     """`POST /v1/responses/compact`: the window's user messages and one sealed compaction item."""
 
-    def __init__(self, front: ResponsesFront) -> None:
+    def __init__(self, front: ResponsesFront, native: ASGIApp) -> None:
         self.front = front
+        self.native = native
+        """The endpoint that passes the request to the upstream (a pool whose every upstream compacts)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         edge = self.front.edge
@@ -191,6 +194,11 @@ class CompactEndpoint:
                 raise NotFound(
                     f"model '{request['model']}' does not exist; GET /v1/models lists the models", param="model"
                 )
+            if endpoints.compacts_natively(edge.catalog, request["model"]):
+                # Each upstream compacts itself: the request goes as it came, its state expanded by the endpoint.
+                opened = compaction.expand(request, edge.sealer, edge.owner(scope), foreign=True)
+                await call_endpoint(self.native, scope, replaying([], receive), _encode(opened), send, scope["path"])
+                return
             original = _window(request)
             expanded = compaction.opened(original, edge.sealer, edge.owner(scope))
             sealed, usage = await self.front.summarise(scope, replaying([], receive), request, expanded)
@@ -304,14 +312,16 @@ def replaying(messages: list[Message], receive: Receive) -> Receive:
     return replay
 
 
-async def call_endpoint(app: ASGIApp, scope: Scope, receive: Receive, body: bytes, send: Send) -> None:
+async def call_endpoint(
+    app: ASGIApp, scope: Scope, receive: Receive, body: bytes, send: Send, path: str = "/v1/responses"
+) -> None:
     """Run `body` through the endpoint as a POST of this connection (its key, its request id).
 
     `receive` must already have given the client's body: what it gives next (a disconnect) is the
     client's, so a client that leaves cancels the inner request too.
     """
     headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
-    inner = {**scope, "method": "POST", "path": "/v1/responses", "headers": headers}
+    inner = {**scope, "method": "POST", "path": path, "headers": headers}
     given = False
 
     async def inner_receive() -> Message:

@@ -105,24 +105,29 @@ def has_compaction(request: Mapping[str, Any]) -> bool:
     return any(isinstance(item, Mapping) and item.get("type") == "compaction" for item in items)
 
 
-def expand(request: dict[str, Any], sealer: Sealer, owner: str) -> dict[str, Any]:
+def expand(request: dict[str, Any], sealer: Sealer, owner: str, *, foreign: bool = False) -> dict[str, Any]:
     """The request with every `compaction` input item replaced by the summary it holds.
 
     An item iop did not seal for `owner` (another service's, another key's, or made up) is a 400
-    naming it: dropping it would silently lose the conversation it stands for.
+    naming it: dropping it would silently lose the conversation it stands for. `foreign`: the
+    upstream compacts itself (a Responses one), and an item not in iop's form is its own: it
+    passes untouched (one in iop's form must still open).
     """
     items = input_items(request)
     if items is None:
         return request
-    return {**request, "input": opened(items, sealer, owner)}
+    return {**request, "input": opened(items, sealer, owner, foreign=foreign)}
 
 
-def opened(items: list[Any], sealer: Sealer, owner: str, where: str = "input") -> list[Any]:
+def opened(items: list[Any], sealer: Sealer, owner: str, where: str = "input", *, foreign: bool = False) -> list[Any]:
     """`items` with each `compaction` item replaced by the summary it holds (see `expand`)."""
     out: list[Any] = []
     for i, item in enumerate(items):
         if isinstance(item, Mapping) and item.get("type") == "compaction":
             token = item.get("encrypted_content")
+            if foreign and not (isinstance(token, str) and token.startswith("iop")):
+                out.append(item)
+                continue
             summary = sealer.open(token, owner) if isinstance(token, str) else None
             if summary is None:
                 raise BadRequest(

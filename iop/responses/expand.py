@@ -121,7 +121,8 @@ class Responses:
         history, chain = await self._history(previous, owner, max_bytes) if previous else ([], [])
         if any(isinstance(i, Mapping) and i.get("type") == "compaction" for i in history):
             # A stored compaction answer: the model reads the summary its item holds.
-            history = compaction.opened(history, self.sealer, owner, "previous_response_id")
+            # Another service's item (a Responses upstream's own compaction) goes on as it is.
+            history = compaction.opened(history, self.sealer, owner, "previous_response_id", foreign=True)
         out["input"] = history + turn_items
         size = len(_encode(out["input"])) if history else 0
         if max_bytes is not None and size > max_bytes:

@@ -38,6 +38,7 @@ _encode = msgspec.json.Encoder().encode
 _PATHS = {
     "chat": "/chat/completions",
     "responses": "/responses",
+    "compact": "/responses/compact",
     "messages": "/messages",
     "embeddings": "/embeddings",
     "completions": "/completions",
@@ -71,7 +72,8 @@ class OpenAIAdapter:
         self.pool = HttpPool(cfg.base_url, headers=headers, read_timeout_s=min(cfg.idle_timeout_s, cfg.timeout_s))
 
     def serves(self, api: str) -> bool:
-        return api in self.native
+        # The edge sends /responses/compact only to upstreams that serve Responses (iop/endpoints.py).
+        return api in self.native or (api == "compact" and "responses" in self.native)
 
     async def run(self, item: wire.WorkItem, model: str | None, send: Send) -> wire.Usage | None:
         # `timeout_s` bounds the whole request; the pool's read timeout (`idle_timeout_s`) bounds
