@@ -122,6 +122,13 @@ class QueueSettings(_Strict):
             "in MiB; a request that would pass it gets 429.",
         ),
     ] = 256.0
+    fair_queueing: Annotated[
+        bool,
+        Meta(
+            description="A freed slot goes to the waiting tenant of the highest priority that received the "
+            "least service lately; off: to the oldest waiting request, whoever's."
+        ),
+    ] = True
 
 
 class HttpSettings(_Strict):

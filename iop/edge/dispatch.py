@@ -33,7 +33,7 @@ from iop.edge.channel import Channel
 from iop.edge.observe import Trace
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
-from iop.edge.slots import PinnedQueue, PoolQueue, ProviderSlots
+from iop.edge.slots import Grant, PinnedQueue, PoolQueue, ProviderSlots
 from iop.edge.tenants import UNLIMITED, Tenant
 from iop.errors import RequestError, Unavailable
 
@@ -49,7 +49,7 @@ _NO_TENANT = Tenant("", UNLIMITED)
 class Attempt:
     """One try of a request on one provider (or CLI resource), ended by leaving `async with`."""
 
-    __slots__ = ("_ended", "_started", "channel", "dispatch", "pool", "provider", "scheduler", "slot")
+    __slots__ = ("_ended", "_started", "channel", "dispatch", "grant", "pool", "provider", "scheduler", "slot")
 
     def __init__(
         self,
@@ -58,12 +58,15 @@ class Attempt:
         slot: ProviderSlots | None = None,
         pool: PoolQueue | None = None,
         scheduler: Scheduler | None = None,
+        grant: Grant | None = None,
     ) -> None:
         self.dispatch = dispatch
         self.scheduler = scheduler
         self.provider = provider
         """Who answers: the provider's id, or the CLI resource's name."""
         self.slot = slot
+        self.grant = grant
+        """The tenant's share the slot holds (None: pinned, or a direct route)."""
         self.pool = pool
         """The queue the slot was granted from: its running count is this try's while the node runs it."""
         self._started = False
@@ -89,7 +92,7 @@ class Attempt:
         if self.pool is not None and self._started:
             self.pool.run_ended()
         if self.slot is not None and self.scheduler is not None:
-            self.scheduler.release(self.slot)
+            self.scheduler.release(self.slot, self.grant)
 
     # --- driven by the endpoint -----------------------------------------------------------------
 
@@ -201,7 +204,7 @@ class PoolDispatch(_Dispatch):
             return self._attempt(slot, pinned)
         try:
             tenant = self.tenant or _NO_TENANT
-            slot = await sched.acquire(
+            grant = await sched.acquire_grant(
                 self.alias,
                 self.deadline,
                 self.tried,
@@ -217,22 +220,23 @@ class PoolDispatch(_Dispatch):
             if self.last is not None and unusable.code == "pool_unavailable":
                 raise self.last from None  # no other provider to fail over to: the client hears why
             raise
+        slot = grant.slot
         pool = sched.pools.get(self.alias)
         if pool is None:
             # A refresh removed the alias between the grant and now: give the slot back untouched.
             sched.trial_over(slot)
-            sched.release(slot)
+            sched.release(slot, grant)
             raise Unavailable(f"model '{self.alias}' was removed by a refresh", code="model_removed")
         if self.sessions is not None:
             self.record.affinity = self.sessions.served(self.alias, self.session, slot.id, self.prefer)
         self.prefer = None  # a failover goes wherever is free; the provider that answers is remembered
-        return self._attempt(slot, pool)
+        return self._attempt(slot, pool, grant)
 
-    def _attempt(self, slot: ProviderSlots, pool: PoolQueue) -> Attempt:
+    def _attempt(self, slot: ProviderSlots, pool: PoolQueue, grant: Grant | None = None) -> Attempt:
         # Nothing awaits between the grant and the attempt: its `async with` always ends the slot.
         self.record.attempts += 1
         self.record.provider = slot.id
-        return Attempt(self, slot.id, slot, pool, self.scheduler)
+        return Attempt(self, slot.id, slot, pool, self.scheduler, grant)
 
     def ended(self, attempt: Attempt, exc: BaseException | None) -> bool:
         sched, slot = self.scheduler, attempt.slot

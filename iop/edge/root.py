@@ -90,7 +90,8 @@ class Edge:
         self.closing = asyncio.Event()
         """Set when the edge starts to stop: open streams (status pages, usage tails) end at once."""
 
-        self.scheduler = Scheduler(settings.queue.max_waiting, int(settings.queue.max_waiting_mb * 1024 * 1024))
+        q = settings.queue
+        self.scheduler = Scheduler(q.max_waiting, int(q.max_waiting_mb * 1024 * 1024), q.fair_queueing)
         catalog = self.current.catalog
         for pid, ref in catalog.providers.items():
             if ref.provider.capacity is not None:

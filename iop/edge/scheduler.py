@@ -1,4 +1,4 @@
-"""The edge's pool scheduler: one FIFO per pool, late binding to the provider with the most free slots.
+"""The edge's pool scheduler: one fair queue per pool, late binding to the provider with the most free slots.
 
 The broker's `max_ack_pending` is the hard cap; this schedules on top of it so that a request
 never waits in the broker while another provider of its pool has a free slot. A provider that
@@ -11,10 +11,12 @@ import asyncio
 import itertools
 import math
 from collections.abc import Callable
+from functools import partial
 from time import monotonic
 
 from iop.edge.affinity import Sessions
-from iop.edge.slots import PinnedQueue, PoolQueue, ProviderSlots, Waiter
+from iop.edge.fairqueue import TenantQueue, Waiter
+from iop.edge.slots import Grant, PinnedQueue, PoolQueue, ProviderSlots
 from iop.errors import QueueFull, Unavailable
 from iop.tenancy import Priority
 
@@ -30,13 +32,15 @@ GONE_RETRY_AFTER_S = 1
 
 
 class Scheduler:
-    """Admission for pool aliases: take a slot now, or wait in the pool's FIFO until one frees."""
+    """Admission for pool aliases: take a slot now, or wait in the pool's queue until one frees."""
 
-    def __init__(self, max_waiting: int, max_waiting_bytes: int = 256 * 1024 * 1024) -> None:
+    def __init__(self, max_waiting: int, max_waiting_bytes: int = 256 * 1024 * 1024, fair: bool = True) -> None:
         self.max_waiting = max_waiting
         self.max_waiting_bytes = max_waiting_bytes
         """Bound on the request bytes all waiting requests hold in memory together (every pool)."""
         self.waiting_bytes = 0
+        self.fair = fair
+        """Fair queueing between tenants (edge.queue.fair_queueing); off: arrival order."""
         self.providers: dict[str, ProviderSlots] = {}
         self.pools: dict[str, PoolQueue] = {}
         self._order = itertools.count()
@@ -56,6 +60,7 @@ class Scheduler:
 
     def add_pool(self, alias: str, members: list[str]) -> None:
         pool = PoolQueue(alias, [self.providers[m] for m in members])
+        pool.waiters.set_fair(self.fair)
         self.pools[alias] = pool
         for p in pool.providers:
             p.pools.append(pool)
@@ -76,19 +81,43 @@ class Scheduler:
     ) -> ProviderSlots:
         """A slot of a provider of `alias` (none of `exclude`); `deadline` is on the loop's clock.
 
-        `tenant`, `priority`, `weight` and `max_concurrent` (the tenant's in-flight bound on this
-        pool, None: none) are the request's tenant and its policy (iop/edge/tenants.py), for fair
-        queueing between tenants.
-
         `prefer` (prefix-cache affinity) is taken over the others whenever it has a free slot when
         this request's turn comes; with `prefer_wait_s` the request waits up to that long for it
-        while others are free. FIFO order and the caps are the same with or without it.
+        while others are free. The order and the caps are the same with or without it.
+
+        `tenant`, `priority`, `weight` are the request's tenant and its policy (iop/edge/tenants.py):
+        its place in the pool's fair order (iop/edge/fairqueue.py). `max_concurrent` (the tenant's
+        in-flight bound on this pool, None: none) holds only through `acquire_grant`, whose
+        release gives the share back.
 
         `size` is the bytes the request holds while it waits (its body). Raises QueueFull when
         `max_waiting` requests already wait or their bytes would pass `max_waiting_bytes`,
         Unavailable when no provider of the pool can take it or the wait outlasts the deadline.
         """
-        return await self._acquire(self.pools[alias], deadline, exclude, size, prefer, prefer_wait_s)
+        pool = self.pools[alias]
+        t = pool.waiters.tenant(tenant, priority, weight, None)
+        grant = await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, t, False)
+        return grant.slot
+
+    async def acquire_grant(
+        self,
+        alias: str,
+        deadline: float,
+        exclude: frozenset[str] = frozenset(),
+        size: int = 0,
+        *,
+        prefer: str | None = None,
+        prefer_wait_s: float = 0.0,
+        tenant: str = "",
+        priority: Priority = "standard",
+        weight: float = 1.0,
+        max_concurrent: int | None = None,
+    ) -> Grant:
+        """`acquire`, counted for its tenant until `release(grant.slot, grant)`: its share of the pool
+        (max_concurrent, what /status shows running) and the service it really received."""
+        pool = self.pools[alias]
+        t = pool.waiters.tenant(tenant, priority, weight, max_concurrent)
+        return await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, t, True)
 
     async def acquire_pinned(self, provider: str, deadline: float) -> ProviderSlots:
         """A slot of `provider` itself, whatever pool it is in (qualification; admin only)."""
@@ -99,7 +128,8 @@ class Scheduler:
         if pinned is None:
             pinned = PinnedQueue(f"pinned:{provider}", [slot])
             slot.pools.append(pinned)
-        return await self._acquire(pinned, deadline, frozenset())
+        t = pinned.waiters.tenant("", "standard", 1.0, None)
+        return (await self._acquire(pinned, deadline, frozenset(), 0, None, 0.0, t, False)).slot
 
     def set_drained(self, provider: str, drained: bool) -> None:
         """Take a provider out of its pools (no new user work) or put it back."""
@@ -116,21 +146,23 @@ class Scheduler:
         pool: PoolQueue,
         deadline: float,
         exclude: frozenset[str],
-        size: int = 0,
-        prefer: str | None = None,
-        prefer_wait_s: float = 0.0,
-    ) -> ProviderSlots:
+        size: int,
+        prefer: str | None,
+        prefer_wait_s: float,
+        tenant: TenantQueue,
+        tracked: bool,
+    ) -> Grant:
         alias = pool.alias
         hold = prefer_wait_s > 0 and self._holdable(pool, prefer, exclude)
-        if not pool.waiters:
+        # Anyone who may take a slot before it waits already: a free slot is theirs, not this one's.
+        if not pool.waiters.eligible_waiting and (not tracked or tenant.eligible):
             slot = self._choice(pool, exclude, prefer, hold)
             if slot is not None:
-                self._take(slot, pool)
                 pool.waits_s.append(0.0)
-                return slot
+                return self._grant(slot, pool, tenant, tracked)
         if not any(p.seen for p in pool.providers):
             await self._await_connected(pool, deadline)
-            return await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s)
+            return await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, tenant, tracked)
         # A pinned request waits for its provider whatever its breaker says: it measures it.
         retry_s = None if isinstance(pool, PinnedQueue) else self.retry_after(pool, exclude)
         if retry_s is not None:
@@ -150,31 +182,30 @@ class Scheduler:
             )
         loop = asyncio.get_running_loop()
         waiter = Waiter(loop.create_future(), next(self._order), exclude, size, prefer, hold)
+        waiter.tracked = tracked
         queued_at = loop.time()
-        pool.waiters.append(waiter)
+        pool.waiters.add(waiter, tenant)
         self.waiting_bytes += size
         self.changed.set()
         hold_over = loop.call_later(prefer_wait_s, self._hold_over, pool, waiter) if hold else None
-        head = pool.waiters[0]
-        if head is not waiter and (head.holding or head.exclude):
-            # The oldest may be holding out for its preferred provider (or may not take one it failed
-            # on) while another is free: a request behind it takes that one now, not at the next
-            # release. With an ordinary oldest waiter nothing is free for anyone: skip the scan.
-            self._pump([pool])
+        # Whoever is first in the order may be holding out for its preferred provider, may not take
+        # one it failed on, or be a tenant at its max_concurrent while another is free: a request
+        # behind may take that slot now, not at the next release.
+        self._pump([pool])
         try:
             async with asyncio.timeout_at(deadline):
-                slot = await waiter.future
+                grant: Grant = await waiter.future
         except BaseException as exc:
             if waiter.future.done() and not waiter.future.cancelled():
                 if waiter.future.exception() is None:
                     # Granted in the same instant as the timeout or the client leaving: give it back.
-                    granted = waiter.future.result()
-                    self.trial_over(granted)
-                    self.release(granted)
+                    granted: Grant = waiter.future.result()
+                    self.trial_over(granted.slot)
+                    self.release(granted.slot, granted)
             else:
                 waiter.future.cancel()
-                # A release between the cancel and this handler may have dropped it off the queue's
-                # head already (_pump clears finished waiters there): remove it only if it is still in.
+                # A release between the cancel and this handler may have dropped it off the queue
+                # already (_pump clears finished waiters): remove it only if it is still in.
                 if waiter.queued:
                     pool.waiters.remove(waiter)
                     self._left(waiter)
@@ -188,7 +219,13 @@ class Scheduler:
             if hold_over is not None:
                 hold_over.cancel()
         pool.waits_s.append(loop.time() - queued_at)
-        return slot
+        return grant
+
+    def _grant(self, slot: ProviderSlots, pool: PoolQueue, tenant: TenantQueue, tracked: bool) -> Grant:
+        self._take(slot, pool)
+        charge = pool.waiters.start(tenant, tracked)
+        pool.waiters.granted_class(tenant.rank)
+        return Grant(slot, pool, tenant if tracked else None, charge)
 
     def _holdable(self, pool: PoolQueue, prefer: str | None, exclude: frozenset[str]) -> bool:
         """Whether `prefer` is a provider of the pool worth waiting for: in rotation and connected."""
@@ -284,7 +321,8 @@ class Scheduler:
                     f"model '{pool.alias}': no provider of its pool is connected", code="no_provider"
                 ) from None
 
-    def release(self, slot: ProviderSlots) -> None:
+    def release(self, slot: ProviderSlots, grant: Grant | None = None) -> None:
+        """A request's slot is free again; with its `grant`, so is its tenant's share."""
         slot.in_flight -= 1
         slot.rerank()
         if self.on_count is not None:
@@ -292,6 +330,9 @@ class Scheduler:
         if slot.removed and slot.in_flight == 0 and self.providers.get(slot.id) is slot:
             del self.providers[slot.id]
             self.changed.set()
+        if grant is not None and grant.tenant is not None:
+            grant.pool.waiters.end(grant.tenant, monotonic() - grant.at, grant.charge)
+            grant.tenant = None  # given back once, whoever calls again
         self._pump(slot.pools)
 
     def apply(self, providers: dict[str, tuple[str, int]], pools: dict[str, list[str]]) -> list[str]:
@@ -331,6 +372,7 @@ class Scheduler:
             pool = self.pools.get(alias)
             if pool is None:
                 pool = self.pools[alias] = PoolQueue(alias, [])
+            pool.waiters.set_fair(self.fair)
             for p in pool.providers:
                 if pool in p.pools:
                     p.pools.remove(pool)
@@ -408,35 +450,38 @@ class Scheduler:
             self._fail_if_unusable(slot.pools)
 
     def _pump(self, pools: list[PoolQueue]) -> None:
-        """Hand free slots to the oldest waiters of the given pools."""
+        """Hand free slots to the waiters of the given pools whose turn it is (iop/edge/fairqueue.py);
+        between pools that share a provider, the oldest of their first waiters goes first."""
         while True:
             chosen: tuple[PoolQueue, Waiter, ProviderSlots] | None = None
             for pool in pools:
-                while pool.waiters and pool.waiters[0].future.done():
-                    self._left(pool.waiters.popleft())
-                    self.changed.set()  # one fewer waits: observers (the burst trim) count again
-                for waiter in pool.waiters:
-                    if chosen is not None and waiter.order > chosen[1].order:
-                        break
-                    if waiter.future.done():
-                        continue
-                    slot = self._choice(pool, waiter.exclude, waiter.prefer, waiter.holding)
-                    if slot is not None:
-                        chosen = (pool, waiter, slot)
-                        break
-                    if not waiter.exclude and not waiter.holding:
-                        break  # nothing free for anyone here; later waiters can't do better
+                found = pool.waiters.candidate(partial(self._choose, pool), self._gone)
+                if found is not None and (chosen is None or _turn(found[0]) < _turn(chosen[1])):
+                    chosen = (pool, *found)
             if chosen is None:
                 return
             pool, waiter, slot = chosen
             pool.waiters.remove(waiter)
             self._left(waiter)
-            self._take(slot, pool)
-            waiter.future.set_result(slot)
+            assert waiter.tenant is not None
+            waiter.future.set_result(self._grant(slot, pool, waiter.tenant, waiter.tracked))
             self.changed.set()
+
+    def _choose(self, pool: PoolQueue, w: Waiter) -> ProviderSlots | None:
+        return self._choice(pool, w.exclude, w.prefer, w.holding)
+
+    def _gone(self, waiter: Waiter) -> None:
+        """A waiter the pump found cancelled (its own handler has not run yet): out of the count."""
+        self._left(waiter)
+        self.changed.set()  # one fewer waits: observers (the burst trim) count again
 
     def waiting(self, alias: str) -> int:
         return len(self.pools[alias].waiters)
+
+
+def _turn(w: Waiter) -> tuple[int, int]:
+    """Between pools: the higher class, then the older."""
+    return (w.tenant.rank if w.tenant is not None else 1, w.order)
 
 
 def _pool_unavailable(alias: str, retry_s: float) -> Unavailable:

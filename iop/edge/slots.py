@@ -7,12 +7,14 @@ depends on (a dispatch, a release, a heartbeat's `elsewhere`, a breaker, a refre
 
 from __future__ import annotations
 
-import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 from time import monotonic
 
+from iop.edge.fairqueue import FairQueue, TenantQueue, Waiter
 from iop.edge.freeslots import FreeSlots
+
+__all__ = ["Grant", "PinnedQueue", "PoolQueue", "ProviderSlots", "Waiter"]
 
 WAIT_SAMPLES = 512
 """Queue waits kept per pool (the most recent admissions) for the p50/p95 that /status shows."""
@@ -83,27 +85,24 @@ class ProviderSlots:
 
 
 @dataclass(eq=False)
-class Waiter:
-    future: asyncio.Future[ProviderSlots]
-    order: int
-    exclude: frozenset[str]
-    size: int = 0
-    """Bytes of the request body it holds while it waits (counted in Scheduler.waiting_bytes)."""
-    prefer: str | None = None
-    """The provider its session used last (prefix-cache affinity): taken whenever it is free."""
-    holding: bool = False
-    """Waits for `prefer` even while another provider is free, until its `affinity_wait_ms` is over."""
-    queued: bool = True
-    """Still in its pool's queue (Scheduler._left takes it out of the count when it leaves)."""
+class Grant:
+    """A slot granted to one request: released with it, so its tenant's share is given back."""
+
+    slot: ProviderSlots
+    pool: PoolQueue
+    tenant: TenantQueue | None = None
+    """Set when the release will say so (the tenant's running count and its charge correct then)."""
+    charge: float = 0.0
+    at: float = field(default_factory=monotonic)
 
 
 @dataclass(eq=False)
 class PoolQueue:
-    """The requests waiting for one alias, oldest first."""
+    """The requests waiting for one alias, in the order they get a slot (iop/edge/fairqueue.py)."""
 
     alias: str
     providers: list[ProviderSlots]
-    waiters: deque[Waiter] = field(default_factory=deque)
+    waiters: FairQueue = field(default_factory=FairQueue)
     running: int = 0
     """Requests of this pool that a node has started and not yet finished (this edge's)."""
     peak_running: int = 0
