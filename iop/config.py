@@ -122,13 +122,7 @@ class QueueSettings(_Strict):
             "in MiB; a request that would pass it gets 429.",
         ),
     ] = 256.0
-    fair_queueing: Annotated[
-        bool,
-        Meta(
-            description="A freed slot goes to the waiting tenant of the highest priority that received the "
-            "least service lately; off: to the oldest waiting request, whoever's."
-        ),
-    ] = True
+    fair_queueing: Annotated[bool, Meta(description="Fair between tenants (see docs); off: oldest first.")] = True
 
 
 class HttpSettings(_Strict):
