@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 from iop.contracts.status import PoolProviderStatus, PoolStatus, StateCounts, Status, StatusSummary
-from iop.wire import Device
+from iop.wire import Device, ServerLive
 
 
 def describe_device(d: Device) -> str:
@@ -21,6 +23,18 @@ def describe_device(d: Device) -> str:
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def _ago(since: float) -> str:
+    """How long ago a wall-clock time was, for a table cell."""
+    if not since:
+        return "-"
+    s = max(0.0, time.time() - since)
+    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago"
+
+
+def _ms(s: ServerLive) -> str:
+    return f"{s.last_cold_start_ms / 1000:.1f}s" if s.last_cold_start_ms else "-"
 
 
 def _pool_capacity(pool: PoolStatus) -> str:
@@ -78,6 +92,15 @@ def render_status(status: Status) -> str:
                 ]
             )
     out += ["", _table(rows)]
+    servers = [
+        [p.id, s.state, _ago(s.since), s.group or "-", str(s.cold_starts), str(s.swaps), str(s.crashes), _ms(s)]
+        for n in status.nodes
+        for p in n.providers
+        if isinstance(p, PoolProviderStatus) and (s := p.server) is not None
+    ]
+    if servers:
+        head = ["SERVER", "STATE", "SINCE", "GROUP", "COLD-STARTS", "SWAPS", "CRASHES", "LAST-COLD-START"]
+        out += ["", _table([head, *servers])]
     devices = [[n.id, describe_device(n.device)] for n in status.nodes if n.device is not None]
     if devices:
         out += ["", _table([["NODE", "DEVICE"], *devices])]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -18,12 +19,26 @@ import pytest
 import pytest_asyncio
 
 from iop import config
+from iop.contracts.status import PoolProviderStatus
+from iop.edge.ledger import RequestRecord
+from iop.edge.usage_query import follow
 from iop.errors import ConfigError
 from iop.nats.server import EmbeddedNats
 from iop.node.policy import NodePolicy
 from iop.node.runtime import NodeRuntime
 from iop.node.servers import ManagedServer
-from tests.harness import REPO, EdgeHandle, deployment, free_port, pid_gone, running_edge, running_node, until
+from iop.statusview import render_status
+from tests.harness import (
+    REPO,
+    EdgeHandle,
+    deployment,
+    eventually,
+    free_port,
+    pid_gone,
+    running_edge,
+    running_node,
+    until,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -110,6 +125,14 @@ async def test_a_request_to_a_stopped_server_waits_for_its_cold_start_and_is_ser
     events = tmp_path / "events"
     dep = deployment(lifecycle_yaml("cold", events, ["a"], idle_stop_s=30))
     async with running_edge(dep, nats_url) as h:
+        records: list[RequestRecord] = []
+        written = asyncio.Event()
+
+        def sink(batch: list[RequestRecord]) -> None:
+            records.extend(batch)
+            written.set()
+
+        sub = await follow(h.edge.js, "cold-a", sink)
         async with running_node(dep, "cold-node", nats_url) as node:
             await h.edge.registry.wait_connected(["cold-node"], timeout_s=10)
             server = server_of(node, "cold-a")
@@ -129,6 +152,33 @@ async def test_a_request_to_a_stopped_server_waits_for_its_cold_start_and_is_ser
             assert server.cold_starts == 1
             assert server.proc is not None
             pid = server.proc.pid
+
+            # The ledger tells the request that waited for the cold start, and for how long.
+            await until(lambda: len(records) >= 2, written, timeout_s=5)
+            first, second = sorted(records, key=lambda r: r.start)
+            assert first.cold_start_ms is not None and LOAD_S * 1000 <= first.cold_start_ms <= first.queue_ms
+            assert second.cold_start_ms is None
+            # /status, `iop status` and /metrics show the state, from the node's heartbeats.
+            async with h.http() as http:
+
+                async def shown() -> bool:
+                    st = await h.status()
+                    p = next(p for p in st.nodes[0].providers if p.id == "cold-a")
+                    metrics = (await http.get("/metrics")).text
+                    return (
+                        isinstance(p, PoolProviderStatus)
+                        and p.server is not None
+                        and p.server.state == "ready"
+                        and p.server.cold_starts == 1
+                        and 'iop_provider_server_state{node="cold-node",provider="cold-a",state="ready"} 1.0' in metrics
+                        and 'iop_cold_starts_total{node="cold-node",provider="cold-a"} 1.0' in metrics
+                        and 'iop_server_swaps_total{node="cold-node",provider="cold-a"} 0.0' in metrics
+                    )
+
+                await eventually(shown, timeout_s=5)
+            table = render_status(await h.status())
+            assert re.search(r"cold-a\s+ready\s+\d+s ago\s+-\s+1\s+0\s+0\s+\d+\.\ds", table), table
+        await sub.unsubscribe()
         # The node's stop ended its server's process group.
         assert pid_gone(pid)
 

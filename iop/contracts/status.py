@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from iop.wire import Device
+from iop.wire import Device, ServerLive
 
 
 class EdgeInfo(msgspec.Struct, kw_only=True):
@@ -84,6 +84,9 @@ class PoolProviderStatus(ResourceStatus, tag="pool", tag_field="kind"):
     """Drained out of its pools by an exclusive `iop qualify` run (no user work until it ends)."""
     qualification: QualificationSummary | None = None
     """The latest `iop qualify` result, if one was recorded."""
+    server: ServerLive | None = None
+    """The model server its node runs for it (the adapter's `server:` block): state since when, cold
+    starts, swaps, crashes; None when someone else runs the upstream, or the node is not connected."""
 
 
 class CliResourceStatus(ResourceStatus, tag="cli", tag_field="kind"):

@@ -44,6 +44,8 @@ class Channel:
     ended: bool = False
     started_mono: float = 0.0
     first_chunk_mono: float = 0.0
+    cold_start_ms: float = 0.0
+    """How long the node waited for its model server to start before it ran the request (its Started says)."""
     ack_subject: str = ""
     body: bytes = b""
     """The request body, kept here when it was too large to travel inside the work item."""

@@ -140,6 +140,7 @@ class _Dispatch:
         r = self.record
         r.node, r.report = ch.node, ch.outcome
         r.queue_ms = round(max(0.0, (ch.started_mono - self.arrived) * 1000), 3) if ch.started_mono else None
+        r.cold_start_ms = ch.cold_start_ms or None
 
     def ended(self, attempt: Attempt, exc: BaseException | None) -> bool:
         """The try is over; True when its failure is swallowed for another try."""

@@ -125,6 +125,9 @@ class RequestRecord(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     """Routed by prefix-cache affinity: the provider its session (session key) used last."""
     tenant: str = ""
     """The tenant of the client key (iop/edge/tenants.py): its name, "" without client keys."""
+    cold_start_ms: float | None = None
+    """Of `queue_ms`, how long the node waited for the provider's model server to start (a cold start
+    or a swap, iop/node/servers.py); None when it was ready."""
 
 
 encode_batch = msgspec.msgpack.Encoder().encode

@@ -258,3 +258,36 @@ class _LiveCollector(Collector):
         up = GaugeMetricFamily("iop_edge_uptime_seconds", "Seconds since this edge started.")
         up.add_metric([], time.time() - self.started_at)
         yield from (capacity, in_flight, elsewhere, over, waiting, nodes, dropped, pending, nats, up)
+        yield from _server_metrics(registry)
+
+
+_SERVER_STATES = ("stopped", "starting", "ready", "draining", "failed")
+
+
+def _server_metrics(registry: Registry) -> Iterator[Metric]:
+    """The model servers nodes run themselves (an adapter's `server:` block), from their heartbeats."""
+    state = GaugeMetricFamily(
+        "iop_provider_server_state",
+        "1 for the state a provider's model server is in (the node runs it), 0 for the others.",
+        labels=["node", "provider", "state"],
+    )
+    cold = CounterMetricFamily(
+        "iop_cold_starts", "Starts of a provider's model server for a request.", labels=["node", "provider"]
+    )
+    swaps = CounterMetricFamily(
+        "iop_server_swaps",
+        "Starts of a provider's model server that stopped another of its group first.",
+        labels=["node", "provider"],
+    )
+    for node_id, st in registry.nodes.items():
+        if not registry.connected(node_id):
+            continue
+        for live in st.live.values():
+            s = live.server
+            if s is None:
+                continue
+            for name in _SERVER_STATES:
+                state.add_metric([node_id, live.id, name], 1.0 if s.state == name else 0.0)
+            cold.add_metric([node_id, live.id], s.cold_starts)
+            swaps.add_metric([node_id, live.id], s.swaps)
+    yield from (state, cold, swaps)

@@ -43,6 +43,7 @@ class Trace:
         "bytes_in",
         "bytes_out",
         "cancelled",
+        "cold_start_ms",
         "error",
         "first_byte",
         "id",
@@ -85,6 +86,8 @@ class Trace:
         """Providers tried: 1 unless the request failed over."""
         self.queue_ms: float | None = None
         """From the dispatch until the node started the answering try (None: no node ever started it)."""
+        self.cold_start_ms: float | None = None
+        """Of the queue wait, how long the node waited for its model server to start (None: it was ready)."""
         self.report: wire.Done | wire.Failure | None = None
         """The node's last word on the last try: what only it knows (tokens, upstream status, exit code)."""
         self.affinity = False
@@ -116,6 +119,7 @@ class Trace:
             model=self.model,
             attempts=self.attempts,
             queue_ms=self.queue_ms,
+            cold_start_ms=self.cold_start_ms,
             ttfb_ms=round((self.first_byte - self.arrived) * 1000, 3) if self.first_byte else None,
             duration_ms=round((time.monotonic() - self.arrived) * 1000, 3),
             input_tokens=usage.input_tokens if usage is not None else None,

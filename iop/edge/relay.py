@@ -152,6 +152,7 @@ class Relay:
                 ch.ack_subject = reply.ack if reply.ack.startswith(ACK_PREFIX) else ""
                 # The node may have held Started back to send it with the first bytes (wire.Replies).
                 ch.start(now - min(max(reply.held_ms, 0.0), 1000.0) / 1000)
+                ch.cold_start_ms = max(reply.cold_start_ms, 0.0)
         elif isinstance(reply, wire.Done | wire.Failure):
             ch.outcome = reply
             ch.end()

@@ -127,6 +127,7 @@ def status_of(src: StatusSources) -> Status:
                         consecutive_failures=slots.failures,
                         qualifying=slots.drained,
                         qualification=src.qualifications.get(p.id),
+                        server=live.server if live else None,
                     )
                 )
             else:

@@ -547,7 +547,9 @@
   }
 
   function updateProvider(row, p, connected) {
-    setText(row.kindText, p.type + (p.model ? " · " + p.model : ""));
+    // A model server the node runs itself: its state (cold starts and swaps wait through "starting").
+    const server = p.server ? " · server " + (p.server.state || "stopped") : "";
+    setText(row.kindText, p.type + (p.model ? " · " + p.model : "") + server);
     setText(row.capacity, p.capacity);
     setText(row.count, p.in_flight + "/" + p.capacity + (p.queued ? " +" + p.queued + " queued" : ""));
     setBar(row.fill, p.in_flight, p.capacity);
