@@ -91,7 +91,9 @@ class ResponsesFront:
             await self.endpoint(scope, receive, send)
             return
         body, seen = await buffer_body(scope, receive, self.edge.max_body_bytes, self.edge.bodies)
-        replay = replaying(seen, receive)
+        # A whole body goes on as the one message it now is: the endpoint need not join its pieces again.
+        replay = replaying([_whole(body)] if body is not None else seen, receive)
+        del seen
         request = self._owned(scope, body)
         if request is None:
             await self.endpoint(scope, replay, send)
@@ -298,6 +300,10 @@ async def buffer_body(
     finally:
         if bodies is not None:
             bodies.give(size)
+
+
+def _whole(body: bytes) -> Message:
+    return {"type": "http.request", "body": body, "more_body": False}
 
 
 def replaying(messages: list[Message], receive: Receive) -> Receive:
