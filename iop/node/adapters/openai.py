@@ -20,6 +20,7 @@ from iop.node.adapters.base import Send, note_upstream_status
 from iop.node.http1 import ConnectFailed, HttpError, HttpPool, HttpResponse, Timeout
 from iop.node.tokens import OpeningUsage, UsageTail, usage_of_body
 from iop.openai.passthrough import native_body
+from iop.openai.raw_strings import Placeholders
 from iop.openai.tool_names import ToolMap
 from iop.openai.translate import (
     ChatToResponsesStream,
@@ -142,30 +143,19 @@ class OpenAIAdapter:
             raise NotFound(
                 f"this provider's upstream does not serve the {item.api} endpoint", code="endpoint_not_served"
             )
-        request: dict[str, Any] = _decode(item.body)
+        # Long texts stay the client's bytes through the translation (iop/openai/raw_strings.py).
+        held = Placeholders() if item.api == "responses" else None
+        request: dict[str, Any] = held.decode(item.body) if held is not None else _decode(item.body)
         name = model or str(request.get("model") or item.alias)
-        tools: ToolMap | None = None
-        headers: dict[str, str] = {}
-        try:
-            if item.api == "responses":
-                # One map for both directions: the answer's calls are decoded by the request's names.
-                tools = ToolMap.of(request)
-                upstream = responses_to_chat_request(
-                    request, name, tools=tools, vision=self.cfg.vision, replay_reasoning=self.cfg.replay_reasoning
-                )
-                if tools.dropped:
-                    dropped = dropped_tools_header(tools.dropped)
-                    log.debug("request %s: dropped tools a chat server cannot run: %s", item.id, dropped)
-                    headers["x-iop-dropped-tools"] = dropped
-            else:
-                upstream = chat_to_responses_request(request, name)
-        except (TypeError, AttributeError, KeyError, ValueError) as exc:
-            # A field of a shape the translation did not expect (the edge checks the ones it knows):
-            # the request's fault, never the provider's, so no breaker counts it and no failover.
-            raise BadRequest(
-                f"the request cannot be translated for this provider: {type(exc).__name__}: {exc}"
-            ) from exc
-        response = await self._post(upstream_api, _encode(upstream), item.request_id)
+        upstream, tools, headers = self._translate(item, request, name)
+        body = held.encode(upstream) if held is not None else None
+        if body is None:
+            if held is not None:
+                # A placeholder did not come through the translation intact: translate it all decoded.
+                request = _decode(item.body)
+                upstream, tools, headers = self._translate(item, request, name)
+            body = _encode(upstream)
+        response = await self._post(upstream_api, body, item.request_id)
         try:
             if not item.stream:
                 answer = _decode(await response.read())
@@ -200,6 +190,33 @@ class OpenAIAdapter:
             raise _mid_answer(exc) from exc
         finally:
             await response.aclose()
+
+    def _translate(
+        self, item: wire.WorkItem, request: dict[str, Any], name: str
+    ) -> tuple[dict[str, Any], ToolMap | None, dict[str, str]]:
+        """The upstream's request for `request`, the request's ToolMap (Responses) and headers for the answer."""
+        tools: ToolMap | None = None
+        headers: dict[str, str] = {}
+        try:
+            if item.api == "responses":
+                # One map for both directions: the answer's calls are decoded by the request's names.
+                tools = ToolMap.of(request)
+                upstream = responses_to_chat_request(
+                    request, name, tools=tools, vision=self.cfg.vision, replay_reasoning=self.cfg.replay_reasoning
+                )
+                if tools.dropped:
+                    dropped = dropped_tools_header(tools.dropped)
+                    log.debug("request %s: dropped tools a chat server cannot run: %s", item.id, dropped)
+                    headers["x-iop-dropped-tools"] = dropped
+            else:
+                upstream = chat_to_responses_request(request, name)
+        except (TypeError, AttributeError, KeyError, ValueError) as exc:
+            # A field of a shape the translation did not expect (the edge checks the ones it knows):
+            # the request's fault, never the provider's, so no breaker counts it and no failover.
+            raise BadRequest(
+                f"the request cannot be translated for this provider: {type(exc).__name__}: {exc}"
+            ) from exc
+        return upstream, tools, headers
 
     async def _post(self, api: wire.Api, body: bytes, request_id: str = "") -> HttpResponse:
         # The request id goes upstream too (as a UUID), so the upstream's own logs can be joined with iop's.
