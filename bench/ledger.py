@@ -31,8 +31,9 @@ from bench import load
 from bench.abtest import start_upstream
 from bench.procs import Owned, free_port, http_json, install_signal_handlers, log
 from bench.stack import Stack, openai_pool_node, start_stack
+from iop.contracts.usage import parse_query
 from iop.edge.ledger import BATCH_RECORDS, RequestRecord, encode_batch, ensure_ledger_stream, ledger_subject
-from iop.edge.usage_query import Aggregate, parse_query, read_records
+from iop.edge.usage_query import Aggregate, read_records
 from iop.nats import connection
 from iop.nats.server import EmbeddedNats
 

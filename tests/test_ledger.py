@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
+from iop.contracts.usage import parse_query
 from iop.edge.ledger import LEDGER_STREAM, RequestRecord
-from iop.edge.usage_query import Aggregate, parse_query, read_records, to_csv
+from iop.edge.usage_query import Aggregate, read_records, to_csv
 from iop.nats import connection
 from iop.nats.server import EmbeddedNats
 from iop.node.adapters.openai import upstream_request_id

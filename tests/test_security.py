@@ -24,10 +24,11 @@ import yaml
 from nats.aio.client import Client as NATS
 
 from iop import config, wire
+from iop.contracts.usage import parse_query
 from iop.edge.app import build_app
 from iop.edge.keys import EdgeKeys, parse_keys
 from iop.edge.ledger import LEDGER_STREAM, RequestRecord
-from iop.edge.usage_query import parse_query, read_records
+from iop.edge.usage_query import read_records
 from iop.errors import BusError, ConfigError
 from iop.nats import connection
 from iop.nats.access import SECRET_FILE, Credentials, NatsAccess

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from iop.contracts.usage import parse_query
 from iop.edge.ledger import LEDGER_STREAM, RequestRecord
 from iop.edge.tail import TAIL_PER_KEY, TailFeed
-from iop.edge.usage_query import parse_query, read_records
+from iop.edge.usage_query import read_records
 from iop.errors import Unavailable
 from iop.nats.server import EmbeddedNats
 from tests.harness import EdgeHandle, deployment, deployment_running, eventually, running_edge, until

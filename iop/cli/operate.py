@@ -91,8 +91,9 @@ def usage_cmd(
     import msgspec
 
     from iop.client import EdgeClient
-    from iop.edge.usage_query import parse_query, record_line, to_table
+    from iop.contracts.usage import parse_query
     from iop.errors import BadRequest
+    from iop.usageview import record_line, to_table
 
     if as_json and as_csv:
         fail("--json and --csv exclude each other", 2)

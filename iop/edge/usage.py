@@ -11,10 +11,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Scope
 
+from iop.contracts.usage import parse_query, parse_time
 from iop.edge.keys import EdgeKeys
 from iop.edge.ledger import RequestRecord
 from iop.edge.tail import TailFeed
-from iop.edge.usage_query import Aggregate, parse_query, parse_time, read_records, record_json, to_csv
+from iop.edge.usage_query import Aggregate, read_records, record_json, to_csv
 from iop.errors import BadRequest, Unavailable
 
 Endpoint = Callable[[Request], Awaitable[Response]]

@@ -1,6 +1,5 @@
-"""Reading the ledger back: the query (`since`, `until`, `by`), the ordered read, the usage table.
+"""Reading the ledger back: the ordered read and the usage table (the query is iop/contracts/usage.py).
 
-The parsing is pure (the `iop usage` command checks its options with it before asking the edge);
 `read_records` reads IOP_LEDGER with an ordered consumer from the first message at or after
 `since` to the last one present when the read began.
 """
@@ -13,7 +12,6 @@ import csv
 import io
 import logging
 import operator
-import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -26,85 +24,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 
+from iop.contracts.usage import COLUMNS, Query
 from iop.edge.ledger import LEDGER_STREAM, LEDGER_SUBJECTS, RequestRecord, decode_batch, ledger_subject, token_of
-from iop.errors import BadRequest
 from iop.percentile import nearest_rank
 
 log = logging.getLogger("iop.edge")
-
-GROUP_KEYS = ("model", "provider", "node", "key", "day", "hour", "api", "route", "status")
-"""What `by` may name; `model` is the alias the client asked for."""
-COLUMNS = (
-    "requests",
-    "errors",
-    "input_tokens",
-    "output_tokens",
-    "cached_tokens",
-    "reasoning_tokens",
-    "duration_p50_ms",
-    "duration_p95_ms",
-    "queue_p50_ms",
-    "queue_p95_ms",
-)
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
-
-
-@dataclass(frozen=True)
-class Query:
-    since: float
-    until: float
-    by: tuple[str, ...]
-
-
-LATEST_TIME = 253402300799.0
-"""The last second of the year 9999: a time the ledger's reader (and `datetime`) can still name."""
-
-
-def parse_time(value: str, param: str, now: float) -> float:
-    """`7d`, `24h`, `30m`, `90s`, `2w` (that long ago), an ISO 8601 time, or a Unix time.
-
-    The result is a time from 1970 to 9999: `nan`, `inf`, `1e20` or `99999999999d` are refused here,
-    naming the parameter, rather than failing later where a time becomes a date.
-    """
-    text = value.strip()
-    if m := _DURATION.match(text):
-        return _in_range(now - float(m.group(1)) * _UNITS[m.group(2)], param, value)
-    try:
-        return _in_range(float(text), param, value)
-    except ValueError:
-        pass
-    try:
-        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise BadRequest(
-            f"'{param}' must be a duration like 24h or 7d, an ISO 8601 time, or a Unix time; got {value!r}",
-            param=param,
-        ) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return _in_range(when.timestamp(), param, value)
-
-
-def _in_range(t: float, param: str, value: str) -> float:
-    if not 0.0 <= t <= LATEST_TIME:  # also false for nan
-        raise BadRequest(f"'{param}' must name a time between 1970 and 9999; got {value[:64]!r}", param=param)
-    return t
-
-
-def parse_query(since: str | None, until: str | None, by: str | None, now: float | None = None) -> Query:
-    """The query from its text parameters; BadRequest names the parameter at fault."""
-    now = time.time() if now is None else now
-    start = parse_time(since, "since", now) if since else now - 86400.0
-    end = parse_time(until, "until", now) if until else now
-    if end < start:
-        raise BadRequest("'until' is before 'since'", param="until")
-    keys = tuple(k.strip() for k in (by or "model").split(",") if k.strip())
-    for k in keys:
-        if k not in GROUP_KEYS:
-            raise BadRequest(f"'by' names an unknown group key {k!r}; known: {', '.join(GROUP_KEYS)}", param="by")
-    return Query(start, end, keys)
-
 
 _ATTR = {"model": "alias", "provider": "provider", "node": "node", "key": "key", "api": "api", "route": "route"}
 _ATTR["status"] = "status"
@@ -242,29 +166,6 @@ def to_csv(table: dict[str, Any]) -> str:
     return buf.getvalue()
 
 
-def to_table(table: dict[str, Any]) -> str:
-    """The text table `iop usage` prints."""
-    by = table["by"]
-    head = [k.upper() for k in by] + ["REQUESTS", "ERRORS", "TOKENS-IN", "TOKENS-OUT", "CACHED", "P50-MS", "P95-MS"]
-    head += ["QUEUE-P50", "QUEUE-P95"]
-    rows = [head]
-
-    def num(v: object) -> str:
-        return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
-
-    for r in table["rows"]:
-        cells = [str(r[k]) if r[k] != "" else "-" for k in by]
-        cells += [num(r[c]) for c in ("requests", "errors", "input_tokens", "output_tokens", "cached_tokens")]
-        cells += [num(r[c]) for c in ("duration_p50_ms", "duration_p95_ms", "queue_p50_ms", "queue_p95_ms")]
-        rows.append(cells)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = [f"usage {table['since']} .. {table['until']}"]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    if not table["rows"]:
-        lines.append("(no requests in this range)")
-    return "\n".join(lines)
-
-
 IDLE_S = 2.0
 """A read that got nothing for this long ends: messages it expected were removed (retention) meanwhile."""
 
@@ -361,17 +262,3 @@ _json = msgspec.json.Encoder()
 def record_json(r: RequestRecord) -> bytes:
     """One record as a JSON object (the stored form is an array)."""
     return _json.encode(msgspec.structs.asdict(r))
-
-
-def record_line(r: dict[str, Any]) -> str:
-    """One followed record as a line: time, id, model, route, where, status, times, tokens."""
-    when = time.strftime("%H:%M:%S", time.localtime(r["start"]))
-    where = f"{r.get('node') or '-'}/{r.get('provider') or '-'}"
-    tokens = "-" if r.get("input_tokens") is None else f"{r['input_tokens']}/{r.get('output_tokens') or 0}"
-    queue = "-" if r.get("queue_ms") is None else f"{r['queue_ms']:.1f}"
-    err = f" {r['error']}" if r.get("error") else ""
-    key = f" key={r['key']}" if r.get("key") else ""
-    return (
-        f"{when} {r['id']} {r.get('alias') or '-'} {r.get('route') or '-'} {where} {r['status']}{err} "
-        f"{r['duration_ms']:.1f}ms queue={queue}ms tokens={tokens}{key}"
-    )
