@@ -66,6 +66,7 @@ POOL_FIELDS = {
     "affinity_hits",
     "affinity_misses",
     "endpoints",
+    "tenants",
 }
 
 

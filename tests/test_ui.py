@@ -280,7 +280,7 @@ async def test_ui_files_are_served_with_a_strict_policy_and_no_key(nats_server: 
                 assert [n["id"] for n in data["nodes"]] == NODES
 
 
-async def test_status_reports_the_pools_queue_wait_p50_p95(nats_server: EmbeddedNats) -> None:
+async def test_status_reports_the_pools_queue_wait_p50_p95_and_its_tenants(nats_server: EmbeddedNats) -> None:
     gate = asyncio.Event()
     async with fake_upstream(gate=gate) as up, smoke_deployment(nats_server.url, up) as handle:
         before = (await handle.status()).pool(POOL)
@@ -293,6 +293,13 @@ async def test_status_reports_the_pools_queue_wait_p50_p95(nats_server: Embedded
         ]
         await up.wait_for(lambda u: u.in_flight == 10)
         await until(lambda: handle.edge.scheduler.waiting(POOL) == 2, handle.edge.scheduler.changed)
+        held = (await handle.status()).pool(POOL)
+        assert held is not None  # without keys every request is the one tenant ""
+        assert [(t.tenant, t.waiting, t.running) for t in held.tenants] == [("", 2, 10)]
+        async with httpx.AsyncClient(base_url=handle.url) as http:
+            metrics = (await http.get("/metrics")).text
+        assert f'iop_tenant_waiting{{pool="{POOL}",tenant=""}} 2.0' in metrics
+        assert f'iop_tenant_running{{pool="{POOL}",tenant=""}} 10.0' in metrics
         await asyncio.sleep(0.2)  # the held requests' wait: what the p95 must show
         gate.set()
         await asyncio.wait_for(asyncio.gather(*burst), 30)
@@ -301,6 +308,7 @@ async def test_status_reports_the_pools_queue_wait_p50_p95(nats_server: Embedded
         # Ten of twelve took a slot at once; the last two waited at least the 0.2 s the gate stayed shut.
         assert after.queue_wait_p50_ms == 0.0
         assert 200 <= after.queue_wait_p95_ms <= (time.monotonic() - t0) * 1000
+        assert after.tenants == []  # nothing waits or runs: no tenant listed
 
 
 async def test_ui_lists_the_smoke_deployment(nats_server: EmbeddedNats, page: Page) -> None:
@@ -350,6 +358,7 @@ async def test_ui_burst_fills_and_drains_the_pool(nats_server: EmbeddedNats, pag
                 f"return f('{pool}', 'waiting') === '4' && f('{pool}', 'running') === '10'"
                 " && f('[data-provider=\"gpu-a-vllm\"]', 'in_flight') === '4/4'"
                 " && f('[data-provider=\"mac-mlx-vllm\"]', 'in_flight') === '2/2'"
+                f" && f('{pool} [data-tenant=\"\"]', 'tenant_load') === '4 waiting · 10 running'"
             )
             assert await page.js(WIDTHS) == [100, 100, 100]
             await page.screenshot("burst-full")
@@ -364,6 +373,7 @@ async def test_ui_burst_fills_and_drains_the_pool(nats_server: EmbeddedNats, pag
             f"return f('{pool}', 'waiting') === '0' && f('{pool}', 'running') === '0'"
             " && [...document.querySelectorAll('.prov [data-field=\"in_flight\"]')]"
             "    .every(e => e.textContent.startsWith('0'))"
+            f" && document.querySelector('{pool} .tenants').hidden"
         )
         assert await page.js(WIDTHS) == [0, 0, 0]
         # The queue's wait was measured and the sparkline kept the burst's peak.

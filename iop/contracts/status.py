@@ -117,6 +117,17 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     """The machine the node runs on, as it said in its hello; None: not heard from yet."""
 
 
+class TenantLoad(msgspec.Struct, kw_only=True):
+    """One tenant's requests in one pool at this edge (tenants with none are not listed)."""
+
+    tenant: str
+    """The tenant's name ("" without client keys)."""
+    priority: str = "standard"
+    waiting: int = 0
+    running: int = 0
+    """Holding a slot of the pool: granted at this edge, not yet ended."""
+
+
 class PoolStatus(msgspec.Struct, kw_only=True):
     """A pool alias: its candidates' capacity and this edge's queue."""
 
@@ -150,6 +161,8 @@ class PoolStatus(msgspec.Struct, kw_only=True):
     out of rotation or gone)."""
     endpoints: list[str] = msgspec.field(default_factory=list)
     """What every provider of the pool answers (chat, responses, messages, embeddings, completions)."""
+    tenants: list[TenantLoad] = msgspec.field(default_factory=list)
+    """Per tenant with requests here: waiting and holding slots, most waiting first."""
 
 
 class RouteStatus(msgspec.Struct, kw_only=True):

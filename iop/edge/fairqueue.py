@@ -126,6 +126,12 @@ class FairQueue:
     def eligible_waiting(self) -> int:
         return self._eligible
 
+    def loads(self) -> list[tuple[str, str, int, int]]:
+        """(tenant, priority, waiting, running) of every tenant with requests here, most waiting first."""
+        rows = [(t.name, PRIORITIES[t.rank], len(t.waiters), t.running) for t in self.tenants.values()]
+        rows.sort(key=lambda r: (-r[2], -r[3], r[0]))
+        return rows
+
     def set_fair(self, fair: bool) -> None:
         """Fair queueing on or off (a refresh): every tenant placed again by the new order."""
         if fair == self.fair:

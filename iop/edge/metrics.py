@@ -244,8 +244,17 @@ class _LiveCollector(Collector):
             elsewhere.add_metric([slots.node, slots.id], slots.elsewhere)
             over.add_metric([slots.node, slots.id], share.oversubscribed.get(slots.id, 0))
         waiting = GaugeMetricFamily("iop_pool_waiting", "Requests waiting for a slot.", labels=["alias"])
-        for alias in scheduler.pools:
+        tenant_waiting = GaugeMetricFamily(
+            "iop_tenant_waiting", "A tenant's requests waiting for a slot of a pool.", labels=["tenant", "pool"]
+        )
+        tenant_running = GaugeMetricFamily(
+            "iop_tenant_running", "A tenant's requests holding a slot of a pool.", labels=["tenant", "pool"]
+        )
+        for alias, pool in scheduler.pools.items():
             waiting.add_metric([alias], scheduler.waiting(alias))
+            for tenant, _, w, r in pool.waiters.loads():
+                tenant_waiting.add_metric([tenant, alias], w)
+                tenant_running.add_metric([tenant, alias], r)
         nodes = GaugeMetricFamily("iop_node_connected", "1 while the node's heartbeats arrive.", labels=["node"])
         for node_id in registry.nodes:
             nodes.add_metric([node_id], 1.0 if registry.connected(node_id) else 0.0)
@@ -257,7 +266,8 @@ class _LiveCollector(Collector):
         nats.add_metric([], 1.0 if self.nc.is_connected else 0.0)
         up = GaugeMetricFamily("iop_edge_uptime_seconds", "Seconds since this edge started.")
         up.add_metric([], time.time() - self.started_at)
-        yield from (capacity, in_flight, elsewhere, over, waiting, nodes, dropped, pending, nats, up)
+        yield from (capacity, in_flight, elsewhere, over, waiting, tenant_waiting, tenant_running, nodes)
+        yield from (dropped, pending, nats, up)
         yield from _server_metrics(registry)
 
 

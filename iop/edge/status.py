@@ -20,6 +20,7 @@ from iop.contracts.status import (
     QualificationSummary,
     RouteStatus,
     Status,
+    TenantLoad,
 )
 from iop.edge.current import CurrentDeployment
 from iop.edge.refresh import Refresher
@@ -172,6 +173,10 @@ def status_of(src: StatusSources) -> Status:
                 affinity_hits=affinity[alias].hits if alias in affinity else 0,
                 affinity_misses=affinity[alias].misses if alias in affinity else 0,
                 endpoints=list(endpoints.ordered(endpoints.of_alias(src.catalog, alias))),
+                tenants=[
+                    TenantLoad(tenant=t, priority=prio, waiting=w, running=r)
+                    for t, prio, w, r in src.scheduler.pools[alias].waiters.loads()
+                ],
             )
         )
     routes = [

@@ -321,8 +321,10 @@
     const legend = el("div", "legend");
     legend.append(el("span", "key waiting", "waiting"), el("span", "key running", "running"),
       field("spark_max", "muted"));
-    root.append(head, bar, figs, spark, legend);
-    return { root, fill, f, running, waiting, candidates: head.lastChild, sparkMax: legend.lastChild };
+    const tenants = el("div", "tenants");
+    tenants.setAttribute("aria-label", "requests per tenant");
+    root.append(head, bar, figs, spark, legend, tenants);
+    return { root, fill, f, running, waiting, tenants, candidates: head.lastChild, sparkMax: legend.lastChild };
   }
 
   function updatePool(view, p) {
@@ -352,9 +354,27 @@
       const offset = HISTORY - series.length;
       return series.map((v, i) => (offset + i) + "," + (38 - (v / top) * 36).toFixed(1)).join(" ");
     };
+    drawTenants(view.tenants, p.tenants || []);
     view.waiting.setAttribute("points", points(h.waiting));
     view.running.setAttribute("points", points(h.running));
     setText(view.sparkMax, "last " + fmtDuration(h.waiting.length) + ", top " + top);
+  }
+
+  // One line per tenant with requests in the pool (the edge lists them most waiting first).
+  function drawTenants(box, tenants) {
+    const rows = tenants.map((t) => {
+      const row = el("div", "tenant");
+      row.dataset.tenant = t.tenant;
+      const name = el("span", "name", t.tenant === "" ? "(no key)" : t.tenant);
+      const prio = el("span", "muted", t.priority);
+      const load = el("span", "value", t.waiting + " waiting · " + t.running + " running");
+      load.dataset.field = "tenant_load";
+      row.append(name, prio, load);
+      row.classList.toggle("hot", t.waiting > 0);
+      return row;
+    });
+    box.replaceChildren(...rows);
+    box.hidden = rows.length === 0;
   }
 
   function drawRoutes(routes) {
