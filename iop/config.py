@@ -10,7 +10,7 @@ import msgspec
 import msgspec.inspect
 from msgspec import Meta
 
-from iop import crosscheck, tenancy, validate, yamldoc
+from iop import crosscheck, policy, tenancy, validate, yamldoc
 from iop.errors import ConfigError
 from iop.serverconf import ServerSettings
 
@@ -108,9 +108,7 @@ class NatsSettings(_Strict):
 class QueueSettings(_Strict):
     """The wait queue in front of each pool."""
 
-    timeout_s: Annotated[Seconds, Meta(description="How long a pool request may wait for a free slot (then 503).")] = (
-        60.0
-    )
+    timeout_s: Annotated[Seconds, Meta(description="Longest a pool request waits for a free slot (then 503).")] = 60.0
     max_waiting: Annotated[int, Meta(ge=1, description="How many requests may wait per pool; one more gets 429.")] = (
         1000
     )
@@ -249,6 +247,8 @@ class ModelAlias(_Strict):
             "served its session last while another is free (prefix-cache affinity). 0: never waits."
         ),
     ] = 0.0
+    routing: Annotated[policy.Routing, Meta(description=policy.ROUTING_HELP)] = "expected_finish"
+    deadline_ms: Annotated[policy.Deadline | None, Meta(description=policy.DEADLINE_HELP)] = None
 
 
 class CliAdapter(_Strict, tag="cli", tag_field="type"):
@@ -349,6 +349,7 @@ class Provider(_Strict):
         Annotated[int, Meta(ge=1)] | None,
         Meta(description="Requests served at once; required on openai/mock adapters, absent on cli."),
     ] = None
+    policy: Annotated[policy.LifecyclePolicy | None, Meta(description=policy.POLICY_HELP)] = None
 
 
 class RuntimeSettings(_Strict):

@@ -35,6 +35,7 @@ from iop.edge.heads import Head, check_mixed_pool, parse_head
 from iop.edge.keys import EdgeKeys
 from iop.edge.observe import REQUEST_ID, Observer, Trace, new_request_id
 from iop.edge.relay import Relay
+from iop.edge.routing import BYTES_PER_TOKEN, Ask
 from iop.edge.scheduler import Scheduler
 from iop.edge.tenants import Tenants
 from iop.errors import BadRequest, ErrorResponse, MethodNotAllowed, NotFound, RequestError, error_response
@@ -243,6 +244,7 @@ class ApiEndpoint:
                 affinity_wait_s=catalog.affinity_wait_s.get(model, 0.0),
                 size=len(body),
                 tenant=tenant,
+                ask=Ask(len(body) // BYTES_PER_TOKEN, head.max_tokens, _finish_by(scope, trace, edge.scheduler, model)),
             )
         if model in catalog.routes:
             trace.alias = model
@@ -285,6 +287,25 @@ class ApiEndpoint:
             exc.headers.setdefault("x-iop-provider", provider)  # who failed or refused (e.g. a translation)
             raise
         return None
+
+
+def _finish_by(scope: Scope, trace: Trace, scheduler: Scheduler, alias: str) -> float | None:
+    """When the request's answer should be complete (monotonic): `x-iop-deadline-ms` after its
+    arrival, else its pool's `deadline_ms`; None: no deadline."""
+    for name, value in scope["headers"]:
+        if name == b"x-iop-deadline-ms":
+            try:
+                ms = float(value)
+            except ValueError:
+                ms = -1.0
+            if not 0 < ms < 1e9:
+                raise BadRequest(
+                    "x-iop-deadline-ms must be a positive number of milliseconds", param="x-iop-deadline-ms"
+                )
+            return trace.arrived + ms / 1000
+    pool = scheduler.pools.get(alias)
+    default = pool.rules.deadline_s if pool is not None else None
+    return trace.arrived + default if default is not None else None
 
 
 def _upstream_model(edge: Serving, provider: str, alias: str) -> str:

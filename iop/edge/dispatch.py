@@ -22,6 +22,7 @@ direct route (a CLI resource: no slot, no failover).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -32,6 +33,7 @@ from iop.edge.affinity import Sessions
 from iop.edge.channel import Channel
 from iop.edge.observe import Trace
 from iop.edge.relay import Relay
+from iop.edge.routing import Ask, unmeetable
 from iop.edge.scheduler import Scheduler
 from iop.edge.slots import Grant, PinnedQueue, PoolQueue, ProviderSlots
 from iop.edge.tenants import UNLIMITED, Tenant
@@ -174,6 +176,7 @@ class PoolDispatch(_Dispatch):
         affinity_wait_s: float = 0.0,
         pin: str | None = None,
         tenant: Tenant | None = None,
+        ask: Ask | None = None,
     ) -> None:
         super().__init__(relay, alias, record, deadline)
         record.route = "pool"
@@ -189,6 +192,8 @@ class PoolDispatch(_Dispatch):
         self.affinity_wait_s = affinity_wait_s
         self.tenant = tenant
         """Whose request this is: the scheduler's fair queueing reads its name, priority and weight."""
+        self.ask = ask
+        """The request's size and deadline for the router; its `reason` goes to the record."""
         self.prefer: str | None = None
         self.tried: frozenset[str] = frozenset()
         self.last: RequestError | None = None
@@ -203,11 +208,16 @@ class PoolDispatch(_Dispatch):
             slot = await sched.acquire_pinned(self.pin, self.deadline)
             pinned = next(q for q in slot.pools if isinstance(q, PinnedQueue))
             return self._attempt(slot, pinned)
+        deadline, ask, pool = self.deadline, self.ask, sched.pools.get(self.alias)
+        if ask is not None and ask.finish_by is not None and pool is not None:
+            deadline = sched.router.bound(
+                self.alias, pool.in_rotation(), ask, deadline, asyncio.get_running_loop().time()
+            )
         try:
             tenant = self.tenant or _NO_TENANT
             grant = await sched.acquire_grant(
                 self.alias,
-                self.deadline,
+                deadline,
                 self.tried,
                 self.size,
                 prefer=self.prefer,
@@ -216,10 +226,14 @@ class PoolDispatch(_Dispatch):
                 priority=tenant.priority,
                 weight=tenant.weight,
                 max_concurrent=tenant.policy.max_concurrent_on(self.alias),
+                ask=self.ask,
             )
         except Unavailable as unusable:
             if self.last is not None and unusable.code == "pool_unavailable":
                 raise self.last from None  # no other provider to fail over to: the client hears why
+            late = ask.late if ask is not None else None
+            if unusable.code == "queue_timeout" and late is not None and time.monotonic() >= late - 0.01:
+                raise unmeetable(self.alias, self.ask or Ask(), None) from None
             raise
         slot = grant.slot
         pool = sched.pools.get(self.alias)
@@ -230,6 +244,8 @@ class PoolDispatch(_Dispatch):
             raise Unavailable(f"model '{self.alias}' was removed by a refresh", code="model_removed")
         if self.sessions is not None:
             self.record.affinity = self.sessions.served(self.alias, self.session, slot.id, self.prefer)
+        if self.ask is not None:
+            self.record.route_reason = self.ask.reason
         self.prefer = None  # a failover goes wherever is free; the provider that answers is remembered
         return self._attempt(slot, pool, grant)
 
@@ -245,10 +261,15 @@ class PoolDispatch(_Dispatch):
         if self.pin is not None:
             self.done = True
             return False  # a measurement: it teaches the breaker nothing, and is never moved
+        size = self.ask.input_tokens if self.ask is not None else 0
         if exc is None:
             sched.succeeded(slot)
+            # A stream that failed after its 200 ended the try well for the breaker, not for the policy.
+            sched.router.ended(slot.id, self.alias, not self.record.error, attempt.channel.outcome, size, _load(slot))
             self.done = True
             return False
+        if isinstance(exc, RequestError) and exc.status >= 500 and not self.record.cancelled:
+            sched.router.ended(slot.id, self.alias, False, attempt.channel.outcome, size, _load(slot))
         if not isinstance(exc, RequestError) or not exc.retryable or exc.status < 500:
             # A 4xx is about the request (an upstream's 422 arrives as an UpstreamError with its
             # status): another provider would refuse it too, and it says nothing of this provider's
@@ -280,3 +301,8 @@ class DirectDispatch(_Dispatch):
             raise StopAsyncIteration
         self.record.attempts = 1
         return Attempt(self, self.resource)
+
+
+def _load(slot: ProviderSlots) -> int:
+    """The concurrency a request that just ended ran at (its own slot is already given back)."""
+    return slot.in_flight + slot.elsewhere + 1

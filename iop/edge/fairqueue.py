@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from iop.edge.routing import Ask
+
 S = TypeVar("S")
 """What a waiter may take (a provider's slots): this module sits below iop/edge/slots.py."""
 
@@ -62,6 +64,9 @@ class Waiter:
     tenant: TenantQueue | None = None
     tracked: bool = False
     """Its grant's release will say so (Scheduler.acquire_grant): it counts toward max_concurrent."""
+    ask: Ask | None = None
+    """Its size and deadline for the router (iop/edge/routing.py): with a deadline it may refuse a
+    free slot of a provider too slow for it, so the waiters behind it are asked too."""
 
 
 @dataclass(eq=False)
@@ -252,7 +257,7 @@ class FairQueue:
                     slot = choose(w)
                     if slot is not None:
                         return w, slot
-                    if not w.exclude and not w.holding:
+                    if not w.exclude and not w.holding and (w.ask is None or w.ask.finish_by is None):
                         return None  # nothing free for anyone: later waiters can't do better
                 popped.append(heapq.heappop(heap))
             return False

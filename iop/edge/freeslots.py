@@ -39,6 +39,10 @@ class FreeSlots(Generic[T]):
     def __len__(self) -> int:
         return len(self._where)
 
+    def __iter__(self) -> Iterator[T]:
+        """Every ranked item (no order promised)."""
+        return iter(self._where)
+
     def __contains__(self, item: T) -> bool:
         return item in self._where
 

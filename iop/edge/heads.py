@@ -52,6 +52,8 @@ class ChatHead(msgspec.Struct):
     prompt_cache_key: str | None = None
     user: str | None = None
     """Chat clients without a `prompt_cache_key` often name the session's user: a session key too."""
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
 
 
 class ResponsesHead(msgspec.Struct):
@@ -63,6 +65,7 @@ class ResponsesHead(msgspec.Struct):
     prompt_cache_key: str | None = None
     store: bool | None = None
     previous_response_id: str | None = None
+    max_output_tokens: int | None = None
 
     def stateful(self) -> bool:
         """The request names or makes state the edge holds (iop/responses): it is expanded first."""
@@ -99,6 +102,8 @@ class Head(NamedTuple):
     """Chat's `user`: the session key of last resort (after the session-id headers)."""
     stateful: bool = False
     """A Responses request the edge expands and whose answer it may keep (iop/responses)."""
+    max_tokens: int | None = None
+    """The most output tokens the request allows (the router's size of its answer)."""
 
 
 def parse_head(api: wire.Api, body: bytes) -> Head:
@@ -114,10 +119,13 @@ def parse_head(api: wire.Api, body: bytes) -> Head:
             chat = _chat_head(body)
             if not chat.messages:
                 raise BadRequest("'messages' must not be empty", param="messages")
-            return Head(chat.model, chat.stream, chat.prompt_cache_key, chat.user)
+            limit = chat.max_completion_tokens or chat.max_tokens
+            return Head(chat.model, chat.stream, chat.prompt_cache_key, chat.user, max_tokens=limit)
         if api == "responses":
             resp = _responses_head(body)
-            return Head(resp.model, resp.stream, resp.prompt_cache_key, None, resp.stateful())
+            return Head(
+                resp.model, resp.stream, resp.prompt_cache_key, None, resp.stateful(), max_tokens=resp.max_output_tokens
+            )
         if api == "compact":
             compact = _compact_head(body)
             return Head(compact.model, False, None, None, compact.stateful())

@@ -128,6 +128,9 @@ class RequestRecord(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     cold_start_ms: float | None = None
     """Of `queue_ms`, how long the node waited for the provider's model server to start (a cold start
     or a swap, iop/node/servers.py); None when it was ready."""
+    route_reason: str = ""
+    """Why this provider (pool requests): `affinity`, `only_free`, `free_slots`, `unmeasured`, or
+    `expected_finish 1.20s vs 3.40s` (its estimate against the next best's; iop/edge/routing.py)."""
 
 
 encode_batch = msgspec.msgpack.Encoder().encode

@@ -56,6 +56,7 @@ class Trace:
         "queue_ms",
         "report",
         "route",
+        "route_reason",
         "start",
         "status",
         "stream",
@@ -92,6 +93,8 @@ class Trace:
         """The node's last word on the last try: what only it knows (tokens, upstream status, exit code)."""
         self.affinity = False
         """The last try went to the provider its session used last (prefix-cache affinity)."""
+        self.route_reason = ""
+        """Why the last try's provider was chosen (iop/edge/routing.py)."""
         self.method = ""
         """Set (with `path`) for a request refused before its model was known: what the log shows instead."""
         self.path = ""
@@ -136,6 +139,7 @@ class Trace:
             node_ttfb_ms=(out.ttfb_ms or None) if out is not None else None,
             affinity=self.affinity,
             tenant=self.tenant,
+            route_reason=self.route_reason,
         )
 
 

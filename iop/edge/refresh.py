@@ -22,6 +22,7 @@ from iop import config, wire
 from iop.contracts.refresh import RefreshResult, diff
 from iop.edge.current import CurrentDeployment
 from iop.edge.registry import Registry
+from iop.edge.routing import PoolRules
 from iop.edge.scheduler import Scheduler
 from iop.errors import BusError, ConfigError
 from iop.nats import streams
@@ -175,6 +176,9 @@ class Refresher:
             },
             catalog.pools,
         )
+        rules = PoolRules.of(new)
+        for alias, pool in self.scheduler.pools.items():
+            pool.rules = rules.get(alias, PoolRules())
         self.registry.apply(new)
         return draining
 

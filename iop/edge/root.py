@@ -31,6 +31,7 @@ from iop.edge.qualification import QualifyDesk
 from iop.edge.refresh import Refresher, publish_catalog
 from iop.edge.registry import Registry
 from iop.edge.relay import Relay
+from iop.edge.routing import PoolRules
 from iop.edge.scheduler import Scheduler
 from iop.edge.status import StatusSources
 from iop.edge.storage import WorkStream
@@ -96,8 +97,10 @@ class Edge:
         for pid, ref in catalog.providers.items():
             if ref.provider.capacity is not None:
                 self.scheduler.add_provider(pid, ref.node.id, ref.provider.capacity)
+        rules = PoolRules.of(deployment)
         for alias, members in catalog.pools.items():
             self.scheduler.add_pool(alias, members)
+            self.scheduler.pools[alias].rules = rules[alias]
         self.work_stream = WorkStream(self.js, self.current.capacities)
         self.relay = Relay(nc, self.js, self.edge_id, self.work_stream)
         self.registry = Registry(

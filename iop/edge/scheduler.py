@@ -16,6 +16,7 @@ from time import monotonic
 
 from iop.edge.affinity import Sessions
 from iop.edge.fairqueue import TenantQueue, Waiter
+from iop.edge.routing import Ask, Router
 from iop.edge.slots import Grant, PinnedQueue, PoolQueue, ProviderSlots
 from iop.errors import QueueFull, Unavailable
 from iop.tenancy import Priority
@@ -51,6 +52,8 @@ class Scheduler:
         """Prefix-cache affinity: the provider each session used last (the dispatch reads and feeds it)."""
         self.on_count: Callable[[ProviderSlots], None] | None = None
         """Called when a provider's `in_flight` changed (iop/edge/share.py tells the other edges)."""
+        self.router = Router()
+        """Which free provider a request gets (iop/edge/routing.py), and what it knows of each one's speed."""
 
     def add_provider(self, provider: str, node: str, capacity: int) -> ProviderSlots:
         slots = self.providers.get(provider)
@@ -78,6 +81,7 @@ class Scheduler:
         priority: Priority = "standard",
         weight: float = 1.0,
         max_concurrent: int | None = None,
+        ask: Ask | None = None,
     ) -> ProviderSlots:
         """A slot of a provider of `alias` (none of `exclude`); `deadline` is on the loop's clock.
 
@@ -88,7 +92,7 @@ class Scheduler:
         `tenant`, `priority`, `weight` are the request's tenant and its policy (iop/edge/tenants.py):
         its place in the pool's fair order (iop/edge/fairqueue.py). `max_concurrent` (the tenant's
         in-flight bound on this pool, None: none) holds only through `acquire_grant`, whose
-        release gives the share back.
+        release gives the share back. `ask`: its size and deadline, for the router (iop/edge/routing.py).
 
         `size` is the bytes the request holds while it waits (its body). Raises QueueFull when
         `max_waiting` requests already wait or their bytes would pass `max_waiting_bytes`,
@@ -96,7 +100,7 @@ class Scheduler:
         """
         pool = self.pools[alias]
         t = pool.waiters.tenant(tenant, priority, weight, None)
-        grant = await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, t, False)
+        grant = await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, t, False, ask)
         return grant.slot
 
     async def acquire_grant(
@@ -112,12 +116,13 @@ class Scheduler:
         priority: Priority = "standard",
         weight: float = 1.0,
         max_concurrent: int | None = None,
+        ask: Ask | None = None,
     ) -> Grant:
         """`acquire`, counted for its tenant until `release(grant.slot, grant)`: its share of the pool
         (max_concurrent, what /status shows running) and the service it really received."""
         pool = self.pools[alias]
         t = pool.waiters.tenant(tenant, priority, weight, max_concurrent)
-        return await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, t, True)
+        return await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, t, True, ask)
 
     async def acquire_pinned(self, provider: str, deadline: float) -> ProviderSlots:
         """A slot of `provider` itself, whatever pool it is in (qualification; admin only)."""
@@ -131,14 +136,11 @@ class Scheduler:
         t = pinned.waiters.tenant("", "standard", 1.0, None)
         return (await self._acquire(pinned, deadline, frozenset(), 0, None, 0.0, t, False)).slot
 
-    def set_drained(self, provider: str, drained: bool) -> None:
-        """Take a provider out of its pools (no new user work) or put it back."""
+    def set_drained(self, provider: str, drained: bool, by: str = "qualify", why: str = "exclusive qualify") -> None:
+        """Take a provider out of its pools (no new user work) or put it back, for `by` (a qualification,
+        its policy, an operator): back once nobody holds it out. Its waiters go elsewhere or wait."""
         slot = self.providers.get(provider)
-        if slot is None or slot.drained == drained:
-            return
-        slot.drained = drained
-        slot.rerank()
-        if not drained:
+        if slot is not None and slot.drain(by, why if drained else None) and not slot.drained:
             self._pump(slot.pools)
 
     async def _acquire(
@@ -151,18 +153,19 @@ class Scheduler:
         prefer_wait_s: float,
         tenant: TenantQueue,
         tracked: bool,
+        ask: Ask | None = None,
     ) -> Grant:
         alias = pool.alias
         hold = prefer_wait_s > 0 and self._holdable(pool, prefer, exclude)
         # Anyone who may take a slot before it waits already: a free slot is theirs, not this one's.
         if not pool.waiters.eligible_waiting and (not tracked or tenant.eligible):
-            slot = self._choice(pool, exclude, prefer, hold)
+            slot = self._choice(pool, exclude, prefer, hold, ask)
             if slot is not None:
                 pool.waits_s.append(0.0)
                 return self._grant(slot, pool, tenant, tracked)
         if not any(p.seen for p in pool.providers):
             await self._await_connected(pool, deadline)
-            return await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, tenant, tracked)
+            return await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, tenant, tracked, ask)
         # A pinned request waits for its provider whatever its breaker says: it measures it.
         retry_s = None if isinstance(pool, PinnedQueue) else self.retry_after(pool, exclude)
         if retry_s is not None:
@@ -182,7 +185,7 @@ class Scheduler:
             )
         loop = asyncio.get_running_loop()
         waiter = Waiter(loop.create_future(), next(self._order), exclude, size, prefer, hold)
-        waiter.tracked = tracked
+        waiter.tracked, waiter.ask = tracked, ask
         queued_at = loop.time()
         pool.waiters.add(waiter, tenant)
         self.waiting_bytes += size
@@ -240,16 +243,20 @@ class Scheduler:
             and not p.open_until
         )
 
-    def _choice(self, pool: PoolQueue, exclude: frozenset[str], prefer: str | None, hold: bool) -> ProviderSlots | None:
-        """The slot a request gets now: its preferred provider when free, else the pool's best
-        (None while it holds out for its preferred provider, which stays worth waiting for)."""
+    def _choice(
+        self, pool: PoolQueue, exclude: frozenset[str], prefer: str | None, hold: bool, ask: Ask | None = None
+    ) -> ProviderSlots | None:
+        """The slot a request gets now: its preferred provider when free, else the router's pick (None
+        while it holds out for its preferred provider, or no free provider can meet its deadline)."""
         if prefer is not None:
             p = self.providers.get(prefer)
             if p is not None and pool in p.pools and p.id not in exclude and p.usable(monotonic()):
+                if ask is not None:
+                    ask.reason = "affinity"
                 return p
             if hold and self._holdable(pool, prefer, exclude):
                 return None
-        return pool.best(exclude)
+        return pool.routed(self.router, exclude, ask)
 
     def _hold_over(self, pool: PoolQueue, waiter: Waiter) -> None:
         """A waiter's `affinity_wait_ms` is over: from now on any provider of its pool will do."""
@@ -468,7 +475,7 @@ class Scheduler:
             self.changed.set()
 
     def _choose(self, pool: PoolQueue, w: Waiter) -> ProviderSlots | None:
-        return self._choice(pool, w.exclude, w.prefer, w.holding)
+        return self._choice(pool, w.exclude, w.prefer, w.holding, w.ask)
 
     def _gone(self, waiter: Waiter) -> None:
         """A waiter the pump found cancelled (its own handler has not run yet): out of the count."""

@@ -13,6 +13,7 @@ from time import monotonic
 
 from iop.edge.fairqueue import FairQueue, TenantQueue, Waiter
 from iop.edge.freeslots import FreeSlots
+from iop.edge.routing import Ask, PoolRules, Router
 
 __all__ = ["Grant", "PinnedQueue", "PoolQueue", "ProviderSlots", "Waiter"]
 
@@ -49,7 +50,10 @@ class ProviderSlots:
     removed: bool = False
     """Taken out by a refresh: takes no new work, finishes what it runs, then disappears."""
     drained: bool = False
-    """Out of its pools for an exclusive qualification: pinned requests only (iop/edge/qualification.py)."""
+    """Out of its pools (pinned requests only): `drains` is not empty."""
+    drains: dict[str, str] = field(default_factory=dict)
+    """Who holds it out of its pools and why: an exclusive qualification (iop/edge/qualification.py),
+    its lifecycle policy or an operator (iop/edge/lifecycle.py)."""
 
     def rerank(self) -> None:
         """Its place in its pools' indexes after a change of what ranks it: in_flight, elsewhere,
@@ -57,6 +61,18 @@ class ProviderSlots:
         rank = self.rank()
         for pool in self.pools:
             pool.ranked(self, rank)
+
+    def drain(self, by: str, why: str | None) -> bool:
+        """Held out of its pools by `by` for `why` (None: no longer); True when `drained` changed."""
+        if why is None:
+            self.drains.pop(by, None)
+        else:
+            self.drains[by] = why
+        if self.drained == bool(self.drains):
+            return False
+        self.drained = bool(self.drains)
+        self.rerank()
+        return True
 
     def rank(self) -> int | None:
         """Its key in its pools' indexes: free slots; None when it can take nothing; _BROKEN."""
@@ -112,6 +128,8 @@ class PoolQueue:
     """Its usable providers with a closed breaker, by free slots: `best()` reads it, never scans."""
     broken: dict[ProviderSlots, None] = field(default_factory=dict, repr=False)
     """Its providers whose breaker is open or half-open (usually none): checked on every `best()`."""
+    rules: PoolRules = field(default_factory=PoolRules)
+    """How the router picks among its free providers, and its requests' default deadline."""
 
     def __post_init__(self) -> None:
         self.rebuild()
@@ -139,6 +157,28 @@ class PoolQueue:
 
     def run_ended(self) -> None:
         self.running -= 1
+
+    def routed(self, router: Router, exclude: frozenset[str], ask: Ask | None) -> ProviderSlots | None:
+        """The free provider the router picks for `ask`; the most free slots without one (a pinned
+        request) or when the pool opted out (`routing: free_slots`) and the request has no deadline."""
+        by_finish = self.rules.routing == "expected_finish"
+        if ask is None or (not by_finish and ask.finish_by is None):
+            slot = self.best(exclude)
+            if ask is not None and slot is not None:
+                ask.reason = "free_slots"
+            return slot
+        return router.choose(self.alias, by_finish, self.free_providers(exclude), ask)
+
+    def free_providers(self, exclude: frozenset[str]) -> list[ProviderSlots]:
+        """Its providers that can take a request now, none of `exclude` (the router scores them)."""
+        now = monotonic()
+        free = [p for p in self.ranking if p.id not in exclude]
+        free.extend(p for p in self.broken if p.usable(now) and p.id not in exclude)
+        return free
+
+    def in_rotation(self) -> list[ProviderSlots]:
+        """Its providers that may take work once free: connected, neither removed nor drained."""
+        return [p for p in self.providers if p.connected and not p.removed and not p.drained]
 
     def best(self, exclude: frozenset[str] = frozenset()) -> ProviderSlots | None:
         """The usable provider with the most free slots; ties take turns so load spreads evenly.

@@ -1,0 +1,326 @@
+"""Which free provider of a pool a request goes to: the one expected to finish it first.
+
+The expected time of a request on a provider is `cold start + TTFT + output tokens / decode rate`,
+each figure at the concurrency the provider would run at with this request added:
+
+- the qualification curve (TTFT p50 and decode tok/s p50 per concurrency level of the provider's
+  latest `iop qualify` sweep), interpolated between levels;
+- live figures (EWMA of TTFT and of decode tok/s over the provider's recent successful requests,
+  from the node's timings in each answer's `Done`); with a curve too, they scale it (a server
+  slower today than when it was qualified), without one they are the estimate;
+- the request's size: TTFT grows with the prompt (input tokens estimated from the body's bytes),
+  the decode term with the output expected (its `max_tokens`, at most what the pool's answers
+  usually are);
+- a cold server's start time (`Figures.cold_s`, 0 while its state is unknown: treated as ready).
+
+A cheap step, O(free providers of the pool), no model. Providers within `TIE_FRACTION` of the
+best are equally good: among them the most free slots wins (the free-slot order), so identical
+providers still share the load. A provider without figures is tried first (it gets measured).
+Affinity (a warm prefix cache) is decided before this, by the scheduler.
+
+With a deadline (`x-iop-deadline-ms`), a provider whose estimate passes it is skipped while one
+that meets it is free; `best_case_s` says whether anyone could meet it at all.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from time import monotonic
+from typing import NamedTuple, Protocol, TypeVar
+
+from iop import config, wire
+from iop.errors import Unavailable
+from iop.policy import Routing
+
+__all__ = ["Ask", "Curve", "Figures", "PoolRules", "Router", "Routing", "unmeetable"]
+
+
+class PoolRules(NamedTuple):
+    """A pool's routing and default deadline, from its alias entry."""
+
+    routing: Routing = "expected_finish"
+    deadline_s: float | None = None
+    """For a request without `x-iop-deadline-ms`; None: no deadline."""
+
+    @classmethod
+    def of(cls, dep: config.Deployment) -> dict[str, PoolRules]:
+        return {
+            m.alias: cls(m.routing, m.deadline_ms / 1000 if m.deadline_ms is not None else None)
+            for m in dep.models
+            if m.pool is not None
+        }
+
+
+ALPHA = 0.2
+"""EWMA weight of the newest sample (about the last ten requests count)."""
+PREFILL_REF_TOKENS = 512.0
+"""TTFT scales as (input + this) / (input the figures were measured with + this)."""
+TYPICAL_OUTPUT_TOKENS = 256.0
+"""The output a request is expected to have before its pool's answers taught better."""
+TIE_FRACTION = 0.15
+"""Estimates this close to the best count as equal: free slots decide among them."""
+CORRECTION_BOUNDS = (0.25, 4.0)
+"""How far live figures may scale a qualification curve (one odd sample must not swamp it)."""
+BYTES_PER_TOKEN = 4
+"""A rough input-token estimate from the body's size, for the TTFT term only."""
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A provider's qualification sweep: TTFT (s) and decode rate (tok/s) at each concurrency measured."""
+
+    levels: tuple[tuple[int, float | None, float | None], ...]
+    """(concurrency, ttft_s, decode_tok_s), by concurrency."""
+
+    def at(self, c: float) -> tuple[float | None, float | None]:
+        """Both figures at concurrency `c`: linear between levels, the nearest level outside them."""
+        return _interpolate(self.levels, c, 1), _interpolate(self.levels, c, 2)
+
+
+def _interpolate(levels: tuple[tuple[int, float | None, float | None], ...], c: float, i: int) -> float | None:
+    points = [(lv[0], lv[i]) for lv in levels if lv[i] is not None]
+    if not points:
+        return None
+    xs = [x for x, _ in points]
+    k = bisect.bisect_left(xs, c)
+    if k == 0:
+        return points[0][1]
+    if k == len(points):
+        return points[-1][1]
+    (x0, y0), (x1, y1) = points[k - 1], points[k]
+    assert y0 is not None and y1 is not None
+    return y0 + (y1 - y0) * (c - x0) / (x1 - x0)
+
+
+@dataclass(eq=False)
+class Figures:
+    """What the edge knows of one provider's speed (kept across refreshes, by provider id)."""
+
+    ttft_s: float | None = None
+    """EWMA of the node-measured time to the first answer byte (streamed answers)."""
+    decode_tok_s: float | None = None
+    """EWMA of output tokens per second after the first."""
+    input_tokens: float = 0.0
+    """EWMA of the input tokens of the requests `ttft_s` was measured on."""
+    load: float = 1.0
+    """EWMA of the concurrency the samples ran at (to read the curve at the same point)."""
+    samples: int = 0
+    curve: Curve | None = None
+    cold_s: float = 0.0
+    """Seconds before the server can answer: its expected start while it is stopped or starting."""
+
+    def learn(self, ttft_s: float | None, decode_tok_s: float | None, input_tokens: int, load: int) -> None:
+        a = ALPHA if self.samples else 1.0
+        if ttft_s is not None:
+            self.ttft_s = ttft_s if self.ttft_s is None else self.ttft_s + a * (ttft_s - self.ttft_s)
+            self.input_tokens += a * (input_tokens - self.input_tokens)
+        if decode_tok_s is not None:
+            d = self.decode_tok_s
+            self.decode_tok_s = decode_tok_s if d is None else d + a * (decode_tok_s - d)
+        self.load += a * (load - self.load)
+        self.samples += 1
+
+    def figures_at(self, c: float) -> tuple[float | None, float | None]:
+        """(ttft_s, decode_tok_s) expected at concurrency `c`."""
+        ttft, rate = self.ttft_s, self.decode_tok_s
+        if self.curve is None:
+            return ttft, rate
+        cttft, crate = self.curve.at(c)
+        if ttft is not None and cttft is not None:
+            then = self.curve.at(self.load)[0]
+            ttft = cttft * _bounded(ttft / then) if then else cttft
+        else:
+            ttft = cttft if ttft is None else ttft
+        if rate is not None and crate is not None:
+            then = self.curve.at(self.load)[1]
+            rate = crate * _bounded(rate / then) if then else crate
+        else:
+            rate = crate if rate is None else rate
+        return ttft, rate
+
+    def expected_s(self, c: float, input_tokens: int, output_tokens: float) -> float | None:
+        """Seconds until a request of this size would be done here at concurrency `c`; None: unknown."""
+        ttft, rate = self.figures_at(c)
+        if rate is None or rate <= 0:
+            return None
+        prefill = (ttft or 0.0) * (input_tokens + PREFILL_REF_TOKENS) / (self.input_tokens + PREFILL_REF_TOKENS)
+        return self.cold_s + prefill + output_tokens / rate
+
+
+def _bounded(x: float) -> float:
+    lo, hi = CORRECTION_BOUNDS
+    return min(hi, max(lo, x))
+
+
+@dataclass(eq=False)
+class Ask:
+    """One request as the router sees it; `reason` is the router's answer for the ledger."""
+
+    input_tokens: int = 0
+    max_tokens: int | None = None
+    finish_by: float | None = None
+    """Monotonic time by which the answer should be complete (`x-iop-deadline-ms`); None: no deadline."""
+    reason: str = ""
+    """Why the provider it got was chosen (the ledger's `route_reason`)."""
+    late: float | None = None
+    """Monotonic time after which no provider could answer it in time, even idle (`Router.bound`)."""
+
+
+class Candidate(Protocol):
+    """A provider as the router reads it (iop/edge/slots.py's ProviderSlots)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def elsewhere(self) -> int: ...
+    @property
+    def free(self) -> int: ...
+
+
+C = TypeVar("C", bound=Candidate)
+
+
+@dataclass(eq=False)
+class Router:
+    """Per-provider figures and the choice among a pool's free providers."""
+
+    figures: dict[str, Figures] = field(default_factory=dict)
+    output_tokens: dict[str, float] = field(default_factory=dict)
+    """Pool alias → EWMA of its answers' output tokens."""
+    on_outcome: Callable[[str, bool, wire.Done | None], None] | None = None
+    """Called when a pool request ended on a provider, answered or failed by it (its lifecycle policy)."""
+
+    def ended(
+        self, provider: str, alias: str, ok: bool, report: wire.Done | wire.Failure | None, input_tokens: int, load: int
+    ) -> None:
+        """A pool request on `provider` ended, answered (`ok`) or failed by the provider: the node's
+        timings of a good answer teach the figures; the outcome goes to the lifecycle policy."""
+        done = report if isinstance(report, wire.Done) else None
+        if ok and done is not None and done.run_ms > 0:
+            out = done.usage.output_tokens if done.usage is not None else None
+            self.learn(alias, provider, done.ttfb_ms, done.run_ms, out, input_tokens, load)
+        if self.on_outcome is not None:
+            self.on_outcome(provider, ok, done)
+
+    def of(self, provider: str) -> Figures:
+        f = self.figures.get(provider)
+        if f is None:
+            f = self.figures[provider] = Figures()
+        return f
+
+    def learn(
+        self,
+        alias: str,
+        provider: str,
+        ttfb_ms: float,
+        run_ms: float,
+        output_tokens: int | None,
+        input_tokens: int,
+        load: int,
+    ) -> None:
+        """A successful answer's node timings: TTFT when streamed, the decode rate when usage came."""
+        f = self.of(provider)
+        streamed = 0 < ttfb_ms < 0.9 * run_ms
+        ttft_s = ttfb_ms / 1000 if streamed else None
+        rate = None
+        if output_tokens:
+            typical = self.output_tokens.get(alias)
+            self.output_tokens[alias] = (
+                output_tokens if typical is None else typical + ALPHA * (output_tokens - typical)
+            )
+            if streamed:
+                if output_tokens > 1:
+                    rate = (output_tokens - 1) / ((run_ms - ttfb_ms) / 1000)
+            else:
+                # A whole answer's first byte is its last: its decode time is the run less the TTFT
+                # learnt from streamed answers (none yet: all of it).
+                decode_s = run_ms / 1000 - (f.ttft_s or 0.0)
+                if decode_s > 0:
+                    rate = output_tokens / decode_s
+        if ttft_s is not None or rate is not None:
+            f.learn(ttft_s, rate, input_tokens, load)
+
+    def expected_output(self, alias: str, ask: Ask) -> float:
+        typical = self.output_tokens.get(alias, TYPICAL_OUTPUT_TOKENS)
+        return min(float(ask.max_tokens), typical) if ask.max_tokens else typical
+
+    def estimate(self, p: Candidate, alias: str, ask: Ask) -> float | None:
+        f = self.figures.get(p.id)
+        if f is None:
+            return None
+        return f.expected_s(p.in_flight + p.elsewhere + 1, ask.input_tokens, self.expected_output(alias, ask))
+
+    def best_case_s(self, alias: str, in_rotation: Iterable[Candidate], ask: Ask) -> float | None:
+        """The quickest any of `in_rotation` could answer, idle; None if one of them is unmeasured."""
+        best: float | None = None
+        for p in in_rotation:
+            f = self.figures.get(p.id)
+            est = f.expected_s(1, ask.input_tokens, self.expected_output(alias, ask)) if f else None
+            if est is None:
+                return None
+            best = est if best is None else min(best, est)
+        return best
+
+    def bound(self, alias: str, in_rotation: Iterable[Candidate], ask: Ask, deadline: float, loop_now: float) -> float:
+        """The queue deadline (loop clock, at most `deadline`) of a request with a deadline: the moment
+        waiting longer would make it late. Raises 504 deadline_unmeetable when that moment is past."""
+        assert ask.finish_by is not None
+        best_s = self.best_case_s(alias, in_rotation, ask)
+        ask.late = ask.finish_by - (best_s or 0.0)
+        left = ask.late - monotonic()
+        if left <= 0:
+            raise unmeetable(alias, ask, best_s)
+        return min(deadline, loop_now + left)
+
+    def choose(self, alias: str, by_finish: bool, free: list[C], ask: Ask) -> C | None:
+        """Which of a pool's `free` providers to take now (None: none, or none meets the deadline).
+
+        `by_finish`: the pool routes by expected finish; otherwise (a deadline only) by free slots
+        among those that meet the deadline."""
+        if not free:
+            return None
+        if len(free) == 1 and ask.finish_by is None:
+            ask.reason = "only_free"
+            return free[0]
+        scored = [(self.estimate(p, alias, ask), p) for p in free]
+        if ask.finish_by is not None:
+            left = ask.finish_by - monotonic()
+            scored = [(est, p) for est, p in scored if est is None or est <= left]
+            if not scored:
+                return None
+        unmeasured = [p for est, p in scored if est is None]
+        if unmeasured:
+            ask.reason = "unmeasured"
+            return max(unmeasured, key=lambda p: p.free)
+        known = sorted(((est, p) for est, p in scored if est is not None), key=lambda t: t[0])
+        if not by_finish:
+            ask.reason = "free_slots"
+            return max((p for _, p in known), key=lambda p: p.free)
+        first = known[0][0]
+        near = [p for est, p in known if est <= first * (1 + TIE_FRACTION)]
+        chosen = max(near, key=lambda p: p.free) if len(near) > 1 else known[0][1]
+        mine = next(est for est, p in known if p is chosen)
+        runner_up = next((est for est, p in known if est > first * (1 + TIE_FRACTION)), None)
+        ask.reason = f"expected_finish {mine:.2f}s" + (
+            f" vs {runner_up:.2f}s" if runner_up is not None else f" (tie of {len(near)})" if len(near) > 1 else ""
+        )
+        return chosen
+
+
+def unmeetable(alias: str, ask: Ask, best_s: float | None) -> Unavailable:
+    """504 deadline_unmeetable: no provider can answer before the request's deadline."""
+    left = max(0.0, (ask.finish_by or 0.0) - monotonic())
+    why = (
+        f"the quickest of its providers is expected to take {best_s:.2f} s"
+        if best_s is not None
+        else "no slot became free in time"
+    )
+    return Unavailable(
+        f"model '{alias}': the request's deadline ({left * 1000:.0f} ms left) cannot be met: {why}",
+        code="deadline_unmeetable",
+        status=504,
+    )
