@@ -6,6 +6,7 @@ responses followed, resumed and cancelled from the edge that did not start them 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +18,9 @@ import pytest_asyncio
 from iop.edge.keys import EdgeKeys, Key
 from iop.nats.server import EmbeddedNats
 from iop.openai.compaction import COMPACTION_PROMPT, SUMMARY_PREFIX
+from iop.responses import live
 from tests.fakes import FakeUpstream, fake_upstream
-from tests.harness import EdgeHandle, deployment, running_edge, running_node, until
+from tests.harness import EdgeHandle, deployment, running_edge, running_node, sse_events, until
 from tests.wsclient import Refused, WsClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -68,12 +70,19 @@ async def two(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Two]:
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def fresh(two: Two) -> AsyncIterator[Two]:
-    """`two` with the upstream's record cleared and its gate open again after the test."""
+    """`two` with the upstream's record cleared, and after the test its gate open and no background work left."""
     two.up.bodies.clear()
     try:
         yield two
     finally:
         two.gate.set()
+        for h in (two.a, two.b):  # every background response ended: the next test has the whole bound
+            await _no_background(h)
+
+
+async def _no_background(h: EdgeHandle) -> None:
+    background = h.edge.responses.caps.background
+    await until(lambda: background.total() == 0, background.changed)
 
 
 def auth(key: str) -> dict[str, str]:
@@ -187,3 +196,52 @@ async def test_responses_bounds_compaction_answer_is_kept_and_continues_from_the
     after = fresh.up.bodies[2]["messages"]
     assert [m["role"] for m in after] == ["user", "user"]
     assert after[0]["content"] == SUMMARY_PREFIX + fresh.up.text() and after[1]["content"] == "next"
+
+
+async def test_responses_background_started_on_one_edge_is_followed_live_from_another(fresh: Two) -> None:
+    fresh.up.token_interval_s = 0.3  # the answer takes about a second: long enough to follow it
+    try:
+        async with fresh.a.http() as on_a, fresh.b.http() as on_b:
+            queued = (await create(on_a, input="hi", background=True)).json()
+            path = f"/v1/responses/{queued['id']}"
+            followed: list[dict[str, Any]] = []
+            running_at_first_delta: bool | None = None
+            async with on_b.stream("GET", path + "?stream=true", headers=auth(KEY_A)) as stream:
+                async for line in stream.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    followed.append(json.loads(line[6:]))
+                    if followed[-1]["type"] == "response.output_text.delta" and running_at_first_delta is None:
+                        running_at_first_delta = queued["id"] in fresh.a.edge.responses.running
+            resumed = sse_events((await on_b.get(path + "?stream=true&starting_after=2", headers=auth(KEY_A))).text)
+            polled = (await on_b.get(path, headers=auth(KEY_A))).json()
+    finally:
+        fresh.up.token_interval_s = 0.0
+    assert running_at_first_delta is True  # heard on B while A still ran it
+    assert [e["sequence_number"] for e in followed] == list(range(len(followed)))
+    assert followed[0]["type"] == "response.created" and followed[-1]["type"] == "response.completed"
+    deltas = "".join(e["delta"] for e in followed if e["type"] == "response.output_text.delta")
+    assert deltas.strip() == fresh.up.text(), [(e["type"], e.get("delta"), e.get("text")) for e in followed][4:]
+    # Resumed after the end: the very events (and numbers) the live stream had.
+    assert resumed == followed[3:]
+    assert polled == followed[-1]["response"] and polled["status"] == "completed"
+
+
+async def test_responses_background_cancelled_from_another_edge_stops_its_work(fresh: Two) -> None:
+    fresh.gate.clear()
+    async with fresh.a.http() as on_a, fresh.b.http() as on_b:
+        queued = (await create(on_a, input="hi", background=True)).json()
+        await fresh.up.wait_for(lambda u: u.in_flight == 1)
+        work = fresh.a.edge.responses.running[queued["id"]]
+        path = f"/v1/responses/{queued['id']}"
+        follower = asyncio.create_task(on_b.get(path + "?stream=true", headers=auth(KEY_A)))
+        cancelled = await on_b.post(path + "/cancel", headers=auth(KEY_A))
+        await asyncio.wait_for(work, timeout=10)  # stopped on A while the upstream still held it
+        assert not fresh.gate.is_set()
+        # A follower on B ends with it (not after its quiet time: it heard the end).
+        ended = sse_events((await asyncio.wait_for(follower, timeout=live.QUIET_S / 2)).text)
+        polled = (await on_a.get(path, headers=auth(KEY_A))).json()
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert polled["status"] == "cancelled"
+    assert all(e["type"] not in ("response.completed", "response.output_text.delta") for e in ended[:-1])
+    assert not ended or ended[-1]["response"]["status"] in ("cancelled", "in_progress")

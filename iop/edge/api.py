@@ -157,8 +157,11 @@ class ApiEndpoint:
         queued = await background.queue(edge.responses, owner, turn, turn.request, model)
         trace = Trace(new_request_id(), self.api)
         trace.key, trace.tenant = out.trace.key, out.trace.tenant
-        keeper = KeepingSend(_discard, edge.responses, owner, turn, False)
+        # Streamed and recorded, so that a client on any edge can follow it live (iop/responses/live.py).
+        recording = background.recording(edge.responses, owner, queued["id"])
+        keeper = KeepingSend(background.nowhere, edge.responses, owner, turn, True, recording)
         inner = TrackedSend(keeper, trace)
+        body, head = _encode_json({**turn.body, "stream": True}), head._replace(stream=True)
         never = asyncio.Event()
 
         async def no_client() -> Message:
@@ -169,14 +172,17 @@ class ApiEndpoint:
             try:
                 await self._serve(body, head, scope, no_client, inner)
                 if edge.responses.stopping and not keeper.kept:
-                    await background.abandoned(edge.responses, owner, turn, queued)
+                    await background.abandoned(edge.responses, owner, turn, queued, recording)
             except RequestError as exc:
                 trace.error = exc.code
-                await background.failed(edge.responses, owner, turn, queued, exc)
+                await background.failed(edge.responses, owner, turn, queued, exc, recording)
             finally:
+                if not recording.ended:
+                    await recording.abort()  # cancelled: its followers end too
+                await recording.stop()
                 self._finished(trace, inner.started)
 
-        background.run(edge.responses, owner, queued["id"], work())
+        await recording.start(background.run(edge.responses, owner, queued["id"], work()))
         await out({"type": "http.response.start", "status": 200, "headers": JSON})
         await out({"type": "http.response.body", "body": _encode_json(queued)})
 
@@ -311,10 +317,6 @@ def _finish_by(scope: Scope, trace: Trace, scheduler: Scheduler, alias: str) -> 
 def _upstream_model(edge: Serving, provider: str, alias: str) -> str:
     ref = edge.catalog.providers.get(provider)
     return (ref.provider.model if ref is not None else None) or alias
-
-
-async def _discard(message: Message) -> None:
-    """The send of a request nobody waits on (a background response: its answer goes to the store)."""
 
 
 class ApiRoutes:

@@ -1,10 +1,11 @@
 """Background responses (`background: true`): answered at once with `queued`, run on this edge
 like any request (queue, capacity, breaker, ledger), and kept when done, for polling and replay.
 
-The work runs in a task of the edge that took the request; the stored record is what every edge
-reads, so polling, `GET …?stream=true` (which waits for the end, then replays) and cancelling work
-from any edge. Cancelling marks the record at once; the edge running it stops the work when it is
-that edge, and otherwise does not keep its result. An edge that stops keeps its running
+The work runs in a task of the edge that took the request, streamed and recorded
+(iop/responses/live.py); the stored record is what every edge reads, so polling, `GET
+…?stream=true` (which follows it live, from any sequence number) and cancelling work from any
+edge. Cancelling marks the record at once and stops the work on the edge that runs it (told over
+NATS when that is another edge); a cancelled response's answer is never kept. An edge that stops keeps its running
 background responses as `failed` (they are not resumed elsewhere yet); one that dies leaves them
 `queued`.
 """
@@ -18,10 +19,13 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import nats.errors
+from starlette.types import Message
 
 from iop.errors import BadRequest, RequestError
 from iop.openai.responses_events import response_error, response_object
+from iop.responses import live
 from iop.responses.expand import Responses, Turn
+from iop.responses.live import Recording
 from iop.responses.store import Stored
 
 log = logging.getLogger("iop.responses")
@@ -44,7 +48,17 @@ async def queue(responses: Responses, owner: str, turn: Turn, request: Mapping[s
     return queued
 
 
-def run(responses: Responses, owner: str, response_id: str, work: Coroutine[Any, Any, None]) -> None:
+def recording(responses: Responses, owner: str, response_id: str) -> Recording:
+    """The recording of a background response's events (its store's connection publishes them)."""
+    assert responses.store is not None
+    return Recording(responses.store, owner, response_id)
+
+
+async def nowhere(message: Message) -> None:
+    """The send of a request nobody waits on: its answer goes to the store and its followers."""
+
+
+def run(responses: Responses, owner: str, response_id: str, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     """Run `work` as `owner`'s background response `response_id` (this edge can then cancel it)."""
     task = asyncio.create_task(work)
     responses.running[response_id] = task
@@ -54,18 +68,28 @@ def run(responses: Responses, owner: str, response_id: str, work: Coroutine[Any,
         responses.caps.background.give(owner)
 
     task.add_done_callback(done)
+    return task
 
 
-async def failed(responses: Responses, owner: str, turn: Turn, queued: dict[str, Any], exc: RequestError) -> None:
+async def failed(
+    responses: Responses, owner: str, turn: Turn, queued: dict[str, Any], exc: RequestError, recording: Recording
+) -> None:
     """A background response whose request failed before any answer: kept as `failed`."""
     response = {**queued, "status": "failed", "error": response_error(exc.message, exc.code)}
-    await responses.keep(owner, turn, response)
+    await _ended(responses, owner, turn, response, recording)
 
 
-async def abandoned(responses: Responses, owner: str, turn: Turn, queued: dict[str, Any]) -> None:
+async def abandoned(responses: Responses, owner: str, turn: Turn, queued: dict[str, Any], recording: Recording) -> None:
     """A background response whose edge stopped before its answer: kept as `failed`, to be sent again."""
     message = "the edge running this background response stopped before it finished; send the request again"
-    await responses.keep(owner, turn, {**queued, "status": "failed", "error": response_error(message, "server_error")})
+    response = {**queued, "status": "failed", "error": response_error(message, "server_error")}
+    await _ended(responses, owner, turn, response, recording)
+
+
+async def _ended(responses: Responses, owner: str, turn: Turn, response: dict[str, Any], recording: Recording) -> None:
+    """Its followers hear the end (`response.failed`) before it is kept, as for any answer."""
+    await recording.add({"type": "response.failed", "response": response})
+    await responses.keep(owner, turn, response)
 
 
 async def cancel(responses: Responses, owner: str, stored: Stored) -> dict[str, Any]:
@@ -81,6 +105,8 @@ async def cancel(responses: Responses, owner: str, stored: Stored) -> dict[str, 
     task = responses.running.get(str(response["id"]))
     if task is not None:
         task.cancel()
+    else:
+        await live.cancel_elsewhere(responses.store.nc, str(response["id"]))  # the edge running it stops it
     return response
 
 

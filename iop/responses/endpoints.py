@@ -11,19 +11,19 @@ import hashlib
 from typing import Any, Protocol
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Scope
 
 from iop.errors import BadRequest, NotFound
-from iop.responses import background
+from iop.responses import background, live
 from iop.responses.expand import Responses
-from iop.responses.replay import replay_events, sse
+from iop.responses.replay import sse
 from iop.responses.store import ResponseStore, Stored
 
 _SSE = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 STREAM_WAIT_S = 600.0
-"""How long `GET …?stream=true` waits for a background response to end before replaying what there is."""
+"""How long `GET …?stream=true` follows a background response before it ends the stream."""
 
 
 class Stateful(Protocol):
@@ -89,14 +89,19 @@ def _item_id(response_id: str, index: int, item: dict[str, Any]) -> str:
 
 def response_routes(edge: Stateful) -> list[Route]:
     async def get(request: Request) -> Response:
-        _, owner, stored = await _find(edge, request)
+        store, owner, stored = await _find(edge, request)
         if request.query_params.get("stream") not in ("true", "1"):
             return JSONResponse(stored.response)
-        # A background response still running: its events once it ended (from whichever edge ran it).
-        stored = await background.until_finished(edge.responses, owner, stored, STREAM_WAIT_S)
         after = _int(request, "starting_after", -1, -1, 1 << 31)
-        events = [e for e in replay_events(stored.response) if e["sequence_number"] > after]
-        return Response(sse(events), media_type="text/event-stream", headers=_SSE)
+        if stored.response.get("status") in background.UNFINISHED:
+            # Followed live from whichever edge runs it, to its end (iop/responses/live.py).
+            async def finished(now: Stored, timeout_s: float) -> Stored:
+                return await background.until_finished(edge.responses, owner, now, timeout_s)
+
+            events = live.follow(store, owner, stored, after, STREAM_WAIT_S, finished)
+            return StreamingResponse(events, media_type="text/event-stream", headers=_SSE)
+        kept = [e for e in await live.stored_events(store, owner, stored) if e.get("sequence_number", -1) > after]
+        return Response(sse(kept), media_type="text/event-stream", headers=_SSE)
 
     async def delete(request: Request) -> Response:
         store, owner, stored = await _find(edge, request)

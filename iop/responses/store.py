@@ -3,7 +3,8 @@
 Every key starts with the owner's id (a digest of the client key, never the key itself), so one
 client's lookup can only ever reach its own keys: another key's response is simply not there (404).
 Keys: `r.<owner>.<response id>` (the response object, this turn's input items, the previous
-response's id) and `i.<owner>.<item id>` (one item, for `item_reference`). A value larger than one
+response's id), `i.<owner>.<item id>` (one item, for `item_reference`) and `e.<owner>.<response
+id>` (a background response's events as they were streamed, iop/responses/live.py). A value larger than one
 NATS message is kept in parts (`<key>.1`, `<key>.2`, …) written before the key that names them.
 The bucket's age and byte limits bound it; NATS drops the oldest first.
 """
@@ -94,9 +95,16 @@ _item = msgspec.json.Decoder(dict[str, Any]).decode
 class ResponseStore:
     """Reads and writes stored responses; every call names the owner it acts for."""
 
-    def __init__(self, kv: Any, max_value: int) -> None:
+    def __init__(self, kv: Any, max_value: int, nc: NATS | None = None) -> None:
         self.kv = kv
         self.max_value = max(1024, max_value - _HEADROOM)
+        self._nc = nc
+
+    @property
+    def nc(self) -> NATS:
+        """The connection the store's edge shares (background responses followed live, iop/responses/live.py)."""
+        assert self._nc is not None, "a store opened without its connection"
+        return self._nc
 
     @classmethod
     async def open(cls, nc: NATS, settings: config.ResponsesSettings, replicas: int | None = None) -> ResponseStore:
@@ -116,7 +124,7 @@ class ResponseStore:
                 n, sized_by = info.config.num_replicas or 1, "edge.responses.max_bytes"
                 problem = streams.stream_problem(f"KV bucket {BUCKET}", settings.max_bytes, n, exc, sized_by)
                 raise BusError(problem) from exc
-        return cls(kv, nc.max_payload)
+        return cls(kv, nc.max_payload, nc)
 
     @_reachable
     async def response(self, owner: str, response_id: str) -> Stored | None:
@@ -141,6 +149,16 @@ class ResponseStore:
         return True
 
     @_reachable
+    async def keep_events(self, owner: str, response_id: str, events: bytes) -> None:
+        """The recorded events of a background response (kept before its answer)."""
+        if valid_id(response_id):
+            await self._put(f"e.{owner}.{response_id}", events)
+
+    @_reachable
+    async def events(self, owner: str, response_id: str) -> bytes | None:
+        return await self._get(f"e.{owner}.{response_id}") if valid_id(response_id) else None
+
+    @_reachable
     async def delete(self, owner: str, response_id: str) -> bool:
         """Remove a stored response and its items; False when `owner` has none of that id."""
         stored = await self.response(owner, response_id)
@@ -148,6 +166,7 @@ class ResponseStore:
             return False
         ids = [i.get("id") for i in (*stored.input, *stored.response.get("output", []))]
         await asyncio.gather(*(self._delete(f"i.{owner}.{i}") for i in ids if valid_id(i)))
+        await self._delete(f"e.{owner}.{response_id}")
         await self._delete(f"r.{owner}.{response_id}")
         return True
 

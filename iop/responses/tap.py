@@ -11,6 +11,7 @@ import msgspec
 from starlette.types import Message, Send
 
 from iop.responses.expand import Responses, Turn
+from iop.responses.live import Recording
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -31,8 +32,12 @@ _FINAL = frozenset({"response.completed", "response.incomplete", "response.faile
 class KeepingSend:
     """Wraps the ASGI send of one answered Responses request (200 answers only; errors pass as they are)."""
 
-    def __init__(self, send: Send, responses: Responses, owner: str, turn: Turn, stream: bool) -> None:
+    def __init__(
+        self, send: Send, responses: Responses, owner: str, turn: Turn, stream: bool, recording: Recording | None = None
+    ) -> None:
         self.send = send
+        self.recording = recording
+        """A background response's recording: it keeps the final event before the answer is kept."""
         self.responses = responses
         self.owner = owner
         self.turn = turn
@@ -82,11 +87,16 @@ class KeepingSend:
 
     async def _frames(self, data: bytes) -> bytes:
         if b'"response":' not in data:
+            if self.recording is not None:
+                await self.recording.feed(data)
             return data  # deltas and item events: nothing to change, nothing decoded
         out: list[bytes] = []
         pos = 0
         for end in _FRAME_END.finditer(data):
-            out.append(await self._frame(data[pos : end.end()]))
+            frame = await self._frame(data[pos : end.end()])
+            if self.recording is not None and not self.recording.ended:
+                await self.recording.feed(frame)  # (a final frame was, in `_frame`)
+            out.append(frame)
             pos = end.end()
         out.append(data[pos:])
         return b"".join(out)
@@ -105,7 +115,11 @@ class KeepingSend:
             return frame
         self._patch(event["response"])
         if kind in _FINAL:
+            out = b"event: " + str(kind).encode() + b"\ndata: " + _encode(event) + b"\n\n"
+            if self.recording is not None:
+                await self.recording.feed(out)  # recorded and kept before the answer is
             await self._keep(event["response"])
+            return out
         return b"event: " + str(kind).encode() + b"\ndata: " + _encode(event) + b"\n\n"
 
     async def _keep(self, response: dict[str, Any]) -> None:
