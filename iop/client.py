@@ -177,6 +177,11 @@ class EdgeClient:
         except httpx.HTTPError as exc:
             raise IopError(f"lost the edge at {self.url}: {type(exc).__name__}: {exc}") from exc
 
+    async def restart_provider(self, provider: str) -> str:
+        """Restart the model server a provider's node runs (admin); what the node said."""
+        answer = await self._admin_json("POST", f"/admin/providers/{quote(provider, safe='')}/restart", None)
+        return str(answer.get("message", ""))
+
     # --- qualification (admin): iop/edge/qualification.py ----------------------------------------
 
     async def qualify_lease(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -99,6 +99,12 @@ RECEIVED_BATCH = 512
 """Or as soon as this many are gathered for one node."""
 
 
+def control_subject(node: str) -> str:
+    """Where an edge passes an administrator's action on one of the node's providers (`Control`, core
+    request-reply, answered with a `ControlReply`); only edges may publish there."""
+    return f"iop.node.{node}.control"
+
+
 def resend_subject(node: str) -> str:
     """Where an edge asks a node to send a request's replies again (`Resend`, core request-reply)."""
     return f"iop.node.{node}.resend"
@@ -343,6 +349,20 @@ class Cancel(msgspec.Struct, array_like=True):
     id: str
 
 
+class Control(msgspec.Struct, kw_only=True):
+    """An administrator's action on one provider of the node (`iop provider restart`), from an edge."""
+
+    provider: str
+    action: Literal["restart"]
+
+
+class ControlReply(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The node's answer to a Control: done (`ok`), or why not."""
+
+    ok: bool
+    message: str = ""
+
+
 class ProviderLive(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Live counts of one provider or CLI resource on a node."""
 
@@ -467,3 +487,5 @@ decode_hello = msgspec.msgpack.Decoder(Hello).decode
 decode_welcome = msgspec.msgpack.Decoder(Welcome).decode
 decode_verdict = msgspec.msgpack.Decoder(Verdict).decode
 decode_edge_slots = msgspec.msgpack.Decoder(EdgeSlots).decode
+decode_control = msgspec.msgpack.Decoder(Control).decode
+decode_control_reply = msgspec.msgpack.Decoder(ControlReply).decode

@@ -17,9 +17,12 @@ from pathlib import Path
 import openai
 import pytest
 import pytest_asyncio
+from click.testing import CliRunner
 
 from iop import config
+from iop.cli import main
 from iop.contracts.status import PoolProviderStatus
+from iop.edge.keys import EdgeKeys, Key
 from iop.edge.ledger import RequestRecord
 from iop.edge.usage_query import follow
 from iop.errors import ConfigError
@@ -257,3 +260,42 @@ async def test_a_server_command_outside_the_nodes_policy_is_refused() -> None:
     adapter = dep.nodes[0].adapters[0]
     assert NodePolicy(upstream_hosts=["127.0.0.1"]).refusal(adapter) == "server command not allowed"
     assert NodePolicy.of_node(dep.nodes[0]).refusal(adapter) is None
+
+
+async def test_iop_provider_restart_restarts_a_managed_server_for_an_admin_only(nats_url: str, tmp_path: Path) -> None:
+    events = tmp_path / "events"
+    text = lifecycle_yaml("rst", events, ["a"])
+    text = text.replace("    adapters:", "    adapters:\n      - {id: sim, type: mock}", 1)
+    text += "      - {id: rst-sim, adapter: sim, capacity: 1}\n"
+    text = text.replace("models:", "models:\n  - {alias: rst-sim, pool: [rst-sim]}", 1)
+    dep = deployment(text)
+    keys = EdgeKeys(clients=[Key("c", b"client-key")], admins=[Key("ops", b"admin-key")])
+    async with running_edge(dep, nats_url, keys) as h, running_node(dep, "rst-node", nats_url) as node:
+        await h.edge.registry.wait_connected(["rst-node"], timeout_s=10)
+        server = server_of(node, "rst-a")
+        await until(lambda: server.state == "ready", node.changed, timeout_s=5)
+        assert server.proc is not None
+        first = server.proc.pid
+        async with h.http() as http:
+            # A client key is no admin key: refused, and nothing restarts.
+            r = await http.post("/admin/providers/rst-a/restart", headers={"authorization": "Bearer client-key"})
+            assert r.status_code == 403, r.text
+            admin = {"authorization": "Bearer admin-key"}
+            r = await http.post("/admin/providers/nope/restart", headers=admin)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "provider_not_found"
+            r = await http.post("/admin/providers/rst-sim/restart", headers=admin)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "no_server", r.text
+        assert server.proc is not None and server.proc.pid == first
+        args = ["provider", "restart", "rst-a", "--edge", h.url, "--admin-key", "admin-key"]
+        done = await asyncio.to_thread(CliRunner().invoke, main, args)
+        assert done.exit_code == 0, done.output
+        assert done.output.strip() == "restarting the model server of rst-a (was ready)"
+        await until(lambda: server.proc is not None and server.proc.pid != first, node.changed, timeout_s=5)
+        await until(lambda: server.state == "ready", node.changed, timeout_s=5)
+        assert pid_gone(first)
+        client = h.client(api_key="client-key")
+        chat = await client.chat.completions.create(model="rst-a", messages=[{"role": "user", "content": "hi"}])
+        assert chat.choices[0].message.content == "hello from a"
+        bad = await asyncio.to_thread(CliRunner().invoke, main, [*args[:2], "nope", *args[3:]])
+        assert bad.exit_code == 1
+        assert bad.output.count("\n") == 1 and "no provider 'nope'" in bad.output, bad.output

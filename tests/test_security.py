@@ -739,6 +739,8 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                         wire.cancel_subject("b"),  # cancel b's work
                         wire.resend_subject("b"),  # make b send an answer again
                         wire.received_subject("b"),  # make b forget answers an edge may still lack
+                        wire.control_subject("b"),  # restart b's model servers
+                        wire.control_subject("a"),  # or its own: an administrator's action, through an edge
                         wire.EDGE_SLOTS_SUBJECT,  # speak as an edge about the slots it holds
                         wire.heartbeat_subject("b"),  # speak as b
                         "$KV.iop_catalog.a",  # rewrite its own catalog

@@ -19,6 +19,7 @@ from iop.edge.api import ApiEndpoint, ApiRoutes, RequestIds
 from iop.edge.count_tokens import CountTokensEndpoint
 from iop.edge.metrics import CONTENT_TYPE
 from iop.edge.origin import HostAllowList, SameOrigin
+from iop.edge.provider_admin import provider_routes
 from iop.edge.qualification import qualify_routes
 from iop.edge.responses_front import CompactEndpoint, ResponsesFront
 from iop.edge.root import Edge
@@ -144,6 +145,7 @@ def build_app(edge: Edge) -> ASGIApp:
         Route("/usage", usage, methods=["GET"]),
         Route("/usage/tail", usage_tail, methods=["GET"]),
         Route("/admin/refresh", refresh, methods=["POST"]),
+        *provider_routes(edge.keys, lambda: edge.catalog, edge.registry, edge.nc),
         *response_routes(edge),
         *ui_routes(edge.keys, edge.status_feed, ledger_on=ledger_on),
         *qualify_routes(edge, lambda: edge.qualify, lambda: encode_status(status_of(edge.status_sources))),

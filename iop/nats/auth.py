@@ -61,6 +61,7 @@ def node_permissions(node: config.Node) -> dict[str, Any]:
         wire.credit_subject(nid),
         wire.resend_subject(nid),  # an edge asking for replies NATS lost on the way
         wire.received_subject(nid),  # an edge saying which answers it has whole
+        wire.control_subject(nid),  # an administrator's action, through an edge (only edges publish it)
         wire.catalog_subject(nid),
         wire.verdict_subject(nid, "*"),  # an edge's refusal of its heartbeats
     ]

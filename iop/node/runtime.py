@@ -19,6 +19,7 @@ from iop.nats.access import NatsAccess
 from iop.node import adapters, device, direct, fetch, policy
 from iop.node.adapters.base import Adapter
 from iop.node.catalog import CatalogSource, differences
+from iop.node.control import Controls
 from iop.node.flow import STALL_TIMEOUT_S
 from iop.node.presence import Lease, Presence
 from iop.node.resource import Resource, kind_of
@@ -150,6 +151,8 @@ class NodeRuntime:
         await self.nc.subscribe(wire.credit_subject(self.node_id), cb=running.on_credit, pending_msgs_limit=1_000_000)
         await self.nc.subscribe(wire.resend_subject(self.node_id), cb=running.on_resend)
         await self.nc.subscribe(wire.received_subject(self.node_id), cb=running.on_received)
+        controls = Controls(self.node_id, lambda: self.resources)
+        await self.nc.subscribe(wire.control_subject(self.node_id), cb=controls.on_control)
         await self._apply(self.node)
         # "Started" means the server has our subscriptions, not that they are still in our buffer.
         await connection.flush(self.nc, 5)
