@@ -7,6 +7,7 @@ import sys
 import click
 
 from iop import config as config_mod
+from iop import heap
 from iop.cli.common import (
     fail,
     load_or_exit,
@@ -47,6 +48,7 @@ def edge_cmd(
         return
     setup_logging(verbose, log_level, log_format)
     log_warnings(loaded)
+    heap.keep_large_buffers()  # bodies of megabytes pass through several buffers (iop/heap.py)
     try:
         run_async(run_edge(loaded, listen=listen, nats_url=nats_url))
     except ConfigError as exc:
@@ -151,6 +153,7 @@ def node_cmd(
     setup_logging(verbose, log_level, log_format)
     if config_file is not None:
         log_warnings(loaded, node_id)
+    heap.keep_large_buffers()
 
     try:
         node_policy = policy.load(policy_file) if policy_file is not None else None
