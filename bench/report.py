@@ -395,6 +395,22 @@ def render(result: dict[str, Any]) -> str:
                 ],
             )
         )
+    lc = sc.get("lifecycle")
+    if lc:
+        parts.append(
+            f"Model servers the node runs (fake servers loading {lc['load_s']:g} s, one group of size 1)\n"
+            + table(
+                ["request", "seconds", "of which the server's own start"],
+                [
+                    ["cold start (server stopped)", _num(lc["cold_start_s"]), _num(lc["cold_server_ready_s"])],
+                    ["warm", fmt(lc["warm_s"], 4), "-"],
+                    ["swap (drain + stop one, start the other)", fmt(lc["swap_s"]), "-"],
+                    ["iop's share of a swap", fmt(lc["swap_iop_share_s"], 3), "-"],
+                ],
+            )
+            + f"\ncold starts {lc['cold_starts_counted']}, swaps {lc['swaps_counted']}, "
+            f"server processes left after the node's SIGTERM: {lc['orphans_after_node_sigterm']}"
+        )
     beside = litellm_rows(ab)
     if beside:
         parts.append(

@@ -14,6 +14,8 @@ table with medians [min..max] and every target with PASS/MISS and its gap, and w
     startup     the archive's first and warm start to a served request
     affinity    prefix-cache affinity: 16 sessions x 20 growing turns on a pool 2/4/4 whose providers
                 simulate a prefix cache; warm-turn rate and time to first token with and without
+    lifecycle   model servers the node runs itself: cold start and swap latency with fake servers that
+                take a known time to load (docs/lifecycle.md)
     bodies      agent-sized bodies (1 KB .. 3 MB), chat and Responses, against direct and the floor
                 (a bare JetStream work-queue round trip); edge memory with 200 of them waiting
 
@@ -38,12 +40,24 @@ from bench.abtest import AbOptions, run_ab
 from bench.affinity import AffinityOptions, run_affinity
 from bench.bodies import BodiesOptions, run_bodies
 from bench.capacity import CapacityOptions, run_capacity
+from bench.lifecycle import LifecycleOptions, run_lifecycle
 from bench.procs import REPO, Owned, git_state, install_signal_handlers, loadavg, log, machine
 from bench.report import judge, render
 from bench.scale import ScaleOptions, run_memory, run_scale
 from bench.startup import StartupOptions, run_startup
 
-SCENARIOS = ("latency", "throughput", "relay", "capacity", "scale", "memory", "startup", "affinity", "bodies")
+SCENARIOS = (
+    "latency",
+    "throughput",
+    "relay",
+    "capacity",
+    "scale",
+    "memory",
+    "startup",
+    "affinity",
+    "bodies",
+    "lifecycle",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
             if a.quick:
                 bo.requests = 10
             attempt("bodies", lambda: run_bodies(owned, workdir, bo))
+        if "lifecycle" in only:
+            lc = LifecycleOptions(archive=a.archive, swaps=2 if a.quick else 6)
+            attempt("lifecycle", lambda: run_lifecycle(owned, workdir, lc))
     except KeyboardInterrupt:
         log("interrupted: stopping our processes")
         result["meta"]["interrupted"] = True
