@@ -313,9 +313,10 @@ class Servers:
         self.on_change = on_change
 
     def get(self, adapter: str, name: str, cfg: ServerSettings) -> ManagedServer:
-        """The server of `adapter`, made when first asked (a changed `server:` block keeps the old one)."""
+        """The server of `adapter`, made when first asked; a changed `server:` block applies at its next start."""
         s = self.by_adapter.get(adapter)
         if s is not None:
+            s.cfg, s.name = cfg, name
             return s
         if cfg.group is not None:
             group = self.groups.setdefault(cfg.group, Group(cfg.group, cfg.group_size))
