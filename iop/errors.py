@@ -19,6 +19,8 @@
         ├── PayloadTooLarge      413
         ├── UnsupportedMediaType 415
         ├── QueueFull            429 rate_limit_error, with Retry-After
+        ├── RateLimited          429 rate_limit_exceeded: a tenant's rpm/tpm (iop/edge/limits.py)
+        │   └── QuotaExceeded    429 insufficient_quota: a tenant's daily/monthly token budget
         ├── HeadersTooLarge      431
         ├── Unavailable          503 (queue wait timed out, no provider connected, NATS failed)
         │   ├── Cancelled        503 retryable: the node stopped the work (cancelled, node stopping)
@@ -46,7 +48,7 @@ translated into these classes once, at the boundary where they are caught (`rais
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import msgspec
 
@@ -200,6 +202,27 @@ class QueueFull(RequestError):
     status = 429
     type = "rate_limit_error"
     code = "queue_full"
+
+
+class RateLimited(RequestError):
+    """Over a tenant's rpm or tpm: OpenAI's shape (its `type` says which, `requests` or `tokens`)."""
+
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, kind: str = "", **rest: Any) -> None:
+        super().__init__(message, **rest)
+        self.kind = kind or self.type
+
+    def error_object(self) -> dict[str, object]:
+        return {**super().error_object(), "type": self.kind}
+
+
+class QuotaExceeded(RateLimited):
+    status = 429
+    type = "insufficient_quota"
+    code = "insufficient_quota"
 
 
 class Unavailable(RequestError):

@@ -33,6 +33,7 @@ from iop.edge.channel import Channel
 from iop.edge.dispatch import Attempt, DirectDispatch, PoolDispatch
 from iop.edge.heads import Head, check_mixed_pool, parse_head
 from iop.edge.keys import EdgeKeys
+from iop.edge.limits import Admission, Limiter
 from iop.edge.observe import REQUEST_ID, Observer, Trace, new_request_id
 from iop.edge.relay import Relay
 from iop.edge.routing import BYTES_PER_TOKEN, Ask
@@ -72,6 +73,8 @@ class Serving(Protocol):
     def responses(self) -> Responses: ...
     @property
     def tenants(self) -> Tenants: ...
+    @property
+    def limits(self) -> Limiter: ...
 
     def authorize(self, scope: Scope) -> str:
         """The client key's name ("" without keys); raises Unauthorized."""
@@ -203,6 +206,11 @@ class ApiEndpoint:
         """Dispatch the request and relay its answer; each try of the dispatch is one `async with`."""
         edge, trace = self.edge, out.trace
         dispatch = self._dispatch(body, head, scope, trace)
+        admission: Admission | None = None
+        tenant = edge.tenants.get(trace.tenant)
+        if tenant.policy.limited and not self.pinned:
+            admission = await edge.limits.admit(tenant, dispatch.alias, body, self.api)
+            out.headers = admission.headers(self.api)
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.create_task(watch_disconnect(receive, task))
@@ -221,6 +229,10 @@ class ApiEndpoint:
                 task.uncancel()
         finally:
             watcher.cancel()
+            if admission is not None:
+                usage = trace.report.usage if trace.report is not None else None
+                used = usage.input_tokens + usage.output_tokens if usage is not None else None
+                edge.limits.settle(admission, used, reached_node=trace.queue_ms is not None)
 
     def _dispatch(self, body: bytes, head: Head, scope: Scope, trace: Trace) -> PoolDispatch | DirectDispatch:
         """The request's dispatch: a pool's (or, pinned, one provider's), or a direct route's."""

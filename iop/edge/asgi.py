@@ -25,12 +25,16 @@ class TrackedSend:
         self.send = send
         self.started = False
         self.trace = trace
+        self.headers: list[tuple[bytes, bytes]] = []
+        """Added to the answer's head, whatever it is (a limited tenant's x-ratelimit-* headers)."""
 
     async def __call__(self, message: Message) -> None:
         trace = self.trace
         if message["type"] == "http.response.start":
             self.started = True
             trace.status = message["status"]
+            if self.headers:
+                message["headers"] = [*message.get("headers", ()), *self.headers]
         else:
             size = len(message.get("body", b""))
             if size:

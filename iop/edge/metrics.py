@@ -151,7 +151,11 @@ class Metrics:
             ("gen_ai_operation_name", "gen_ai_request_model"),
             _GENAI_TTFT,
         )
+        self.limit_refusals = _Family(
+            "iop_limit_refusals", "Requests refused by their tenant's limit (rpm, tpm, budgets).", ("tenant", "limit")
+        )
         self._families = (
+            self.limit_refusals,
             self.requests,
             self.duration,
             self.queue_wait,
@@ -194,6 +198,10 @@ class Metrics:
                     count.value += n
                     if kind in ("input", "output"):
                         hist.observe(n)
+
+    def refused(self, tenant: str, limit: str) -> None:
+        """One request refused by `limit` of `tenant` (tenants are the deployment's: few)."""
+        self.limit_refusals.get((tenant or "-", limit)).value += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -24,6 +24,7 @@ from iop.edge.bodies import ReceivingBodies
 from iop.edge.current import CurrentDeployment
 from iop.edge.keys import EdgeKeys
 from iop.edge.ledger import LedgerWriter, ensure_ledger_stream
+from iop.edge.limits import Limiter
 from iop.edge.memory import BurstTrim
 from iop.edge.metrics import Metrics
 from iop.edge.observe import Observer
@@ -123,6 +124,9 @@ class Edge:
         )
         self.metrics = Metrics(self.scheduler, self.registry, self.ledger, nc, self.started_at)
         self.observer = Observer(self.edge_id, self.metrics, self.ledger)
+        self.limits = Limiter()
+        """Tenants' rpm, tpm and budgets, shared with the other edges in the KV bucket iop_limits."""
+        self.limits.on_refusal = self.metrics.refused
         self.qualify = QualifyDesk(self)
         self.sealer = sealer if sealer is not None else Sealer.random()
         """Seals iop's compaction items; `run_edge` derives it from the deployment's secret (docs/security.md)."""
@@ -205,6 +209,7 @@ class Edge:
                 "the ledger stream", lambda: ensure_ledger_stream(self.js, ledger.max_age, ledger.max_bytes)
             )
             self.ledger.start()
+        await available("the limits bucket", lambda: self.limits.open(self.js, settings.nats.replicas))
         await available("the work stream", lambda: streams.ensure_work_stream(self.js, replicas=settings.nats.replicas))
         if settings.responses.enabled:
             replicas = settings.nats.replicas
@@ -255,5 +260,6 @@ class Edge:
         await self.responses.stop()
         await self.qualify.stop()
         await self.registry.stop()
+        await self.limits.drain()
         if self.ledger is not None:
             await self.ledger.stop()
