@@ -10,10 +10,11 @@ import pytest_asyncio
 
 from iop import config
 from iop.contracts.refresh import diff
+from iop.contracts.usage import parse_query
 from iop.edge.keys import EdgeKeys, Key
 from iop.edge.ledger import RequestRecord
 from iop.edge.tenants import Tenants
-from iop.edge.usage_query import parse_query, read_records
+from iop.edge.usage_query import read_records
 from iop.errors import ConfigError
 from iop.nats.server import EmbeddedNats
 from tests.harness import EdgeHandle, deployment, deployment_running, until
