@@ -7,6 +7,7 @@ edge's, so a change to the page that stops working fails here.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import re
 import shutil
@@ -20,7 +21,7 @@ import pytest
 
 from iop.edge.keys import EdgeKeys, Key
 from iop.nats.server import EmbeddedNats
-from tests.codex_upstream import Turn, scripted_chat
+from tests.codex_upstream import Call, Turn, scripted_chat
 from tests.fakes import fake_upstream
 from tests.harness import CODEX_OFFLINE_TABLES, CODEX_OFFLINE_TOP, REPO, EdgeHandle, deployment, deployment_running
 
@@ -145,3 +146,35 @@ async def test_clients_doc_embeddings_and_completions_snippet_answers(
     # The fake: a token per word of every input; its completion ends with the suffix it was given.
     assert out.splitlines() == ["2 4", "w0 w1 w2 <fim ", ">"]
     assert set(up.by_path) == {"/v1/embeddings", "/v1/completions"}
+
+
+@asynccontextmanager
+async def tool_edge(nats_server: EmbeddedNats) -> AsyncIterator[EdgeHandle]:
+    """A model that calls `get_weather` for Paris when it has tools and no result yet, then answers with the result."""
+
+    def answer(body: dict[str, Any]) -> Turn:
+        last = body["messages"][-1]
+        if last["role"] == "tool":
+            return Turn(text=f"{ANSWER}: {last['content']}")
+        if body.get("tools"):
+            return Turn(calls=[Call("get_weather", {"city": "Paris"}, "call_weather")])
+        return Turn(text=ANSWER)
+
+    keys = EdgeKeys(clients=[Key("doc", DOC_KEY)], admins=[])
+    async with scripted_chat(answer) as up:
+        async with deployment_running(deployment(POOL.format(url=up.url)), nats_server.url, keys) as h:
+            yield h
+
+
+async def test_clients_doc_openai_agents_runs_an_agent_with_a_function_tool(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    if importlib.util.find_spec("agents") is None:
+        pytest.skip("the OpenAI Agents SDK is not installed (the [test] extra installs openai-agents)")
+    async with tool_edge(nats_server) as h:
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)}
+        script = block("openai-agents", "python").replace(DOC_EDGE, h.url)
+        rc, out = await run([sys.executable, "-c", script], env, tmp_path)
+    assert rc == 0, out
+    # The tool ran in the client and its result came back through the edge to the model.
+    assert out.splitlines() == [f"{ANSWER}: sunny in Paris"]
