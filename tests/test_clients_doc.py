@@ -161,9 +161,11 @@ async def tool_edge(nats_server: EmbeddedNats) -> AsyncIterator[EdgeHandle]:
         return Turn(text=ANSWER)
 
     keys = EdgeKeys(clients=[Key("doc", DOC_KEY)], admins=[])
-    async with scripted_chat(answer) as up:
-        async with deployment_running(deployment(POOL.format(url=up.url)), nats_server.url, keys) as h:
-            yield h
+    async with (
+        scripted_chat(answer) as up,
+        deployment_running(deployment(POOL.format(url=up.url)), nats_server.url, keys) as h,
+    ):
+        yield h
 
 
 async def test_clients_doc_openai_agents_runs_an_agent_with_a_function_tool(
