@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import re
 import sys
 import time
@@ -56,7 +57,7 @@ SERVERS: dict[str, dict[str, object]] = {
     "cold": {"idle_stop_s": 30},
     "swapa": {"idle_stop_s": 30, "group": "gpu", "group_size": 1},
     "swapb": {"idle_stop_s": 30, "group": "gpu", "group_size": 1},
-    "idle": {"idle_stop_s": 0.5},
+    "idle": {"idle_stop_s": 0.5, "ready_log": "'^model loaded$'"},
     "crash": {},  # no idle_stop_s: always on, started with the node
     "rst": {},
 }
@@ -64,6 +65,7 @@ SERVERS: dict[str, dict[str, object]] = {
 
 
 def adapter_yaml(name: str, port: int, events: Path, **server: object) -> str:
+    ready = "" if "ready_log" in server else f"\n          ready_url: http://127.0.0.1:{port}/health"
     extra = "".join(f"\n          {k}: {v}" for k, v in server.items())
     command = [sys.executable, SCRIPT, "--port", str(port), "--name", name, "--load-s", str(LOAD_S)]
     command += ["--events", str(events)]
@@ -72,8 +74,7 @@ def adapter_yaml(name: str, port: int, events: Path, **server: object) -> str:
         type: openai
         base_url: http://127.0.0.1:{port}/v1
         server:
-          command: [{", ".join(f'"{c}"' for c in command)}]
-          ready_url: http://127.0.0.1:{port}/health
+          command: [{", ".join(f'"{c}"' for c in command)}]{ready}
           stop_grace_s: 2
           restart_backoff_s: 0.2{extra}"""
 
@@ -230,9 +231,13 @@ async def test_a_swap_in_a_group_of_one_loses_no_request_and_never_runs_two_serv
         assert end <= start, f"two servers of a group of one ran at once: {intervals}"
 
 
-async def test_an_idle_server_is_stopped_after_idle_stop_s(life: Life) -> None:
+async def test_an_idle_server_is_stopped_after_idle_stop_s(life: Life, caplog: pytest.LogCaptureFixture) -> None:
     h, node = life.h, life.node
-    assert await ask(h, "idle") == "hello from idle"
+    caplog.set_level(logging.INFO, logger="iop.node.server")
+    assert await ask(h, "idle") == "hello from idle"  # ready on its log line (ready_log)
+    # The server's own output is the node's log, under its provider's name.
+    assert "[idle] fake model server idle loading for 0.3s" in caplog.messages
+    assert "[idle] model loaded" in caplog.messages
     server = server_of(node, "idle")
     assert server.proc is not None
     pid, served = server.proc.pid, time.monotonic()

@@ -103,6 +103,8 @@ class ManagedServer:
                     self.active += 1
                     self.granted += 1
                     self.last_used = time.monotonic()
+                    if self.granted == 1:
+                        self.group.notify()  # a server waiting to swap it out may now
                     return time.monotonic() - began if cold else 0.0
                 cold = True
                 if self.state == "stopped":
