@@ -11,7 +11,6 @@ used ready server, waits for it to stop, then starts its own (what llama-swap do
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -66,6 +65,8 @@ class ManagedServer:
         self.state: State = "stopped"
         self.since = time.time()
         self.proc: ServerProcess | None = None
+        self._spawned: set[ServerProcess] = set()
+        """Every process started and not yet seen stopped: what `close` ends, whatever a stop was doing."""
         self.active = 0
         """Requests running on it now."""
         self.waiting = 0
@@ -158,6 +159,7 @@ class ManagedServer:
     async def _run_start(self, began: float) -> None:
         try:
             self.proc = await ServerProcess.spawn(self.name, self.cfg)
+            self._spawned.add(self.proc)
         except OSError as exc:
             log.error("[%s] cannot start its server: %s", self.name, exc)
             self._failed()
@@ -187,9 +189,10 @@ class ManagedServer:
             return
         if proc.proc.returncode is None:
             log.error("[%s] server not ready within %gs: stopped", self.name, self.cfg.start_timeout_s)
-            await proc.stop(self.cfg.stop_grace_s)
         else:
             log.error("[%s] server exited with %s before it was ready", self.name, proc.proc.returncode)
+        await proc.stop(self.cfg.stop_grace_s)  # its group too, whatever the leader did
+        self._spawned.discard(proc)
         self._failed()
 
     async def _watch(self, proc: ServerProcess, exited: asyncio.Task[int]) -> None:
@@ -199,6 +202,7 @@ class ManagedServer:
         # Its running requests fail by themselves (the upstream connection breaks: a lost upstream).
         log.error("[%s] server died (exit %s)", self.name, code)
         await proc.stop(0.1)  # whatever it started in its group goes too
+        self._spawned.discard(proc)
         self._failed()
 
     def _failed(self) -> None:
@@ -239,6 +243,7 @@ class ManagedServer:
         try:
             if proc is not None:
                 await proc.stop(self.cfg.stop_grace_s)
+                self._spawned.discard(proc)
                 log.info("[%s] server stopped", self.name)
         finally:
             self._stopping = False
@@ -273,10 +278,10 @@ class ManagedServer:
         self.closed = True
         for t in list(self._tasks):
             t.cancel()
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                await proc.stop(min(self.cfg.stop_grace_s, 5.0))
+        self.proc = None
+        grace = min(self.cfg.stop_grace_s, 5.0)
+        await asyncio.gather(*(p.stop(grace) for p in self._spawned), return_exceptions=True)
+        self._spawned.clear()
         self._set("stopped")
 
     # --- what others see -------------------------------------------------------------------------
