@@ -7,6 +7,7 @@ a client's wrongly typed field is a 400 naming it here, never a crash on a node)
 
 from __future__ import annotations
 
+import codecs
 from typing import NamedTuple
 
 import msgspec
@@ -91,6 +92,7 @@ _compact_head = msgspec.json.Decoder(CompactHead).decode
 _chat_head = msgspec.json.Decoder(ChatHead).decode
 _responses_head = msgspec.json.Decoder(ResponsesHead).decode
 _decode_json = msgspec.json.Decoder().decode
+_utf8_decoder = codecs.getincrementaldecoder("utf-8")
 
 
 class Head(NamedTuple):
@@ -110,10 +112,7 @@ def parse_head(api: wire.Api, body: bytes) -> Head:
     """The model, stream flag and session key, after checking the body is a request of this API at all."""
     if not body.isascii():
         # The edge skips most of the body; make sure what it forwards is UTF-8 all through.
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from None
+        check_utf8(body)
     try:
         if api == "chat":
             chat = _chat_head(body)
@@ -138,6 +137,26 @@ def parse_head(api: wire.Api, body: bytes) -> Head:
     except RecursionError:
         # msgspec recurses once per nesting level, even in the parts it skips.
         raise BadRequest("request body is nested too deeply", code="invalid_json") from None
+
+
+UTF8_PIECE = 256 * 1024
+"""The UTF-8 check decodes this much at a time: a third of the CPU of one decode of a 3 MB body,
+whose text (never kept) was a 3 MB allocation written once and thrown away."""
+
+
+def check_utf8(body: bytes) -> None:
+    """BadRequest naming the first byte that is not UTF-8, if there is one."""
+    decoder = _utf8_decoder()
+    view = memoryview(body)
+    try:
+        for start in range(0, len(body), UTF8_PIECE):
+            decoder.decode(view[start : start + UTF8_PIECE])
+        decoder.decode(b"", True)
+    except UnicodeDecodeError:
+        try:
+            body.decode("utf-8")  # once more whole, for the position the client is told
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from None
 
 
 # --- Messages, embeddings, completions -------------------------------------------------------
