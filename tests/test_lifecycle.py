@@ -38,6 +38,7 @@ from iop.statusview import render_status
 from tests.harness import (
     REPO,
     EdgeHandle,
+    broker_counts,
     deployment,
     eventually,
     free_port,
@@ -60,14 +61,16 @@ SERVERS: dict[str, dict[str, object]] = {
     "idle": {"idle_stop_s": 0.5, "ready_log": "'^model loaded$'"},
     "crash": {},  # no idle_stop_s: always on, started with the node
     "rst": {},
+    "slow": {"idle_stop_s": 30, "load_s": 30},
 }
 """The servers of node `life`, one or two per test."""
 
 
 def adapter_yaml(name: str, port: int, events: Path, **server: object) -> str:
+    load_s = server.pop("load_s", LOAD_S)
     ready = "" if "ready_log" in server else f"\n          ready_url: http://127.0.0.1:{port}/health"
     extra = "".join(f"\n          {k}: {v}" for k, v in server.items())
-    command = [sys.executable, SCRIPT, "--port", str(port), "--name", name, "--load-s", str(LOAD_S)]
+    command = [sys.executable, SCRIPT, "--port", str(port), "--name", name, "--load-s", str(load_s)]
     command += ["--events", str(events)]
     return f"""
       - id: {name}
@@ -80,7 +83,7 @@ def adapter_yaml(name: str, port: int, events: Path, **server: object) -> str:
 
 
 def node_yaml(node: str, events: Path, servers: dict[str, dict[str, object]], mock: str = "") -> str:
-    adapters = "".join(adapter_yaml(n, free_port(), events / n, **opts) for n, opts in servers.items())
+    adapters = "".join(adapter_yaml(n, free_port(), events / n, **dict(opts)) for n, opts in servers.items())
     providers = "".join(f"\n      - {{id: {n}, adapter: {n}, capacity: 2}}" for n in servers)
     if mock:
         adapters += "\n      - {id: sim, type: mock}"
@@ -262,6 +265,23 @@ async def test_a_server_that_dies_mid_request_fails_it_and_is_restarted_with_bac
     assert await ask(h, "crash") == "hello from crash"
     (_, _, died), (_, again, _) = sorted(runs(life.events / "crash"), key=lambda r: r[1])
     assert again - died >= 0.2  # restart_backoff_s: not at once
+
+
+async def test_a_client_that_leaves_during_a_cold_start_leaves_nothing_held_on_the_node(life: Life) -> None:
+    h, node = life.h, life.node
+    server = server_of(node, "slow")  # loads for 30 s
+    client = h.clients[0].with_options(timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        await client.chat.completions.create(model="slow", messages=[{"role": "user", "content": "hi"}])
+    assert state_of(server) == "starting"
+
+    async def let_go() -> bool:
+        # The node gave up its wait and its work message: nothing waits for the server, nothing is
+        # held or queued at the broker for the provider.
+        return server.waiting == 0 and await broker_counts(h.edge.js, "slow") == (0, 0)
+
+    await eventually(let_go, timeout_s=5)
+    assert node.requests() == []
 
 
 async def test_iop_provider_restart_restarts_a_managed_server_for_an_admin_only(life: Life) -> None:
