@@ -10,7 +10,7 @@ import msgspec
 import msgspec.inspect
 from msgspec import Meta
 
-from iop import crosscheck, policy, tenancy, validate, yamldoc
+from iop import crosscheck, policy, tenancy, tracingconf, validate, yamldoc
 from iop.errors import ConfigError
 from iop.serverconf import ServerSettings
 
@@ -385,6 +385,7 @@ class Deployment(_Strict):
     edge: EdgeSettings = msgspec.field(default_factory=EdgeSettings)
     models: list[ModelAlias] = msgspec.field(default_factory=list)
     nodes: list[Node] = msgspec.field(default_factory=list)
+    tracing: tracingconf.TracingSettings = msgspec.field(default_factory=tracingconf.TracingSettings)
 
     def node(self, node_id: str) -> Node:
         for n in self.nodes:

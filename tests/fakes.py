@@ -39,6 +39,8 @@ class FakeUpstream:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     request_ids: list[str | None] = field(default_factory=list)
     """The `x-request-id` header of each request, as the node sent it."""
+    traceparents: list[str | None] = field(default_factory=list)
+    """The `traceparent` header of each request (a traced request's upstream call)."""
     disconnects: int = 0
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     url: str = ""
@@ -83,6 +85,7 @@ class FakeUpstream:
                 return JSONResponse({"error": {"message": "not found", "type": "not_found"}}, 404)
             body = json.loads(await request.body())
             self.request_ids.append(request.headers.get("x-request-id"))
+            self.traceparents.append(request.headers.get("traceparent"))
             await self._enter(path, body)
             try:
                 await self._hold()

@@ -154,6 +154,9 @@ def diff(old: config.Deployment, new: config.Deployment) -> list[Change]:
         a_val, b_val = getattr(old.edge, name), getattr(new.edge, name)
         if a_val != b_val:
             changes.append(Change(kind="restart_needed", target=f"edge.{name}", before=_enc(a_val), after=_enc(b_val)))
+    if old.tracing != new.tracing:  # read once at start, by the edge and by each node
+        before, after = _enc(old.tracing), _enc(new.tracing)
+        changes.append(Change(kind="restart_needed", target="tracing", before=before, after=after))
     return changes
 
 

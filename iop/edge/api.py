@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iop import config, endpoints, wire
 from iop.anthropic import errors as anthropic_errors
+from iop.edge import spans
 from iop.edge.answer import relay_stream, relay_whole
 from iop.edge.asgi import (
     JSON,
@@ -43,6 +44,7 @@ from iop.errors import BadRequest, ErrorResponse, MethodNotAllowed, NotFound, Re
 from iop.responses import background
 from iop.responses.expand import Responses, Turn
 from iop.responses.tap import KeepingSend
+from iop.tracing import Tracing
 
 _decode_json = msgspec.json.Decoder().decode
 _encode_json = msgspec.json.Encoder().encode
@@ -75,6 +77,8 @@ class Serving(Protocol):
     def tenants(self) -> Tenants: ...
     @property
     def limits(self) -> Limiter: ...
+    @property
+    def tracing(self) -> Tracing: ...
 
     def authorize(self, scope: Scope) -> str:
         """The client key's name ("" without keys); raises Unauthorized."""
@@ -102,6 +106,9 @@ class ApiEndpoint:
         # before any dispatch count too.
         trace = Trace(scope.get("iop.request_id") or new_request_id(), self.api)
         out = TrackedSend(send, trace)
+        if self.edge.tracing.on:
+            spans.request(self.edge.tracing, trace, scope)
+        admission = spans.admission(trace) if trace.span is not None else None
         try:
             # The key first: a caller without one learns nothing, and leaves no ledger record.
             if self.pinned:
@@ -116,6 +123,9 @@ class ApiEndpoint:
             trace.bytes_in = len(body)
             head = parse_head(self.api, body)
             trace.stream = head.stream
+            if admission is not None:
+                spans.admitted(admission, trace, head.model, body)
+                admission = None
             if head.stateful and not self.pinned:
                 body, turn, owner = await self._expand(scope, body, head.stream, out)
                 if turn.background and not head.stream:
@@ -124,6 +134,9 @@ class ApiEndpoint:
             await self._serve(body, head, scope, receive, out)
         except RequestError as exc:
             trace.error = exc.code
+            if admission is not None:
+                spans.refused(admission, exc.code)  # refused before its model was read
+                admission = None
             if not trace.alias:
                 trace.refused_at(scope["method"], scope.get("raw_path") or scope["path"].encode())
             if not out.started:
@@ -134,8 +147,12 @@ class ApiEndpoint:
             trace.cancelled = True
             raise
         finally:
+            if admission is not None:
+                admission.end()
             if not self.pinned:
                 self._finished(trace, out.started)
+            elif trace.span is not None:
+                trace.span.end()
 
     async def _expand(self, scope: Scope, body: bytes, stream: bool, out: TrackedSend) -> tuple[bytes, Turn, str]:
         """The stateless request to dispatch; the answer's send then keeps and echoes the state."""
@@ -200,7 +217,9 @@ class ApiEndpoint:
             if not responded:
                 trace.status = 499  # the client closed the request before any answer (nginx's code)
             trace.error = trace.error or "client_cancelled"
-        self.edge.observer.finish(trace)
+        rec = self.edge.observer.finish(trace)
+        if trace.span is not None:
+            spans.finish(trace, rec)
 
     async def _serve(self, body: bytes, head: Head, scope: Scope, receive: Receive, out: TrackedSend) -> None:
         """Dispatch the request and relay its answer; each try of the dispatch is one `async with`."""
@@ -209,7 +228,15 @@ class ApiEndpoint:
         admission: Admission | None = None
         tenant = edge.tenants.get(trace.tenant)
         if tenant.policy.limited and not self.pinned:
-            admission = await edge.limits.admit(tenant, dispatch.alias, body, self.api)
+            limit = spans.limits(trace) if trace.span is not None else None
+            try:
+                admission = await edge.limits.admit(tenant, dispatch.alias, body, self.api)
+            except RequestError as exc:
+                if limit is not None:
+                    spans.refused(limit, exc.code)
+                raise
+            if limit is not None:
+                limit.end()
             out.headers = admission.headers(self.api)
         task = asyncio.current_task()
         assert task is not None
@@ -297,13 +324,22 @@ class ApiEndpoint:
     async def _answer(self, attempt: Attempt, stream: bool, out: TrackedSend, arrived: float) -> RequestError | None:
         """Relay the try's answer; the error a stream ended with once the client had its 200."""
         replies, provider, ch = attempt.replies(), attempt.provider, attempt.channel
+        span = spans.answer(out.trace, attempt.span, stream) if attempt.span is not None else None
+        error = "cancelled"
         try:
             if stream:
-                return await relay_stream(self.api, replies, out, provider, arrived, ch)
+                failed = await relay_stream(self.api, replies, out, provider, arrived, ch)
+                error = failed.code if failed is not None else ""
+                return failed
             await relay_whole(replies, out, provider, arrived, ch)
+            error = ""
         except RequestError as exc:
+            error = exc.code
             exc.headers.setdefault("x-iop-provider", provider)  # who failed or refused (e.g. a translation)
             raise
+        finally:
+            if span is not None:
+                spans.answer_ended(span, out.trace, error)
         return None
 
 

@@ -28,7 +28,8 @@ import time
 from collections.abc import AsyncIterator
 from types import TracebackType
 
-from iop import wire
+from iop import tracing, wire
+from iop.edge import spans
 from iop.edge.affinity import Sessions
 from iop.edge.channel import Channel
 from iop.edge.observe import Trace
@@ -51,7 +52,7 @@ _NO_TENANT = Tenant("", UNLIMITED)
 class Attempt:
     """One try of a request on one provider (or CLI resource), ended by leaving `async with`."""
 
-    __slots__ = ("_ended", "_started", "channel", "dispatch", "grant", "pool", "provider", "scheduler", "slot")
+    __slots__ = ("_ended", "_started", "channel", "dispatch", "grant", "pool", "provider", "scheduler", "slot", "span")
 
     def __init__(
         self,
@@ -74,6 +75,11 @@ class Attempt:
         self._started = False
         self._ended = False
         self.channel: Channel = dispatch.relay.open(slot.node if slot is not None else dispatch.node, holder=self)
+        record = dispatch.record
+        self.span = (
+            spans.attempt(record, provider, self.channel.node, record.route) if record.span is not None else None
+        )
+        """This try's span when the request is traced: its context travels with the work to the node."""
 
     # --- told by the channel, as the node's replies arrive --------------------------------------
 
@@ -101,10 +107,11 @@ class Attempt:
     async def send(self, item: wire.WorkItem) -> None:
         """Put the work where the node takes it: the provider's work queue, or the CLI resource."""
         publish = self.dispatch.relay.publish
+        headers = tracing.headers_of(self.span) if self.span is not None else None
         if self.slot is None:
-            await publish.to_resource(self.channel, self.dispatch.node, self.provider, item)
+            await publish.to_resource(self.channel, self.dispatch.node, self.provider, item, headers)
         else:
-            await publish.to_pool(self.channel, self.provider, item)
+            await publish.to_pool(self.channel, self.provider, item, headers)
 
     def replies(self) -> AsyncIterator[bytes]:
         """The answer's bytes in order; raises the RequestError the node or the edge failed it with."""
@@ -120,7 +127,10 @@ class Attempt:
         d.noted(self.channel)
         d.relay.close(self.channel)  # the node told to stop, if it may still run it
         self._release()
-        return d.ended(self, exc)
+        retried = d.ended(self, exc)
+        if self.span is not None:
+            spans.attempt_ended(self.span, exc, retried)
+        return retried
 
 
 class _Dispatch:
@@ -213,6 +223,8 @@ class PoolDispatch(_Dispatch):
             deadline = sched.router.bound(
                 self.alias, pool.in_rotation(), ask, deadline, asyncio.get_running_loop().time()
             )
+        traced = self.record.span is not None
+        waited = spans.queue(self.record, pool, self.alias, len(self.tried)) if traced else None
         try:
             tenant = self.tenant or _NO_TENANT
             grant = await sched.acquire_grant(
@@ -229,12 +241,20 @@ class PoolDispatch(_Dispatch):
                 ask=self.ask,
             )
         except Unavailable as unusable:
+            if waited is not None:
+                spans.queue_ended(waited, unusable.code)
             if self.last is not None and unusable.code == "pool_unavailable":
                 raise self.last from None  # no other provider to fail over to: the client hears why
             late = ask.late if ask is not None else None
             if unusable.code == "queue_timeout" and late is not None and time.monotonic() >= late - 0.01:
                 raise unmeetable(self.alias, self.ask or Ask(), None) from None
             raise
+        except BaseException as exc:
+            if waited is not None:
+                spans.queue_ended(waited, getattr(exc, "code", "cancelled"))
+            raise
+        if waited is not None:
+            spans.queue_ended(waited, "granted")
         slot = grant.slot
         pool = sched.pools.get(self.alias)
         if pool is None:
@@ -246,6 +266,8 @@ class PoolDispatch(_Dispatch):
             self.record.affinity = self.sessions.served(self.alias, self.session, slot.id, self.prefer)
         if self.ask is not None:
             self.record.route_reason = self.ask.reason
+        if traced:
+            spans.route(self.record, pool, slot, self.prefer, self.tried, self.record.affinity)
         self.prefer = None  # a failover goes wherever is free; the provider that answers is remembered
         return self._attempt(slot, pool, grant)
 

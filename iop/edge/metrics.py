@@ -23,6 +23,7 @@ from prometheus_client.utils import floatToGoString
 from iop.edge.ledger import LedgerWriter, RequestRecord
 from iop.edge.registry import Registry
 from iop.edge.scheduler import Scheduler
+from iop.tracing import Tracing
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -114,7 +115,13 @@ class Metrics:
     loop writes them); prometheus-client turns them into the exposition format at scrape time."""
 
     def __init__(
-        self, scheduler: Scheduler, registry: Registry, ledger: LedgerWriter | None, nc: NATS, started_at: float
+        self,
+        scheduler: Scheduler,
+        registry: Registry,
+        ledger: LedgerWriter | None,
+        nc: NATS,
+        started_at: float,
+        tracing: Tracing | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = _Family(
@@ -167,7 +174,7 @@ class Metrics:
         )
         self._series: dict[tuple[str, ...], _Series] = {}
         self.registry.register(_RecordsCollector(self))
-        self.registry.register(_LiveCollector(scheduler, registry, ledger, nc, started_at))
+        self.registry.register(_LiveCollector(scheduler, registry, ledger, nc, started_at, tracing))
 
     def observe(self, rec: RequestRecord) -> None:
         """Count one finished request."""
@@ -221,9 +228,16 @@ class _LiveCollector(Collector):
     """Gauges read from the scheduler and the registry at scrape time (nothing to keep in step)."""
 
     def __init__(
-        self, scheduler: Scheduler, registry: Registry, ledger: LedgerWriter | None, nc: NATS, started_at: float
+        self,
+        scheduler: Scheduler,
+        registry: Registry,
+        ledger: LedgerWriter | None,
+        nc: NATS,
+        started_at: float,
+        tracing: Tracing | None,
     ) -> None:
         self.scheduler = scheduler
+        self.tracing = tracing
         self.nodes = registry
         self.ledger = ledger
         self.nc = nc
@@ -274,8 +288,12 @@ class _LiveCollector(Collector):
         nats.add_metric([], 1.0 if self.nc.is_connected else 0.0)
         up = GaugeMetricFamily("iop_edge_uptime_seconds", "Seconds since this edge started.")
         up.add_metric([], time.time() - self.started_at)
+        spans = CounterMetricFamily(
+            "iop_trace_spans_dropped", "Trace spans lost: export queue full or export failed (collector down)."
+        )
+        spans.add_metric([], self.tracing.dropped if self.tracing is not None else 0)
         yield from (capacity, in_flight, elsewhere, over, waiting, tenant_waiting, tenant_running, nodes)
-        yield from (dropped, pending, nats, up)
+        yield from (dropped, pending, nats, up, spans)
         yield from _server_metrics(registry)
 
 

@@ -11,11 +11,16 @@ import logging
 import re
 import secrets
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from iop import wire
 from iop.edge.ledger import LedgerWriter, RequestRecord
 from iop.edge.metrics import Metrics
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from iop.tracing import Tracing
 
 access_log = logging.getLogger("iop.access")
 
@@ -57,10 +62,12 @@ class Trace:
         "report",
         "route",
         "route_reason",
+        "span",
         "start",
         "status",
         "stream",
         "tenant",
+        "tracing",
     )
 
     def __init__(self, request_id: str, api: wire.Api | None) -> None:
@@ -98,6 +105,9 @@ class Trace:
         self.method = ""
         """Set (with `path`) for a request refused before its model was known: what the log shows instead."""
         self.path = ""
+        self.span: Span | None = None
+        """The request's span when it is traced and sampled (iop/edge/spans.py); None otherwise."""
+        self.tracing: Tracing | None = None
 
     def refused_at(self, method: str, raw_path: bytes) -> None:
         """Note what was asked, for the access line of a request that names no model (yet)."""

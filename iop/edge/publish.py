@@ -34,7 +34,7 @@ PUBLISH_RETRY_MAX_S = 1.0
 PUBLISH_GRACE_S = 1.0
 """Retries go on this long past the item's deadline: a node's Started sent just before it still arrives."""
 HEADER_ROOM = 1024
-"""Bytes kept free in a NATS message for headers (`Nats-Msg-Id`) around an encoded work item."""
+"""Bytes kept free in a NATS message for headers (`Nats-Msg-Id`, the trace context) around an encoded work item."""
 ACK_PREFIX = f"$JS.ACK.{wire.WORK_STREAM}."
 """What every ack subject of the work stream starts with: the only subject the edge sends +TERM to."""
 
@@ -75,15 +75,19 @@ class Publisher:
         size = min(wire.BODY_PART_BYTES, self.nc.max_payload - HEADER_ROOM)
         return ch.body[part.offset : part.offset + size]
 
-    async def to_pool(self, ch: Channel, provider: str, item: wire.WorkItem) -> None:
-        """Publish the work to the provider's JetStream subject (the broker enforces its capacity)."""
+    async def to_pool(
+        self, ch: Channel, provider: str, item: wire.WorkItem, trace: dict[str, str] | None = None
+    ) -> None:
+        """Publish the work to the provider's JetStream subject (the broker enforces its capacity).
+
+        `trace`: the try's W3C trace context, carried as message headers to the node."""
         # The work stream refuses messages over MAX_PAYLOAD even where the server allows more.
         data = self._framed(ch, item, min(self.nc.max_payload, MAX_PAYLOAD))
         delay = PUBLISH_RETRY_FIRST_S
         repaired = False
         while True:
             try:
-                seq = await self._publish_work(ch, wire.work_subject(provider), data, item.id)
+                seq = await self._publish_work(ch, wire.work_subject(provider), data, item.id, trace)
                 break
             except (nats.errors.Error, TimeoutError) as exc:
                 # The stream may be electing a new leader (a cluster lost a server), or have stored
@@ -121,7 +125,9 @@ class Publisher:
         ch.stream_seq = seq
         ch.published_mono = time.monotonic()
 
-    async def _publish_work(self, ch: Channel, subject: str, data: bytes, msg_id: str) -> int:
+    async def _publish_work(
+        self, ch: Channel, subject: str, data: bytes, msg_id: str, trace: dict[str, str] | None = None
+    ) -> int:
         """Store the work in the stream; its sequence there. Raises as nats-py's JetStream publish does.
 
         The ack comes to this edge's own inbox and resolves a plain future: no task, no timer task
@@ -134,7 +140,8 @@ class Publisher:
         # message (same Msg-Id), so it answers the current one as well.
         self._acks[ch.id] = acked
         try:
-            await self.nc.publish(subject, data, reply=f"{self._acks_inbox}.{ch.id}", headers={"Nats-Msg-Id": msg_id})
+            headers = {"Nats-Msg-Id": msg_id, **trace} if trace else {"Nats-Msg-Id": msg_id}
+            await self.nc.publish(subject, data, reply=f"{self._acks_inbox}.{ch.id}", headers=headers)
             async with asyncio.timeout(PUBLISH_TIMEOUT_S):
                 msg = await asyncio.shield(acked)
         except asyncio.CancelledError:
@@ -152,11 +159,13 @@ class Publisher:
         if acked is not None and not acked.done():
             acked.set_result(msg)
 
-    async def to_resource(self, ch: Channel, node: str, resource: str, item: wire.WorkItem) -> None:
+    async def to_resource(
+        self, ch: Channel, node: str, resource: str, item: wire.WorkItem, trace: dict[str, str] | None = None
+    ) -> None:
         """Hand the request to a CLI resource by core request-reply (no queue, no capacity)."""
         data = self._framed(ch, item, self.nc.max_payload)
         try:
-            await self.nc.request(wire.cli_subject(node, resource), data, timeout=5.0)
+            await self.nc.request(wire.cli_subject(node, resource), data, timeout=5.0, headers=trace)
             ch.last_heard = time.monotonic()  # Accepted: the node has it (a resend may ask for it)
         except nats.errors.NoRespondersError as exc:
             raise Unavailable(

@@ -44,6 +44,7 @@ from iop.openai.compaction import Sealer
 from iop.responses.caps import ResponseCaps
 from iop.responses.expand import Responses
 from iop.responses.store import ResponseStore, owner_of
+from iop.tracing import Tracing
 
 
 class Edge:
@@ -122,7 +123,9 @@ class Edge:
             if settings.ledger.enabled
             else None
         )
-        self.metrics = Metrics(self.scheduler, self.registry, self.ledger, nc, self.started_at)
+        self.tracing = Tracing(deployment.tracing, "iop-edge", self.edge_id)
+        """Read once, like the keys: a refresh reports a change as needing a restart."""
+        self.metrics = Metrics(self.scheduler, self.registry, self.ledger, nc, self.started_at, self.tracing)
         self.observer = Observer(self.edge_id, self.metrics, self.ledger)
         self.limits = Limiter()
         """Tenants' rpm, tpm and budgets, shared with the other edges in the KV bucket iop_limits."""
@@ -255,6 +258,9 @@ class Edge:
         self.status_feed.close()
 
     async def stop(self) -> None:
+        # The last requests' spans go out while the rest stops; a collector that is down costs the
+        # export's timeout at most, in a thread.
+        flushed = asyncio.create_task(asyncio.to_thread(self.tracing.shutdown))
         self.burst_trim.stop()
         self.body_trim.stop()
         await self.responses.stop()
@@ -263,3 +269,4 @@ class Edge:
         await self.limits.drain()
         if self.ledger is not None:
             await self.ledger.stop()
+        await flushed

@@ -35,7 +35,7 @@ async def subscribe(running: RunningRequests, r: Resource) -> Subscription:
             # Its client left and the Cancel overtook the request (they travel on different
             # subjects): accepted, so the edge is not left waiting, but never run.
             return
-        running.start(r, item, None)
+        running.start(r, item, None, trace=msg.headers)
 
     return await running.nc.subscribe(
         wire.cli_subject(running.node_id, r.cfg.id), cb=handle, pending_msgs_limit=100_000

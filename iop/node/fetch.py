@@ -137,7 +137,7 @@ async def _take(running: RunningRequests, r: Resource, msg: Msg) -> None:
             late = Unavailable("waited past its deadline", code="queue_timeout")
             await running.publish(item, failure_of(late, item.id, 0))
             return
-        run = running.start(r, item, msg, cold_start_ms=cold_ms)
+        run = running.start(r, item, msg, cold_start_ms=cold_ms, trace=msg.headers)
         assert run.task is not None
         await asyncio.wait({run.task})
     finally:

@@ -14,8 +14,10 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from iop import tracing as tr
 from iop import wire
 from iop.errors import BodyUnavailable, Cancelled, RequestError, UpstreamError, failure_of
+from iop.node import spans
 from iop.node.adapters.base import Outcome
 from iop.node.adapters.base import outcome as current_outcome
 from iop.node.flow import STALL_TIMEOUT_S, FlowWindow
@@ -47,6 +49,8 @@ class Running:
     """The adapter has finished: the edge may already have forgotten it, nothing to stop any more."""
     cold_start_ms: float = 0.0
     """How long it waited for its model server to start (servers.py) before it ran."""
+    trace: Mapping[str, str] | None = None
+    """The headers the work came with: its try's trace context, when the request is traced."""
 
 
 class RunningRequests:
@@ -70,14 +74,23 @@ class RunningRequests:
         """Started messages sent by their hold timer (kept referenced until sent)."""
         self.replay = ReplayStore()
         """What the edges may not have of each answer yet, to send again when they ask (replay.py)."""
+        self.tracing: tr.Tracing | None = None
+        """The node's tracer when tracing is on: items whose work came with a sampled context are traced."""
 
     def was_cancelled(self, request_id: str) -> bool:
         """Whether a Cancel for this request arrived recently (before its work message did)."""
         return request_id in self._cancelled
 
-    def start(self, r: Resource, item: wire.WorkItem, msg: Msg | None, cold_start_ms: float = 0.0) -> Running:
+    def start(
+        self,
+        r: Resource,
+        item: wire.WorkItem,
+        msg: Msg | None,
+        cold_start_ms: float = 0.0,
+        trace: Mapping[str, str] | None = None,
+    ) -> Running:
         # Registered before the task runs, so a Credit or Cancel arriving at once finds it.
-        run = Running(item, msg, FlowWindow(self.changed), time.monotonic(), cold_start_ms=cold_start_ms)
+        run = Running(item, msg, FlowWindow(self.changed), time.monotonic(), cold_start_ms=cold_start_ms, trace=trace)
         self.by_id[item.id] = run
         run.task = asyncio.create_task(self._run(r, run))
         self.changed.set()
@@ -118,6 +131,17 @@ class RunningRequests:
 
         pending: dict[str, str] = {}
         out = _Outbox(self, item)
+        tracing = self.tracing
+        work = call = None
+        error = "cancelled"
+        usage: wire.Usage | None = None
+        if run.trace and tracing is not None and tracing.on:
+            work = spans.work(tracing, run.trace, r, item, self.node_id, *_delivery(run.msg))
+            if work is not None:
+                if run.cold_start_ms:
+                    work.set_attribute("iop.cold_start_ms", run.cold_start_ms)  # its model server started first
+                call = spans.call(tracing, work, r, getattr(r.adapter, "cfg", None), item)
+                outcome.traceparent = tr.traceparent(call)  # the upstream request joins the trace
 
         async def send(data: bytes, headers: Mapping[str, str] | None = None) -> None:
             nonlocal first_byte
@@ -150,6 +174,7 @@ class RunningRequests:
             if item.body_size:
                 item = msgspec.structs.replace(item, body=await self._fetch_body(item), body_size=0)
             usage = await r.adapter.run(item, r.cfg.model, send)
+            error = ""
             run.answered = True
             if run.msg is not None:
                 await run.msg.ack()  # before Done: the slot is free by the time the edge hears of it
@@ -172,6 +197,7 @@ class RunningRequests:
             await _quietly(out.send(failure(Cancelled(reason))))
         except RequestError as exc:
             r.failed += 1
+            error = exc.code
             # The operator's view of an upstream failure, under the id the client and the edge know.
             # Its code and status only: the message may quote the upstream's error text or a
             # command's stderr, which can repeat the prompt (only the client is told those).
@@ -189,12 +215,16 @@ class RunningRequests:
         except Exception as exc:  # the adapter boundary: any bug below it must end as a Failure, never hang
             # (adapter, upstream client, translation): the client hears why and the slot is freed.
             r.failed += 1
+            error = "node_error"
             log.exception("provider %s: request %s failed", r.cfg.id, item.request_id or item.id)
             if run.msg is not None:
                 await _quietly(run.msg.term())
             await _quietly(out.send(failure(UpstreamError(f"{type(exc).__name__}: {exc}", code="node_error"))))
         finally:
             out.close()
+            if work is not None:
+                ttfb_ms = round((first_byte - began) * 1000, 3) if first_byte else 0.0
+                spans.ended(work, call, outcome, usage, error, ttfb_ms)
             r.in_flight -= 1
             if r.by_edge.get(edge, 0) <= 1:
                 r.by_edge.pop(edge, None)
@@ -392,6 +422,14 @@ class _Outbox:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+
+
+def _delivery(msg: Msg | None) -> tuple[int, float | None]:
+    """How often the work stream delivered the item, and how long it was stored there (ms); (1, None) for CLI."""
+    if msg is None:
+        return 1, None
+    meta = msg.metadata
+    return meta.num_delivered, max(0.0, (time.time() - meta.timestamp.timestamp()) * 1000)
 
 
 async def _quietly(aw: Any) -> None:

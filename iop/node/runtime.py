@@ -25,6 +25,8 @@ from iop.node.presence import Lease, Presence
 from iop.node.resource import Resource, kind_of
 from iop.node.running import Running, RunningRequests
 from iop.node.servers import ManagedServer, Servers
+from iop.tracing import Tracing
+from iop.tracingconf import TracingSettings
 
 log = logging.getLogger("iop.node")
 
@@ -63,6 +65,8 @@ class NodeRuntime:
         self.nats_url = nats_url
         self.access = access
         self.instance = secrets.token_hex(6)
+        self.tracing = Tracing(deployment.tracing if deployment is not None else TracingSettings(), "iop-node", node_id)
+        """This machine's: the deployment's `tracing` section and the OTEL_* variables, read once at start."""
         self.lease = Lease()
         """This process may take work for the node id (presence.py): ends when the edge says it was replaced."""
         self.started_at = time.time()
@@ -122,6 +126,7 @@ class NodeRuntime:
         running = self._running = RunningRequests(self.nc, self.node_id, self.instance, self.changed)
         running.stall_timeout_s, running.probe_interval_s = self._stall_timeout_s, self._probe_interval_s
         running.lease = self.lease
+        running.tracing = self.tracing
         presence = self._presence = Presence(
             self.nc,
             self.node_id,
@@ -315,6 +320,7 @@ class NodeRuntime:
             await connection.close(self.nc)
         for a in [*self._adapters.values(), *self._old_adapters]:
             await a.close()
+        await asyncio.to_thread(self.tracing.shutdown)  # the last items' spans; bounded, in a thread
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         t = asyncio.create_task(coro)

@@ -28,6 +28,8 @@ class Outcome:
     exit_code: int | None = None
     usage: wire.Usage | None = None
     """Set by an adapter that fails after the upstream already reported its usage."""
+    traceparent: str = ""
+    """The W3C context of the upstream call's span when the item is traced: sent upstream with it."""
 
 
 outcome: ContextVar[Outcome] = ContextVar("outcome")

@@ -16,7 +16,7 @@ import msgspec
 from iop import config, wire
 from iop.endpoints import native
 from iop.errors import BadRequest, NotFound, RequestError, UpstreamError, error_for_status
-from iop.node.adapters.base import Send, note_upstream_status
+from iop.node.adapters.base import Send, note_upstream_status, outcome
 from iop.node.http1 import ConnectFailed, HttpError, HttpPool, HttpResponse, Timeout
 from iop.node.tokens import OpeningUsage, UsageTail, usage_of_body
 from iop.openai.passthrough import native_body
@@ -222,6 +222,10 @@ class OpenAIAdapter:
         # The request id goes upstream too (as a UUID), so the upstream's own logs can be joined with iop's.
         safe = request_id and _SAFE_ID.match(request_id)
         headers = {"x-request-id": upstream_request_id(request_id)} if safe else None
+        traced = outcome.get(None)
+        if traced is not None and traced.traceparent:
+            # A model server that traces (vLLM with OTLP) continues the request's trace.
+            headers = {**(headers or {}), "traceparent": traced.traceparent}
         try:
             response = await self.pool.post(_PATHS[api], body, headers)
         except Timeout as exc:

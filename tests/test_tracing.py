@@ -1,0 +1,322 @@
+"""Traces of requests (issue 29): one tree per request across the edge, NATS and the node, exported
+over OTLP/HTTP to a receiver that decodes the real protobuf (tests/otlp.py).
+
+One nats-server, one receiver, one edge and its nodes serve the whole module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import sys
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import pytest_asyncio
+
+from iop.nats.server import EmbeddedNats
+from iop.tracing import Tracing
+from iop.tracingconf import TracingSettings
+from tests.fakes import FakeUpstream, fake_upstream
+from tests.harness import EdgeHandle, deployment, eventually, free_port, running_edge, running_node
+from tests.otlp import CLIENT, CONSUMER, PRODUCER, SERVER, Collector, SeenSpan, otlp_collector
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+ECHO = [sys.executable, "-c", "import sys; sys.stdout.write(sys.stdin.read())"]
+SECRET = "PROMPT-" + secrets.token_hex(6)
+"""A word in every prompt here: no span may hold it."""
+
+
+def traced_yaml(endpoint: str, good: str, bad: str, gated: str) -> str:
+    return f"""
+edge:
+  queue: {{timeout_s: 10}}
+tracing: {{endpoint: "{endpoint}", export_interval_ms: 20, export_timeout_s: 0.5}}
+models:
+  - {{alias: m, pool: [good-p]}}
+  - {{alias: f, pool: [bad-p, good-f]}}
+  - {{alias: g, pool: [gated-p]}}
+  - {{alias: agent, route: n-cli/echo}}
+nodes:
+  - id: n-good
+    adapters: [{{id: up, type: openai, base_url: "{good}", api: both}}]
+    providers:
+      - {{id: good-p, adapter: up, model: up-model, capacity: 4}}
+      - {{id: good-f, adapter: up, capacity: 1}}
+  - id: n-bad
+    adapters: [{{id: up, type: openai, base_url: "{bad}", api: both}}]
+    providers: [{{id: bad-p, adapter: up, capacity: 4}}]
+  - id: n-gated
+    adapters: [{{id: up, type: openai, base_url: "{gated}", api: both}}]
+    providers: [{{id: gated-p, adapter: up, capacity: 1}}]
+  - id: n-cli
+    adapters: [{{id: echo, type: cli, command: {ECHO!r}}}]
+    providers: [{{id: echo, adapter: echo}}]
+"""
+
+
+@dataclass
+class Traced:
+    h: EdgeHandle
+    http: httpx.AsyncClient
+    collector: Collector
+    good: FakeUpstream
+    gated: FakeUpstream
+    nats_url: str
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def traced(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Traced]:
+    server = EmbeddedNats("127.0.0.1:0", Path(tmp_path_factory.mktemp("nats")))
+    await server.start()
+    try:
+        async with (
+            otlp_collector() as collector,
+            fake_upstream() as good,
+            fake_upstream(fail_status=500) as bad,
+            fake_upstream(gate=asyncio.Event()) as gated,
+        ):
+            dep = deployment(traced_yaml(collector.url, good.url, bad.url, gated.url))
+            async with running_edge(dep, server.url) as h, AsyncExitStack() as stack:
+                nodes = ["n-good", "n-bad", "n-gated", "n-cli"]
+                for node in nodes:
+                    await stack.enter_async_context(running_node(dep, node, server.url))
+                await h.edge.registry.wait_connected(nodes, timeout_s=10)
+                async with h.http() as http:
+                    yield Traced(h, http, collector, good, gated, server.url)
+                assert gated.gate is not None
+                gated.gate.set()
+    finally:
+        await server.stop()
+
+
+def chat(model: str, **kw: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": f"say {SECRET}"}], **kw}
+
+
+def client_context() -> tuple[str, str]:
+    """A client's own trace id and its traceparent (sampled)."""
+    trace_id = secrets.token_hex(16)
+    return trace_id, f"00-{trace_id}-{secrets.token_hex(8)}-01"
+
+
+def one(spans: list[SeenSpan], prefix: str) -> SeenSpan:
+    found = [s for s in spans if s.name.startswith(prefix)]
+    assert len(found) == 1, (prefix, [s.name for s in spans])
+    return found[0]
+
+
+async def tree(c: Collector, trace_id: str, *names: str, timeout_s: float = 10.0) -> list[SeenSpan]:
+    """The trace's spans once every name (a prefix) is there, ended, in the collector."""
+
+    def complete(c: Collector) -> bool:
+        spans = c.trace(trace_id)
+        return all(any(s.name.startswith(n) for s in spans) for n in names)
+
+    await c.wait_for(complete, timeout_s)
+    return c.trace(trace_id)
+
+
+async def test_tracing_pool_request_is_one_tree_across_edge_nats_node_and_upstream(traced: Traced) -> None:
+    trace_id, parent = client_context()
+    r = await traced.http.post("/v1/chat/completions", json=chat("m"), headers={"traceparent": parent})
+    assert r.status_code == 200
+    spans = await tree(
+        traced.collector, trace_id, "POST", "iop.admission", "iop.queue", "iop.route", "iop.attempt", "iop.node.work",
+        "chat up-model", "iop.answer",
+    )  # fmt: skip
+    root = one(spans, "POST /v1/chat/completions")
+    assert root.kind == SERVER and root.service == "iop-edge"
+    assert root.parent_id == parent.split("-")[2]  # the client's span is the parent: its trace continues
+    assert root.attributes["http.response.status_code"] == 200
+    assert root.attributes["gen_ai.request.model"] == "m" and root.attributes["gen_ai.response.model"] == "up-model"
+    assert root.attributes["iop.request_id"] == r.headers["x-request-id"]
+    assert root.attributes["gen_ai.usage.output_tokens"] == 3
+    for name in ("iop.admission", "iop.queue", "iop.route", "iop.attempt"):
+        assert one(spans, name).parent_id == root.span_id, name
+    assert one(spans, "iop.queue").attributes["iop.queue.outcome"] == "granted"
+    route = one(spans, "iop.route").attributes
+    assert route["iop.route.chosen"] == "good-p" and route["iop.route.candidates"] == ["good-p"]
+    attempt = one(spans, "iop.attempt good-p")
+    assert attempt.kind == PRODUCER and attempt.attributes["iop.node"] == "n-good"
+    # Across NATS: the node's span is the try's child, in the node's own service.
+    work = one(spans, "iop.node.work")
+    assert work.parent_id == attempt.span_id and work.kind == CONSUMER and work.service == "iop-node"
+    assert work.attributes["iop.outcome"] == "ok" and work.attributes["iop.stream_wait_ms"] >= 0
+    upstream = one(spans, "chat up-model")
+    assert upstream.parent_id == work.span_id and upstream.kind == CLIENT
+    assert upstream.attributes["http.response.status_code"] == 200
+    assert upstream.attributes["gen_ai.usage.output_tokens"] == 3
+    assert one(spans, "iop.answer").parent_id == attempt.span_id
+    # The upstream request itself carried the call's context.
+    assert f"00-{trace_id}-{upstream.span_id}-01" in traced.good.traceparents
+    assert all(s.start_ns <= s.end_ns for s in spans)
+
+
+async def test_tracing_edge_starts_a_trace_without_a_client_context(
+    traced: Traced,
+) -> None:
+    r = await traced.http.post("/v1/chat/completions", json=chat("m", stream=True))
+    assert r.status_code == 200
+    rid = r.headers["x-request-id"]
+    c = traced.collector
+    await c.wait_for(lambda c: any(s.attributes.get("iop.request_id") == rid and s.kind == SERVER for s in c.spans))
+    root = next(s for s in c.spans if s.attributes.get("iop.request_id") == rid and s.kind == SERVER)
+    assert root.parent_id == ""
+    await tree(c, root.trace_id, "iop.node.work", "chat")
+
+
+async def test_tracing_client_context_not_sampled_records_nothing(traced: Traced) -> None:
+    trace_id, parent = client_context()
+    unsampled = parent[:-2] + "00"
+    r = await traced.http.post("/v1/chat/completions", json=chat("m"), headers={"traceparent": unsampled})
+    assert r.status_code == 200
+    # A sampled request after it is exported; by then the unsampled one would have been too.
+    later, sampled = client_context()
+    await traced.http.post("/v1/chat/completions", json=chat("m"), headers={"traceparent": sampled})
+    await tree(traced.collector, later, "POST", "chat")
+    assert traced.collector.trace(trace_id) == []
+    assert f"00-{trace_id}" not in " ".join(str(t) for t in traced.good.traceparents)
+
+
+async def test_tracing_failover_shows_each_attempt_and_its_node(traced: Traced) -> None:
+    trace_id, parent = client_context()
+    r = await traced.http.post("/v1/chat/completions", json=chat("f"), headers={"traceparent": parent})
+    assert r.status_code == 200
+    spans = await tree(traced.collector, trace_id, "POST", "iop.attempt bad-p", "iop.attempt good-f", "iop.answer")
+    root = one(spans, "POST")
+    failed, answered = one(spans, "iop.attempt bad-p"), one(spans, "iop.attempt good-f")
+    assert failed.parent_id == answered.parent_id == root.span_id
+    assert failed.attributes["iop.failover"] is True and failed.status == 2 and "error.type" in failed.attributes
+    assert answered.attributes["iop.failover"] is False and answered.attributes["iop.attempt"] == 2
+    routes = [s for s in spans if s.name == "iop.route"]
+    assert sorted(s.attributes["iop.route.reason"] for s in routes) == ["failover", "most_free_slots"]
+    await traced.collector.wait_for(lambda c: len(c.named(trace_id, "iop.node.work")) == 2)
+    works = {s.parent_id: s for s in traced.collector.named(trace_id, "iop.node.work")}
+    assert works[failed.span_id].attributes["iop.outcome"] != "ok"
+    assert works[answered.span_id].attributes["iop.outcome"] == "ok"
+    assert root.attributes["iop.attempts"] == 2
+
+
+async def test_tracing_queued_request_shows_its_wait(traced: Traced) -> None:
+    gate = traced.gated.gate
+    assert gate is not None
+    gate.clear()
+    first = asyncio.create_task(traced.http.post("/v1/chat/completions", json=chat("g")))
+    await traced.gated.wait_for(lambda u: u.in_flight == 1)
+    trace_id, parent = client_context()
+    second = asyncio.create_task(
+        traced.http.post("/v1/chat/completions", json=chat("g"), headers={"traceparent": parent})
+    )
+    await eventually(lambda: _true(traced.h.edge.scheduler.waiting("g") == 1))
+    gate.set()
+    assert (await first).status_code == 200 and (await second).status_code == 200
+    spans = await tree(traced.collector, trace_id, "POST", "iop.queue", "iop.node.work")
+    queue = one(spans, "iop.queue")
+    assert queue.attributes["iop.queue.outcome"] == "granted" and queue.attributes["iop.pool"] == "g"
+    assert queue.attributes["iop.queue.position"] == 0  # the first to wait
+    assert queue.end_ns > queue.start_ns
+    assert one(spans, "POST").attributes["iop.queue_ms"] > 0
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_tracing_cli_request_shows_the_process(traced: Traced) -> None:
+    trace_id, parent = client_context()
+    r = await traced.http.post("/v1/chat/completions", json=chat("agent"), headers={"traceparent": parent})
+    assert r.status_code == 200
+    spans = await tree(traced.collector, trace_id, "POST", "iop.attempt echo", "iop.node.work", "iop.cli echo")
+    attempt, work, cli = one(spans, "iop.attempt echo"), one(spans, "iop.node.work"), one(spans, "iop.cli echo")
+    assert attempt.parent_id == one(spans, "POST").span_id and attempt.attributes["iop.route"] == "direct"
+    assert work.parent_id == attempt.span_id and work.attributes["iop.kind"] == "cli"
+    assert cli.parent_id == work.span_id and cli.attributes["process.exit.code"] == 0
+
+
+async def test_tracing_cancelled_request_ends_every_span_as_cancelled(traced: Traced) -> None:
+    gate = traced.gated.gate
+    assert gate is not None
+    gate.clear()
+    trace_id, parent = client_context()
+    async with httpx.AsyncClient(base_url=traced.h.url, timeout=10) as client:
+        request = client.build_request(
+            "POST", "/v1/chat/completions", json=chat("g", stream=True), headers={"traceparent": parent}
+        )
+        task = asyncio.create_task(client.send(request))
+        await traced.gated.wait_for(lambda u: u.in_flight == 1)
+        task.cancel()  # the client goes away while the upstream still holds the answer
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    spans = await tree(traced.collector, trace_id, "POST", "iop.attempt", "iop.node.work", "chat")
+    gate.set()
+    root = one(spans, "POST")
+    assert root.attributes["iop.cancelled"] is True and root.attributes["http.response.status_code"] == 499
+    assert one(spans, "iop.node.work").attributes["iop.outcome"] == "cancelled"
+    assert one(spans, "iop.attempt").attributes["error.type"] == "cancelled"
+
+
+async def test_tracing_spans_hold_no_prompt_or_answer(traced: Traced) -> None:
+    # Every request of this module had SECRET in its prompt; the fake's answers are "w0 w1 w2".
+    trace_id, parent = client_context()
+    await traced.http.post("/v1/chat/completions", json=chat("m"), headers={"traceparent": parent})
+    await tree(traced.collector, trace_id, "POST", "chat")
+    raw = b"".join(traced.collector.raw)
+    assert traced.collector.posts > 0 and SECRET.encode() not in raw and b"w0 w1 w2" not in raw
+    assert b"Bearer" not in raw
+
+
+async def test_tracing_dead_collector_costs_only_dropped_spans(traced: Traced) -> None:
+    dead = f"http://127.0.0.1:{free_port()}/v1/traces"  # nothing listens there
+    # A second edge of the same deployment (so the nodes keep serving), exporting to nowhere.
+    dep = traced.h.edge.current.deployment
+    tracing = msgspec.structs.replace(dep.tracing, endpoint=dead)
+    async with running_edge(msgspec.structs.replace(dep, tracing=tracing), traced.nats_url) as h:
+        await h.edge.registry.wait_connected(["n-good"], timeout_s=10)
+        async with h.http() as http:
+            for _ in range(3):
+                r = await http.post("/v1/chat/completions", json=chat("m"))
+                assert r.status_code == 200
+            # Each request leaves its spans (request, admission, queue, route, attempt, answer): all dropped.
+            await eventually(lambda: _true(h.edge.tracing.dropped >= 3 * 6))
+            assert h.edge.tracing.exported == 0
+            metrics = (await http.get("/metrics")).text
+            line = next(x for x in metrics.splitlines() if x.startswith("iop_trace_spans_dropped_total"))
+            assert float(line.split()[-1]) >= 18
+
+
+async def test_tracing_off_imports_nothing_of_opentelemetry() -> None:
+    code = (
+        "import sys\n"
+        "from iop.tracingconf import TracingSettings\n"
+        "from iop.tracing import Tracing\n"
+        "import iop.edge.app, iop.node.runtime\n"
+        "t = Tracing(TracingSettings(), 'iop-edge', env={})\n"
+        "assert not t.on and t.tracer is None\n"
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
+    )
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE)
+    async with asyncio.timeout(60):
+        out, _ = await proc.communicate()
+    assert proc.returncode == 0 and out.decode().strip() == "[]"
+
+
+async def test_tracing_settings_follow_the_otel_variables() -> None:
+    file = TracingSettings(endpoint="http://file:4318/v1/traces", sample_ratio=0.5, service_name="svc")
+    assert Tracing(TracingSettings(), "iop-edge", env={}).on is False
+    t = Tracing(
+        file, "iop-edge", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://env:4318/", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
+    )
+    assert (t.endpoint, t.ratio, t.service) == ("http://env:4318/v1/traces", 0.1, "svc")
+    t.shutdown()
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://sig:1/x", "OTEL_SERVICE_NAME": "mine"}
+    t = Tracing(file, "iop-edge", env={**env, "OTEL_TRACES_SAMPLER_ARG": "2"})
+    assert (t.endpoint, t.ratio, t.service) == ("http://sig:1/x", 0.5, "mine")
+    t.shutdown()
