@@ -388,10 +388,7 @@ class Deployment(_Strict):
     tracing: tracingconf.TracingSettings = msgspec.field(default_factory=tracingconf.TracingSettings)
 
     def node(self, node_id: str) -> Node:
-        for n in self.nodes:
-            if n.id == node_id:
-                return n
-        raise KeyError(node_id)
+        return {n.id: n for n in self.nodes}[node_id]  # KeyError for an id the deployment does not have
 
 
 @dataclass(frozen=True)
