@@ -207,11 +207,17 @@ def _floor(owned: Owned, workdir: Path, opts: BodiesOptions) -> dict[str, Any]:
     try:
         wait_until("floor nats-server", lambda: _listening(port), 15, [proc])
         bodies = {str(s): fixtures.body("chat", "fake-model", s, False) for s in opts.sizes}
-        got = floor.run(f"nats://127.0.0.1:{port}", bodies, opts.requests, memory=opts.storage == "memory")
+        got = floor.run(
+            f"nats://127.0.0.1:{port}", bodies, opts.requests, memory=opts.storage == "memory", server_cpu=proc.cpu_s
+        )
     finally:
         owned.stop(proc)
     for name, f in got.items():
-        log(f"floor {_size_name(int(name)):<8} p50 {f['latency_ms']['p50']:.2f} ms p99 {f['latency_ms']['p99']:.2f} ms")
+        cpu = f["cpu_ms_per_request"]
+        log(
+            f"floor {_size_name(int(name)):<8} p50 {f['latency_ms']['p50']:.2f} ms p99 {f['latency_ms']['p99']:.2f} ms"
+            f"  CPU-ms client+worker {cpu['client+worker']:.2f} nats {cpu.get('nats', 0):.2f}"
+        )
     return got
 
 

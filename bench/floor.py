@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -28,8 +29,11 @@ SUBJECT = "benchfloor.work"
 ANSWER = b'{"id":"chatcmpl-floor","object":"chat.completion","choices":[]}'
 
 
-async def measure(url: str, bodies: dict[str, bytes], n: int, *, memory: bool = False) -> dict[str, dict[str, Any]]:
-    """Per body name: latency percentiles (ms) of `n` publish → answer round trips, after 3 warm ones."""
+async def measure(
+    url: str, bodies: dict[str, bytes], n: int, *, memory: bool = False, server_cpu: Callable[[], float] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Per body name: latency percentiles (ms) of `n` publish → answer round trips, after 3 warm ones,
+    and the CPU-ms per round trip of this process (client and worker) and of the server (`server_cpu`)."""
     client = await nats.connect(url, name="bench-floor-client", max_reconnect_attempts=0)
     worker = await nats.connect(url, name="bench-floor-worker", max_reconnect_attempts=0)
     js = client.jetstream()
@@ -76,13 +80,19 @@ async def measure(url: str, bodies: dict[str, bytes], n: int, *, memory: bool = 
         await client.subscribe(inbox, cb=on_answer)
         for name, body in bodies.items():
             ms: list[float] = []
+            cpu0 = server0 = 0.0
             for i in range(n + 3):
+                if i == 3:
+                    cpu0, server0 = time.process_time(), server_cpu() if server_cpu else 0.0
                 t0 = time.perf_counter()
                 await js.publish(SUBJECT, body, headers={"reply-to": inbox})
                 await asyncio.wait_for(answers.get(), 10)
                 if i >= 3:
                     ms.append(1000 * (time.perf_counter() - t0))
-            out[name] = {"latency_ms": load.percentiles(ms), "bytes": len(body)}
+            cpu = {"client+worker": round(1000 * (time.process_time() - cpu0) / n, 3)}
+            if server_cpu is not None:
+                cpu["nats"] = round(1000 * (server_cpu() - server0) / n, 3)
+            out[name] = {"latency_ms": load.percentiles(ms), "bytes": len(body), "cpu_ms_per_request": cpu}
         stop.set()
         await server
     finally:
@@ -94,9 +104,11 @@ async def measure(url: str, bodies: dict[str, bytes], n: int, *, memory: bool = 
     return out
 
 
-def run(url: str, bodies: dict[str, bytes], n: int, *, memory: bool = False) -> dict[str, dict[str, Any]]:
+def run(
+    url: str, bodies: dict[str, bytes], n: int, *, memory: bool = False, server_cpu: Callable[[], float] | None = None
+) -> dict[str, dict[str, Any]]:
     with asyncio.Runner(loop_factory=load.loop_factory()) as runner:
-        return runner.run(measure(url, bodies, n, memory=memory))
+        return runner.run(measure(url, bodies, n, memory=memory, server_cpu=server_cpu))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -423,6 +423,10 @@ def render(result: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+def _size(n: int) -> str:
+    return f"{n / 1_000_000:g} MB" if n >= 1_000_000 else f"{n // 1000} KB"
+
+
 def render_bodies(bodies: dict[str, Any]) -> str:
     rows = [
         [
@@ -452,13 +456,31 @@ def render_bodies(bodies: dict[str, Any]) -> str:
         ],
         rows,
     )
+    floors = bodies.get("floor") or {}
+    if floors:
+        out += (
+            "\n\nThe floor: publish to a work-queue stream, a pull consumer answers on core NATS (ms, CPU-ms)\n"
+            + table(
+                ["body", "p50", "p99", "CPU-ms client+worker", "CPU-ms nats"],
+                [
+                    [
+                        _size(int(name)),
+                        _num(f["latency_ms"]["p50"]),
+                        _num(f["latency_ms"]["p99"]),
+                        _num(f.get("cpu_ms_per_request", {}).get("client+worker")),
+                        _num(f.get("cpu_ms_per_request", {}).get("nats")),
+                    ]
+                    for name, f in floors.items()
+                ],
+            )
+        )
     waits = bodies.get("waiting") or []
     if waits:
         out += "\n\nRequests waiting on a saturated pool\n" + table(
             ["body", "sent", "waiting", "refused 503", "budget MiB", "edge RSS idle / full / after MB", "nats MB"],
             [
                 [
-                    f"{w['size'] // 1000} KB",
+                    _size(w["size"]),
                     str(w["sent"]),
                     str(w["waiting"]),
                     str(w["refused_503"]),
