@@ -21,12 +21,13 @@ import pytest
 
 from iop.edge.keys import EdgeKeys, Key
 from iop.nats.server import EmbeddedNats
-from tests.codex_upstream import Call, Turn, scripted_chat
+from tests.codex_upstream import Call, ScriptedChat, Turn, scripted_chat
 from tests.fakes import fake_upstream
 from tests.harness import CODEX_OFFLINE_TABLES, CODEX_OFFLINE_TOP, REPO, EdgeHandle, deployment, deployment_running
 
 PAGE = REPO / "docs" / "clients.md"
-CODEX_BIN = REPO / ".ci" / "npm" / "node_modules" / ".bin"
+NPM_MODULES = REPO / ".ci" / "npm" / "node_modules"
+CODEX_BIN = NPM_MODULES / ".bin"
 DOC_EDGE = "http://127.0.0.1:8080"
 DOC_KEY = b"sk-iop-example"
 ANSWER = "hi from iop"
@@ -149,7 +150,7 @@ async def test_clients_doc_embeddings_and_completions_snippet_answers(
 
 
 @asynccontextmanager
-async def tool_edge(nats_server: EmbeddedNats) -> AsyncIterator[EdgeHandle]:
+async def tool_edge(nats_server: EmbeddedNats) -> AsyncIterator[tuple[ScriptedChat, EdgeHandle]]:
     """A model that calls `get_weather` for Paris when it has tools and no result yet, then answers with the result."""
 
     def answer(body: dict[str, Any]) -> Turn:
@@ -165,7 +166,7 @@ async def tool_edge(nats_server: EmbeddedNats) -> AsyncIterator[EdgeHandle]:
         scripted_chat(answer) as up,
         deployment_running(deployment(POOL.format(url=up.url)), nats_server.url, keys) as h,
     ):
-        yield h
+        yield up, h
 
 
 async def test_clients_doc_openai_agents_runs_an_agent_with_a_function_tool(
@@ -173,10 +174,31 @@ async def test_clients_doc_openai_agents_runs_an_agent_with_a_function_tool(
 ) -> None:
     if importlib.util.find_spec("agents") is None:
         pytest.skip("the OpenAI Agents SDK is not installed (the [test] extra installs openai-agents)")
-    async with tool_edge(nats_server) as h:
+    async with tool_edge(nats_server) as (_, h):
         env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)}
         script = block("openai-agents", "python").replace(DOC_EDGE, h.url)
         rc, out = await run([sys.executable, "-c", script], env, tmp_path)
     assert rc == 0, out
     # The tool ran in the client and its result came back through the edge to the model.
     assert out.splitlines() == [f"{ANSWER}: sunny in Paris"]
+
+
+async def test_clients_doc_ai_sdk_runs_a_tool_step_and_a_second_turn(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    if not (NPM_MODULES / "@ai-sdk" / "openai").exists() or shutil.which("node") is None:
+        pytest.skip("the AI SDK is not installed (.ci/run installs ai and @ai-sdk/openai into .ci/npm when npm exists)")
+    async with tool_edge(nats_server) as (up, h):
+        (tmp_path / "node_modules").symlink_to(NPM_MODULES)  # the page's `import`s resolve from the script's folder
+        script = tmp_path / "doc.mjs"
+        script.write_text(block("ai-sdk", "js").replace(DOC_EDGE, h.url))
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)}
+        rc, out = await run(["node", str(script)], env, tmp_path)
+        store = h.edge.responses.store
+        assert store is not None
+        kept = [await store.response(owner, rid) for owner, rid in (await store.listing(10))[0]]
+    assert rc == 0, out
+    assert out.splitlines() == [f"{ANSWER}: sunny in Paris", ANSWER]
+    # The second turn named the earlier answer by reference: the edge put back the very item it
+    # kept (the SDK itself sends no `logprobs` or `status`), and the model read the whole story.
+    answered, second = [k for k in kept if k is not None][-2:]
+    assert answered.response["output"][0] in second.input
+    assert [m["role"] for m in up.bodies[-1]["messages"]] == ["user", "assistant", "tool", "assistant", "user"]
