@@ -730,6 +730,7 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                         "_INBOX_b.>",
                         "iop.reply.>",
                         wire.EDGE_SLOTS_SUBJECT,  # what each edge holds is the edges' business
+                        "iop.responses.bg.>",  # a background response's events (iop/responses/live.py)
                     ):
                         await a.nc.subscribe(subject)
                         await a.refused(f'permissions violation for subscription to "{subject.lower()}"')
@@ -750,6 +751,8 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                         "$JS.API.STREAM.MSG.GET.KV_iop_responses",
                         "$JS.API.CONSUMER.CREATE.KV_iop_responses",
                         "$KV.iop_responses.r.anonymous.resp_1",
+                        "iop.responses.bg.resp_1.cancel",  # cancel a background response
+                        "iop.responses.bg.resp_1.since",  # or ask for its events
                         "$JS.API.STREAM.CREATE.EVIL",
                         f"$JS.API.CONSUMER.MSG.NEXT.{wire.WORK_STREAM}.{wire.consumer_name('b-prov')}",
                     ]
