@@ -254,6 +254,14 @@ class EdgeClient:
         finally:
             await r.aclose()
 
+    async def drain_provider(self, provider: str, reason: str = "") -> dict[str, Any]:
+        """Take `provider` out of its pools on every edge of the NATS until `enable_provider` (admin key)."""
+        return await self._admin_json("POST", f"/admin/providers/{quote(provider, safe='')}/drain", {"reason": reason})
+
+    async def enable_provider(self, provider: str) -> dict[str, Any]:
+        """Put `provider` back in its pools (a drain by an operator, its policy or a failed qualification)."""
+        return await self._admin_json("POST", f"/admin/providers/{quote(provider, safe='')}/enable", None)
+
     async def _admin_json(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
         content = msgspec.json.encode(body) if body is not None else None
         headers = {"content-type": "application/json"} if body is not None else None

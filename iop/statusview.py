@@ -72,7 +72,9 @@ def render_status(status: Status) -> str:
                 queued = str(p.queued)
                 if p.breaker in ("open", "half_open"):
                     cap += f" ({p.breaker.replace('_', '-')})"
-                if p.qualifying:
+                if p.drained:
+                    cap += f" (drained: {p.drained})"
+                elif p.qualifying:
                     cap += " (qualifying)"
             if p.refused:
                 cap += f" (refused: {p.refused})"

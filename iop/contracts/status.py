@@ -82,6 +82,13 @@ class PoolProviderStatus(ResourceStatus, tag="pool", tag_field="kind"):
     """Seconds until the breaker lets a trial through; only present while it is open."""
     qualifying: bool = False
     """Drained out of its pools by an exclusive `iop qualify` run (no user work until it ends)."""
+    drained: str | None = None
+    """Why it is out of its pools (`operator: ...`, `policy: error rate ...`, `checks: ...`,
+    `exclusive qualify`); None while it takes pool requests (iop/edge/lifecycle.py)."""
+    ttft_ms: float | None = None
+    """The router's live TTFT of it (EWMA over recent streamed answers); None: not measured yet."""
+    decode_tok_s: float | None = None
+    """The router's live decode rate of it (EWMA, output tokens per second after the first)."""
     qualification: QualificationSummary | None = None
     """The latest `iop qualify` result, if one was recorded."""
     server: ServerLive | None = None

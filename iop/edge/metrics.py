@@ -259,8 +259,15 @@ class _LiveCollector(Collector):
             "Requests the edges together sent past a provider's capacity (they wait in the broker).",
             labels=["node", "provider"],
         )
+        drained = GaugeMetricFamily(
+            "iop_provider_drained",
+            "1 while a provider is out of its pools, by who drained it (operator, policy, checks, qualify).",
+            labels=["node", "provider", "by"],
+        )
         share = registry.share
         for slots in scheduler.providers.values():
+            for why in slots.drains.values():
+                drained.add_metric([slots.node, slots.id, why.split(":", 1)[0].replace("exclusive ", "")], 1.0)
             capacity.add_metric([slots.node, slots.id], slots.capacity)
             in_flight.add_metric([slots.node, slots.id], slots.in_flight)
             elsewhere.add_metric([slots.node, slots.id], slots.elsewhere)
@@ -292,7 +299,7 @@ class _LiveCollector(Collector):
             "iop_trace_spans_dropped", "Trace spans lost: export queue full or export failed (collector down)."
         )
         spans.add_metric([], self.tracing.dropped if self.tracing is not None else 0)
-        yield from (capacity, in_flight, elsewhere, over, waiting, tenant_waiting, tenant_running, nodes)
+        yield from (capacity, in_flight, elsewhere, over, drained, waiting, tenant_waiting, tenant_running, nodes)
         yield from (dropped, pending, nats, up, spans)
         yield from _server_metrics(registry)
 

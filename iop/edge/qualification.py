@@ -40,6 +40,8 @@ from iop.contracts.refresh import RefreshResult
 from iop.contracts.status import QualificationSummary
 from iop.edge.api import ApiEndpoint, Serving
 from iop.edge.keys import EdgeKeys
+from iop.edge.lifecycle import Lifecycle
+from iop.edge.routing import Curve
 from iop.errors import BadRequest, NotFound, Unavailable
 from iop.nats import streams
 
@@ -77,11 +79,37 @@ class LeaseGrant(msgspec.Struct, kw_only=True):
     """The capacity each provider has outside the lease."""
 
 
+class _Check(msgspec.Struct):
+    id: str
+    group: str
+    status: str
+
+
+class _Level(msgspec.Struct):
+    concurrency: int
+    ttft_ms_p50: float | None = None
+    decode_tok_s_p50: float | None = None
+
+
 class _Uploaded(msgspec.Struct):
-    """What the edge reads of a report it keeps: who it is about and its summary (the rest is kept as sent)."""
+    """What the edge reads of a report it keeps: who it is about, its summary, its protocol checks
+    and its curve (the router's, iop/edge/routing.py); the rest is kept as sent."""
 
     provider: str
     summary: QualificationSummary
+    checks: list[_Check] = msgspec.field(default_factory=list)
+    sweep: list[_Level] = msgspec.field(default_factory=list)
+
+    def curve(self) -> Curve | None:
+        levels = sorted(
+            (lv.concurrency, lv.ttft_ms_p50 / 1000 if lv.ttft_ms_p50 is not None else None, lv.decode_tok_s_p50)
+            for lv in self.sweep
+            if lv.concurrency > 0
+        )
+        return Curve(tuple(levels)) if levels else None
+
+    def failed_protocol(self) -> list[str]:
+        return [c.id for c in self.checks if c.group == "protocol" and c.status == "fail"]
 
 
 _lease_request = msgspec.json.Decoder(LeaseRequest).decode
@@ -97,6 +125,8 @@ class Qualified(Serving, Protocol):
     def deployment(self) -> config.Deployment: ...
     @property
     def js(self) -> JetStreamContext: ...
+    @property
+    def lifecycle(self) -> Lifecycle: ...
 
     async def refresh_to(self, new: config.Deployment) -> RefreshResult: ...
 
@@ -148,12 +178,16 @@ class QualifyDesk:
             if entry.value:
                 self._keep(key, entry.value)
 
-    def _keep(self, provider: str, raw: bytes) -> None:
+    def _keep(self, provider: str, raw: bytes) -> _Uploaded | None:
         try:
-            self.summaries[provider] = _uploaded(raw).summary
-            self.reports[provider] = raw
+            up = _uploaded(raw)
         except msgspec.DecodeError as exc:
             log.warning("qualification report of %s in %s is unreadable: %s", provider, RESULTS_BUCKET, exc)
+            return None
+        self.summaries[provider] = up.summary
+        self.reports[provider] = raw
+        self.edge.scheduler.router.of(provider).curve = up.curve()
+        return up
 
     async def stop(self) -> None:
         for s in list(self.leases.values()):
@@ -278,7 +312,10 @@ class QualifyDesk:
             await self._kv.put(provider, raw)
         except (nats.errors.Error, OSError) as exc:
             raise Unavailable(f"could not keep the report in {RESULTS_BUCKET}: {exc}") from exc
-        self._keep(provider, raw)
+        kept = self._keep(provider, raw)
+        if kept is not None:
+            # A failed protocol check drains it (its policy permitting); a passing run brings it back.
+            self.edge.lifecycle.qualified(provider, kept.failed_protocol())
 
     async def latest(self) -> bytes:
         await self._load()  # another edge may have written since

@@ -24,6 +24,7 @@ from iop.edge.bodies import ReceivingBodies
 from iop.edge.current import CurrentDeployment
 from iop.edge.keys import EdgeKeys
 from iop.edge.ledger import LedgerWriter, ensure_ledger_stream
+from iop.edge.lifecycle import Lifecycle
 from iop.edge.limits import Limiter
 from iop.edge.memory import BurstTrim
 from iop.edge.metrics import Metrics
@@ -130,6 +131,8 @@ class Edge:
         self.limits = Limiter()
         """Tenants' rpm, tpm and budgets, shared with the other edges in the KV bucket iop_limits."""
         self.limits.on_refusal = self.metrics.refused
+        self.lifecycle = Lifecycle(self.scheduler, lambda: self.current.catalog, self.js, self.edge_id)
+        """Drains by policy, by an operator, by a failed qualification; shared with the other edges."""
         self.qualify = QualifyDesk(self)
         self.sealer = sealer if sealer is not None else Sealer.random()
         """Seals iop's compaction items; `run_edge` derives it from the deployment's secret (docs/security.md)."""
@@ -227,6 +230,7 @@ class Edge:
         await self.registry.start(self.nc)
         # Serving starts once the server has the reply and presence subscriptions.
         await connection.flush(self.nc)
+        await available("the drains bucket", self.lifecycle.start)
         await available("the qualification bucket", self.qualify.start)
         self.burst_trim.start()
         self.body_trim.start()
@@ -265,6 +269,7 @@ class Edge:
         self.body_trim.stop()
         await self.responses.stop()
         await self.qualify.stop()
+        await self.lifecycle.stop()
         await self.registry.stop()
         await self.limits.drain()
         if self.ledger is not None:

@@ -101,6 +101,7 @@ def status_of(src: StatusSources) -> Status:
             live = st.live.get(p.id) if st.connected else None
             in_flight = live.in_flight if live else 0
             slots = src.scheduler.providers.get(p.id)
+            fig = src.scheduler.router.figures.get(p.id)
             common: _Common = {
                 "id": p.id,
                 "adapter": p.adapter,
@@ -126,7 +127,10 @@ def status_of(src: StatusSources) -> Status:
                         breaker=slots.breaker(mono),
                         breaker_open_for_s=round(slots.open_until - mono, 1) if slots.open_until > mono else None,
                         consecutive_failures=slots.failures,
-                        qualifying=slots.drained,
+                        qualifying="qualify" in slots.drains,
+                        drained="; ".join(slots.drains.values()) or None,
+                        ttft_ms=_round(fig.ttft_s * 1000 if fig is not None and fig.ttft_s is not None else None),
+                        decode_tok_s=_round(fig.decode_tok_s if fig is not None else None),
                         qualification=src.qualifications.get(p.id),
                         server=live.server if live else None,
                     )
@@ -238,3 +242,7 @@ def _type_of(adapter: config.Adapter) -> str:
     if isinstance(adapter, config.MockAdapter):
         return "mock"
     return "openai"
+
+
+def _round(x: float | None) -> float | None:
+    return round(x, 1) if x is not None else None

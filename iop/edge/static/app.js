@@ -575,6 +575,8 @@
     setBar(row.fill, p.in_flight, p.capacity);
     let breaker = p.breaker.replace("_", "-");
     if (p.breaker === "open" && p.breaker_open_for_s) breaker += " " + Math.ceil(p.breaker_open_for_s) + "s";
+    // Out of its pools (an operator, its lifecycle policy, a failed or an exclusive qualification).
+    if (p.drained) breaker += " · drained (" + p.drained + ")";
     setText(row.breaker, breaker);
     row.breaker.className = "value breaker " + p.breaker;
     setText(row.counts, p.served + " / " + p.failed);
