@@ -188,7 +188,7 @@ def render_summary(summary: StatusSummary) -> str:
         if not n.unhealthy:
             rows.append([n.id, conn, f"all {n.providers}", "disconnected", ""])
         for i, p in enumerate(n.unhealthy):
-            detail = p.refused or ""
+            detail = p.refused or p.drained or ""
             if p.breaker_open_for_s is not None:
                 detail = f"trial in {p.breaker_open_for_s:g}s, {p.consecutive_failures} failures"
             rows.append([n.id if i == 0 else "", conn if i == 0 else "", p.id, p.state.replace("_", "-"), detail])

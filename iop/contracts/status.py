@@ -234,6 +234,8 @@ class StateCounts(msgspec.Struct, kw_only=True):
     """The node's own policy refuses to run it (`command not allowed`, ...)."""
     disconnected: int = 0
     """Its node is gone, or the node does not run it."""
+    drained: int = 0
+    """Out of its pools by an operator, its lifecycle policy or a failed qualification."""
 
 
 class PoolSummary(msgspec.Struct, kw_only=True):
@@ -272,6 +274,8 @@ class ProviderAttention(msgspec.Struct, kw_only=True, omit_defaults=True):
     consecutive_failures: int = 0
     breaker_open_for_s: float | None = None
     refused: str | None = None
+    drained: str | None = None
+    """Why it is out of its pools (state `drained`)."""
 
 
 class NodeAttention(msgspec.Struct, kw_only=True):

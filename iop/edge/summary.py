@@ -29,7 +29,7 @@ MAX_AGE_S = 0.25
 """How long a built summary is served before the next request builds a fresh one. Node counts are
 up to a heartbeat (1 s) old anyway; this edge's own queue counts are at most this much older."""
 
-State = Literal["ready", "full", "breaker_open", "half_open", "qualifying", "refused", "disconnected"]
+State = Literal["ready", "full", "breaker_open", "half_open", "qualifying", "refused", "disconnected", "drained"]
 
 
 def provider_state(live: wire.ProviderLive | None, slots: ProviderSlots | None, mono: float) -> State:
@@ -41,7 +41,7 @@ def provider_state(live: wire.ProviderLive | None, slots: ProviderSlots | None, 
     if slots is None:
         return "ready"  # a CLI resource: unlimited, no breaker
     if slots.drained:
-        return "qualifying"
+        return "qualifying" if "qualify" in slots.drains else "drained"
     breaker = slots.breaker(mono)
     if breaker != "closed":
         return "breaker_open" if breaker == "open" else "half_open"
@@ -187,6 +187,7 @@ def _attention(
         consecutive_failures=slots.failures,
         breaker_open_for_s=round(slots.open_until - mono, 1) if slots.open_until > mono else None,
         refused=(live.refused or None) if live else None,
+        drained="; ".join(slots.drains.values()) or None,
     )
 
 

@@ -590,6 +590,7 @@
   function verdictText(p) {
     const parts = [];
     if (p.qualifying) parts.push("qualifying now (out of its pools)");
+    else if (p.drained) parts.push("drained: " + p.drained);
     const q = p.qualification;
     if (q && typeof q === "object") {
       if (q.verdict) parts.push(q.verdict);
