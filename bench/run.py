@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         "--cap-streams", choices=["half", "none"], default="half", help="capacity: every other request streams"
     )
     ap.add_argument("--waiting", type=int, default=10_000, help="memory: requests held waiting, also with --quick")
+    ap.add_argument(
+        "--body-sizes", default=None, help="bodies: comma-separated body bytes (default 1000,100000,800000,3000000)"
+    )
+    ap.add_argument("--body-pairs", type=int, default=None, help="bodies: direct/iop pairs per cell (20, quick 10)")
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/<date>.json)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs)")
     ap.add_argument("--render", type=Path, default=None, metavar="JSON", help="only print the tables of a saved run")
@@ -182,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             bo = BodiesOptions(storage=a.storage, archive=a.archive)
             if a.quick:
                 bo.requests = 10
+            if a.body_pairs:
+                bo.requests = a.body_pairs
+            if a.body_sizes:
+                bo.sizes = [int(x) for x in a.body_sizes.split(",") if x.strip()]
             attempt("bodies", lambda: run_bodies(owned, workdir, bo))
         if "lifecycle" in only:
             lc = LifecycleOptions(archive=a.archive, swaps=2 if a.quick else 6)
