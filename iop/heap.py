@@ -6,7 +6,7 @@ glibc serves an allocation over its mmap threshold (128 KiB at first, raised as 
 freed) from a fresh mapping, and hands the top of its heap back to the kernel once more than the
 trim threshold (twice the mmap threshold) is free there: with a few megabytes per request both
 happen on every request, and every copy of a body first faults its pages in, each one zeroed by
-the kernel. Measured on a 2-core VM, four 3 MB copies took 41-55 ms that way against 4-6 ms from
+the kernel. Measured on a 2-core VM, four 3 MB copies took 12.5-14.4 CPU-ms that way against 1.1-1.5 from
 memory kept mapped. The edge and the node raise both thresholds at start; the edge still gives
 its memory back after a burst of waiting requests (iop/edge/memory.py trims the heap then).
 """
