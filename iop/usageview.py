@@ -37,7 +37,8 @@ def record_line(r: dict[str, Any]) -> str:
     queue = "-" if r.get("queue_ms") is None else f"{r['queue_ms']:.1f}"
     err = f" {r['error']}" if r.get("error") else ""
     key = f" key={r['key']}" if r.get("key") else ""
+    trace = f" trace={r['trace_id']}" if r.get("trace_id") else ""
     return (
         f"{when} {r['id']} {r.get('alias') or '-'} {r.get('route') or '-'} {where} {r['status']}{err} "
-        f"{r['duration_ms']:.1f}ms queue={queue}ms tokens={tokens}{key}"
+        f"{r['duration_ms']:.1f}ms queue={queue}ms tokens={tokens}{key}{trace}"
     )

@@ -7,6 +7,7 @@ One nats-server, one receiver, one edge and its nodes serve the whole module.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import sys
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ import pytest_asyncio
 from iop.nats.server import EmbeddedNats
 from iop.tracing import Tracing
 from iop.tracingconf import TracingSettings
+from iop.usageview import record_line
 from tests.fakes import FakeUpstream, fake_upstream
 from tests.harness import EdgeHandle, deployment, eventually, free_port, running_edge, running_node
 from tests.otlp import CLIENT, CONSUMER, PRODUCER, SERVER, Collector, SeenSpan, otlp_collector
@@ -272,6 +274,30 @@ async def test_tracing_spans_hold_no_prompt_or_answer(traced: Traced) -> None:
     raw = b"".join(traced.collector.raw)
     assert traced.collector.posts > 0 and SECRET.encode() not in raw and b"w0 w1 w2" not in raw
     assert b"Bearer" not in raw
+
+
+async def test_tracing_trace_id_is_in_the_record_the_access_log_and_the_exemplars(
+    traced: Traced, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "iop.access")
+    trace_id, parent = client_context()
+    r = await traced.http.post("/v1/chat/completions", json=chat("m"), headers={"traceparent": parent})
+    assert r.status_code == 200
+    await tree(traced.collector, trace_id, "POST")
+    (line,) = [x for x in caplog.records if x.name == "iop.access" and r.headers["x-request-id"] in x.getMessage()]
+    assert line.getMessage().endswith(f"trace={trace_id}")
+    assert line.fields["trace_id"] == trace_id  # type: ignore[attr-defined]
+    # The record the ledger and `iop usage --tail` get carries it too (the same RequestRecord).
+    assert record_line({"start": 0, "id": "req_x", "status": 200, "duration_ms": 1.0, "trace_id": trace_id}).endswith(
+        f"trace={trace_id}"
+    )
+    # An OpenMetrics scrape links the latency buckets to traces; the plain text format stays as it was.
+    om = await traced.http.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    exemplars = [x for x in om.text.splitlines() if x.startswith("iop_request_duration_seconds_bucket") and "#" in x]
+    assert any(f'trace_id="{trace_id}"' in x for x in exemplars)
+    plain = await traced.http.get("/metrics")
+    assert plain.headers["content-type"].startswith("text/plain") and "trace_id" not in plain.text
 
 
 async def test_tracing_dead_collector_costs_only_dropped_spans(traced: Traced) -> None:

@@ -18,7 +18,7 @@ from iop.contracts.status import encode_status
 from iop.edge.api import ApiEndpoint, ApiRoutes, RequestIds
 from iop.edge.count_tokens import CountTokensEndpoint
 from iop.edge.lifecycle import lifecycle_routes
-from iop.edge.metrics import CONTENT_TYPE
+from iop.edge.metrics import CONTENT_TYPE, OPENMETRICS
 from iop.edge.origin import HostAllowList, SameOrigin
 from iop.edge.provider_admin import provider_routes
 from iop.edge.qualification import qualify_routes
@@ -112,6 +112,8 @@ def build_app(edge: Edge) -> ASGIApp:
     async def metrics(request: Request) -> Response:
         if not edge.metrics_public:
             edge.authorize(request.scope)
+        if "application/openmetrics-text" in request.headers.get("accept", ""):
+            return Response(edge.metrics.render(openmetrics=True), media_type=OPENMETRICS)
         return Response(edge.metrics.render(), media_type=CONTENT_TYPE)
 
     async def request_error(request: Request, exc: Exception) -> Response:

@@ -131,6 +131,8 @@ class RequestRecord(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     route_reason: str = ""
     """Why this provider (pool requests): `affinity`, `only_free`, `free_slots`, `unmeasured`, or
     `expected_finish 1.20s vs 3.40s` (its estimate against the next best's; iop/edge/routing.py)."""
+    trace_id: str = ""
+    """The request's OpenTelemetry trace (32 hex digits) when it was traced and sampled; "" otherwise."""
 
 
 encode_batch = msgspec.msgpack.Encoder().encode

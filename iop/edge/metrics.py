@@ -17,7 +17,9 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
 from iop.edge.ledger import LedgerWriter, RequestRecord
@@ -26,6 +28,8 @@ from iop.edge.scheduler import Scheduler
 from iop.tracing import Tracing
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+"""What a scraper that asks for it gets (Prometheus with exemplar storage): the trace exemplars too."""
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # The GenAI conventions' bucket boundaries, as they define them.
@@ -44,23 +48,36 @@ class _Count:
 class _Hist:
     """A histogram as plain numbers: observing is one bisect and two additions."""
 
-    __slots__ = ("bounds", "counts", "sum")
+    __slots__ = ("bounds", "counts", "exemplars", "sum")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)
         self.sum = 0.0
+        self.exemplars: list[Exemplar | None] | None = None
+        """Per bucket, the last traced request's trace id (OpenMetrics exemplars); None until one."""
 
     def observe(self, v: float) -> None:
         self.counts[bisect_left(self.bounds, v)] += 1
         self.sum += v
 
-    def buckets(self) -> list[tuple[str, float]]:
-        out, total = [], 0
-        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
+    def observe_traced(self, v: float, trace_id: str) -> None:
+        """`observe`, and the request's trace as its bucket's exemplar: from a slow bucket to its trace."""
+        i = bisect_left(self.bounds, v)
+        self.counts[i] += 1
+        self.sum += v
+        if self.exemplars is None:
+            self.exemplars = [None] * len(self.counts)
+        self.exemplars[i] = Exemplar({"trace_id": trace_id}, v, time.time())
+
+    def buckets(self) -> list[Any]:
+        out: list[Any] = []
+        total = 0
+        for i, (bound, n) in enumerate(zip((*self.bounds, math.inf), self.counts, strict=True)):
             total += n
             le = "+Inf" if bound == math.inf else floatToGoString(bound)  # type: ignore[no-untyped-call]
-            out.append((le, float(total)))
+            exemplar = self.exemplars[i] if self.exemplars is not None else None
+            out.append((le, float(total), exemplar) if exemplar is not None else (le, float(total)))
         return out
 
 
@@ -184,12 +201,22 @@ class Metrics:
             s = self._series[key] = _Series(self, *key)
         s.requests.value += 1
         seconds = rec.duration_ms / 1000.0
-        s.duration.observe(seconds)
+        traced = rec.trace_id
+        if traced:
+            s.duration.observe_traced(seconds, traced)
+        else:
+            s.duration.observe(seconds)
         s.genai_duration.observe(seconds)
         if rec.queue_ms is not None and rec.route == "pool":
-            s.queue.observe(rec.queue_ms / 1000.0)
+            if traced:
+                s.queue.observe_traced(rec.queue_ms / 1000.0, traced)
+            else:
+                s.queue.observe(rec.queue_ms / 1000.0)
         if rec.ttfb_ms is not None:
-            s.ttfb.observe(rec.ttfb_ms / 1000.0)
+            if traced:
+                s.ttfb.observe_traced(rec.ttfb_ms / 1000.0, traced)
+            else:
+                s.ttfb.observe(rec.ttfb_ms / 1000.0)
             if rec.stream and not rec.error:
                 s.genai_ttft.observe(rec.ttfb_ms / 1000.0)
         if rec.input_tokens is not None:
@@ -210,7 +237,10 @@ class Metrics:
         """One request refused by `limit` of `tenant` (tenants are the deployment's: few)."""
         self.limit_refusals.get((tenant or "-", limit)).value += 1
 
-    def render(self) -> bytes:
+    def render(self, openmetrics: bool = False) -> bytes:
+        """The exposition; OpenMetrics (which carries the latency histograms' trace exemplars) when asked."""
+        if openmetrics:
+            return openmetrics_latest(self.registry)  # type: ignore[no-untyped-call,no-any-return]
         return generate_latest(self.registry)
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal
 from iop import wire
 from iop.edge.ledger import LedgerWriter, RequestRecord
 from iop.edge.metrics import Metrics
+from iop.tracing import trace_id
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -150,6 +151,7 @@ class Trace:
             affinity=self.affinity,
             tenant=self.tenant,
             route_reason=self.route_reason,
+            trace_id=trace_id(self.span) if self.span is not None else "",
         )
 
 
@@ -211,6 +213,8 @@ def access_line(rec: RequestRecord, method: str = "", path: str = "") -> str:
         extra += f" attempts={rec.attempts}"
     if rec.exit_code is not None:
         extra += f" exit={rec.exit_code}"
+    if rec.trace_id:
+        extra += f" trace={rec.trace_id}"
     return (
         f"{rec.id} {asked or rec.alias or '-'} {rec.route or '-'} {where} {rec.status} "
         f"{rec.duration_ms:.1f}ms queue={queue}ms tokens={_tokens(rec)}{extra}"
@@ -235,4 +239,5 @@ def access_fields(rec: RequestRecord) -> dict[str, object]:
         "output_tokens": rec.output_tokens,
         "key": rec.key or None,
         "cancelled": rec.cancelled,
+        "trace_id": rec.trace_id or None,
     }

@@ -702,6 +702,10 @@
         [fmtMs(r.duration_ms), "num"], [tokens, "num"]]) {
         tr.append(el("td", cls, text));
       }
+      // The trace id to look up in the tracing backend; its first 8 digits shown, all of it on hover.
+      const trace = el("td", "", r.trace_id ? r.trace_id.slice(0, 8) : "–");
+      if (r.trace_id) trace.title = r.trace_id;
+      tr.append(trace);
       return tr;
     });
     $("recent").tBodies[0].replaceChildren(...rows);
