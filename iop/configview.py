@@ -20,7 +20,12 @@ def _what(ref: config.ProviderRef, alias_model: str) -> str:
         return shlex.join(adapter.command)
     if isinstance(adapter, config.OpenAIAdapter):
         api = adapter.api if isinstance(adapter.api, str) else ", ".join(adapter.api)
-        return f"{model} at {adapter.base_url} ({api})"
+        managed = ""
+        if (srv := adapter.server) is not None:
+            idle = f"stopped after {srv.idle_stop_s:g}s idle" if srv.idle_stop_s else "always on"
+            group = f", group {srv.group} ({srv.group_size} at once)" if srv.group else ""
+            managed = f"; server run by the node: {shlex.join(srv.command)}, {idle}{group}"
+        return f"{model} at {adapter.base_url} ({api}){managed}"
     return f"{model} ({adapter.tokens} tokens, first after {adapter.latency_ms:g} ms)"
 
 

@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 from click.testing import CliRunner
 
-from iop import config
+from iop import config, configview
 from iop.cli import main
 from iop.client import EdgeClient
 from iop.contracts.status import PoolProviderStatus
@@ -337,6 +337,14 @@ async def test_a_server_block_is_checked_with_errors_named_by_path() -> None:
         "nodes[0].adapters[2].server.group_size: group 'gpu' has group_size 2 at "
         "nodes[0].adapters[1].server.group_size; one group, one size",
     ]
+
+
+async def test_iop_config_check_says_which_servers_the_node_runs() -> None:
+    summary = configview.summary(config.parse(lifecycle_yaml(Path("/nonexistent"))))
+    line = next(x for x in summary.splitlines() if x.strip().startswith("swapa "))
+    assert f"server run by the node: {sys.executable} {SCRIPT} --port" in line
+    assert line.endswith("stopped after 30s idle, group gpu (1 at once)")
+    assert next(x for x in summary.splitlines() if x.strip().startswith("crash ")).endswith("always on")
 
 
 async def test_a_server_command_outside_the_nodes_policy_is_refused() -> None:
