@@ -153,9 +153,12 @@ def free_port() -> int:
 # --- HTTP helpers (bench code may poll) ---------------------------------------------------------------
 
 
-def http(method: str, url: str, body: Any = None, timeout: float = 10.0) -> tuple[int, bytes]:
+def http(
+    method: str, url: str, body: Any = None, timeout: float = 10.0, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    head = {"content-type": "application/json"} | (headers or {})
+    req = urllib.request.Request(url, data=data, method=method, headers=head)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()
@@ -163,8 +166,10 @@ def http(method: str, url: str, body: Any = None, timeout: float = 10.0) -> tupl
         return exc.code, exc.read()
 
 
-def http_json(method: str, url: str, body: Any = None, timeout: float = 10.0) -> Any:
-    status, raw = http(method, url, body, timeout)
+def http_json(
+    method: str, url: str, body: Any = None, timeout: float = 10.0, headers: dict[str, str] | None = None
+) -> Any:
+    status, raw = http(method, url, body, timeout, headers)
     if status != 200:
         raise RuntimeError(f"{method} {url}: HTTP {status}: {raw[:300]!r}")
     return json.loads(raw)
@@ -185,11 +190,11 @@ def wait_until(what: str, check: Callable[[], bool], timeout_s: float, procs: li
         time.sleep(0.02)
 
 
-def status_ready(edge_url: str, nodes: int | None = None) -> Callable[[], bool]:
+def status_ready(edge_url: str, nodes: int | None = None, headers: dict[str, str] | None = None) -> Callable[[], bool]:
     """A check: every configured node connected and every pool at its full connected capacity."""
 
     def check() -> bool:
-        st = http_json("GET", edge_url + "/status", timeout=5)
+        st = http_json("GET", edge_url + "/status", timeout=5, headers=headers)
         connected = [n for n in st["nodes"] if n["connected"]]
         if nodes is not None and len(connected) < nodes:
             return False

@@ -95,6 +95,12 @@ def targets(result: dict[str, Any]) -> list[Target]:
         out.append(
             at_least("warm turns with prefix-cache affinity", None if warm is None else round(100 * warm, 1), 90.0, "%")
         )
+    fair = ((sc.get("fairness") or {}).get("runs") or {}).get("fair")
+    if fair:
+        # Issue 26: the quiet tenant waits at most one service time while the pool stays busy.
+        wait, u = (fair.get("quiet_queue_wait_ms") or {}).get("p99"), fair.get("utilisation")
+        out.append(at_most("quiet tenant's p99 queue wait beside a flooder", wait, sc["fairness"]["service_ms"], "ms"))
+        out.append(at_least("slot utilisation with fair queueing", None if u is None else round(100 * u, 2), 97.0, "%"))
     for c in (sc.get("bodies") or {}).get("cells", []):
         goal = {800_000: 3.0, 3_000_000: 8.0}.get(c["bytes_asked"])
         if goal is not None:
@@ -379,6 +385,8 @@ def render(result: dict[str, Any]) -> str:
                 rows,
             )
         )
+    if sc.get("fairness", {}).get("runs"):
+        parts.append(render_fairness(sc["fairness"]))
     bodies = sc.get("bodies")
     if bodies:
         parts.append(render_bodies(bodies))
@@ -425,6 +433,24 @@ def render(result: dict[str, Any]) -> str:
 
 def _size(n: int) -> str:
     return f"{n / 1_000_000:g} MB" if n >= 1_000_000 else f"{n // 1000} KB"
+
+
+def render_fairness(fr: dict[str, Any]) -> str:
+    def ms(d: dict[str, float] | None, k: str) -> str:
+        return "n/a" if not d else f"{d[k]:.1f}"
+
+    rows = [
+        [name, str(r["quiet_requests"])]
+        + [ms(r[f], k) for f in ("quiet_queue_wait_ms", "quiet_ttft_ms") for k in ("p50", "p99")]
+        + [_num(r["flood_rps"], 1), _pct(r["utilisation"]), str(r["errors"]), _num(r["other_cores"], 2)]
+        for name, r in fr["runs"].items()
+    ]
+    head = ["run", "quiet reqs", "quiet wait p50 ms", "quiet wait p99 ms", "quiet TTFT p50 ms", "quiet TTFT p99 ms"]
+    return (
+        f"Fairness: pool capacity {fr['capacity']}, {fr['service_ms']:g} ms answers; a flooder sends "
+        f"{fr['flood_requests']} requests at {fr['flood_rate_per_s']:g}/s, a quiet tenant one at a time\n"
+        + table([*head, "flooder req/s", "utilisation", "errors", "other cores"], rows)
+    )
 
 
 def render_bodies(bodies: dict[str, Any]) -> str:

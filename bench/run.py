@@ -16,6 +16,8 @@ table with medians [min..max] and every target with PASS/MISS and its gap, and w
                 simulate a prefix cache; warm-turn rate and time to first token with and without
     lifecycle   model servers the node runs itself: cold start and swap latency with fake servers that
                 take a known time to load (docs/lifecycle.md)
+    fairness    a pool of capacity 4 (200 ms answers), a tenant flooding at 10x its rate and a quiet
+                one: the quiet tenant's queue wait alone, with fair queueing and with FIFO
     bodies      agent-sized bodies (1 KB .. 3 MB), chat and Responses, against direct and the floor
                 (a bare JetStream work-queue round trip); edge memory with 200 of them waiting
 
@@ -40,6 +42,7 @@ from bench.abtest import AbOptions, run_ab
 from bench.affinity import AffinityOptions, run_affinity
 from bench.bodies import BodiesOptions, run_bodies
 from bench.capacity import CapacityOptions, run_capacity
+from bench.fairness import FairnessOptions, run_fairness
 from bench.lifecycle import LifecycleOptions, run_lifecycle
 from bench.procs import REPO, Owned, git_state, install_signal_handlers, loadavg, log, machine
 from bench.report import judge, render
@@ -57,6 +60,7 @@ SCENARIOS = (
     "affinity",
     "bodies",
     "lifecycle",
+    "fairness",
 )
 
 
@@ -182,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
             if a.quick:
                 af.turns = 10
             attempt("affinity", lambda: run_affinity(owned, workdir, af))
+        if "fairness" in only:
+            fq = FairnessOptions(storage=a.storage, archive=a.archive)
+            if a.quick:
+                fq.flood_requests, fq.alone_requests = 200, 10
+            attempt("fairness", lambda: run_fairness(owned, workdir, fq))
         if "bodies" in only:
             bo = BodiesOptions(storage=a.storage, archive=a.archive)
             if a.quick:

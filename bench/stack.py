@@ -98,6 +98,7 @@ def start_stack(
     node_procs: str = "each",
     ready_timeout_s: float = 90.0,
     edge_extra: dict[str, Any] | None = None,
+    ready_headers: dict[str, str] | None = None,
 ) -> Stack:
     """Write the deployment, start edge and nodes, wait until /status shows every node and full capacity.
 
@@ -132,7 +133,12 @@ def start_stack(
             node_list.append(owned.start(f"{name}-node-{n['id']}", iop_argv(archive, *args)))
     stack = Stack(owned, url, edge, node_list, None, cfg, 0.0, [nats_proc] if nats_proc else [])
     try:
-        wait_until(f"{name}: edge and {len(nodes)} nodes ready", status_ready(url), ready_timeout_s, [edge, *node_list])
+        wait_until(
+            f"{name}: edge and {len(nodes)} nodes ready",
+            status_ready(url, headers=ready_headers),
+            ready_timeout_s,
+            [edge, *node_list],
+        )
     except BaseException:
         stack.stop()
         raise

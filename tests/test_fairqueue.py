@@ -86,12 +86,10 @@ async def test_fair_queue_serves_a_quiet_tenant_before_a_flooders_backlog() -> N
     for i in range(6):
         await r.ask(f"f{i}", "flood")
     await r.ask("q", "quiet")
-    # f0 runs, f1..f5 wait, then q: q's tenant starts level with the flooder (it earned no credit
-    # before it asked), so q gets one of the next two slots (the flooder's older request may take
-    # the first on a tie), not the sixth.
-    first = await r.release("f0")
-    second = await r.release(first)
-    assert "q" in (first, second), r.order
+    # f0 runs, f1..f5 wait, then q: q starts where the pool's service stands (the flooder's before
+    # its last grant), behind nobody: the slot that frees first is q's, then the flooder has its turn.
+    assert await r.release("f0") == "q"
+    assert await r.release("q") == "f1"
     await r.close()
 
 

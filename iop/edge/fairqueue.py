@@ -6,10 +6,11 @@ within it to its oldest request. Service is counted in slot-seconds divided by t
 weight: a grant charges the pool's recent mean hold at once (so a tenant that just took a slot
 is behind the others for the next one), and its release corrects that by what it really held.
 
-A tenant that starts waiting is lifted to the least service among the tenants of its class that
-already wait (or, with none, to the service the pool granted last): time spent idle earns no
-credit, and a newcomer is never starved behind a tenant that ran alone for an hour. A tenant
-with nothing waiting or running is forgotten.
+A tenant that starts waiting is lifted to the pool's virtual time: the service the tenant granted
+last had before that grant (start-time fair queueing's rule). Every tenant that waits already was
+charged at least that much, so the newcomer takes the next free slot, not one after the backlog;
+and time spent idle earns no credit, so it gets one slot, then its share. A tenant with nothing
+waiting or running is forgotten.
 
 Priority is strict with one bound: a class with waiting requests that saw `STARVE_AFTER` grants in
 a row go to higher classes gets the next one, so batch work still moves under a constant
@@ -87,11 +88,17 @@ class TenantQueue:
     """What its running requests were charged at their grant (their releases correct it)."""
     seq: int = -1
     """Its valid heap entry's sequence number; -1: not in the heap."""
+    key: tuple[float, int] = (0.0, 0)
+    """Its valid entry's (service, oldest waiter): at most its current key (see `FairQueue._push`)."""
 
     @property
     def eligible(self) -> bool:
         return self.max_concurrent is None or self.running < self.max_concurrent
 
+
+_CLASS_ORDER = tuple(range(len(PRIORITIES)))
+_FIFO_ORDER = (1,)
+"""Fair queueing off: every tenant in one heap, keyed by its oldest request alone."""
 
 _Entry = tuple[float, int, int, TenantQueue]
 """(served, oldest waiter's order, sequence, tenant) in one class's heap."""
@@ -113,8 +120,10 @@ class FairQueue:
         """Waiters whose tenant is under its max_concurrent: while any, a new request queues behind."""
         self._passed = [0] * len(PRIORITIES)
         """Per class: grants in a row to higher classes while it had waiters."""
+        self._starving = False
+        """Some class reached STARVE_AFTER (its turn comes before the others')."""
         self._vclock = 0.0
-        """The service of the tenant granted last (where a tenant that starts waiting alone is lifted)."""
+        """The service the tenant granted last had before that grant: where a tenant that starts waiting is lifted."""
 
     def __len__(self) -> int:
         return self._count
@@ -145,6 +154,7 @@ class FairQueue:
         for heap in self._heaps:
             heap.clear()
         for t in self.tenants.values():
+            t.seq = -1
             self._push(t)
 
     def tenant(self, name: str, priority: str, weight: float, max_concurrent: int | None) -> TenantQueue:
@@ -158,10 +168,12 @@ class FairQueue:
             was = t.eligible
             t.rank, t.weight, t.max_concurrent = rank, weight, max_concurrent
             self._eligibility(t, was)
+            t.seq = -1  # perhaps another class's heap now
             self._push(t)
         return t
 
     def add(self, waiter: Waiter, t: TenantQueue) -> None:
+        """`waiter` joins `t` (what `tenant()` returned in the same step: no await between)."""
         waiter.tenant = t
         if not t.waiters:
             self._lift(t)
@@ -189,7 +201,7 @@ class FairQueue:
         release will say so (`end`), and it counts toward max_concurrent until then."""
         charge = 0.0
         if self.fair:
-            self._vclock = max(self._vclock, t.served)
+            self._vclock = t.served
             charge = self.hold_s / t.weight
             t.served += charge
         if tracked:
@@ -203,10 +215,13 @@ class FairQueue:
 
     def granted_class(self, rank: int) -> None:
         """A grant went to class `rank`: lower classes that wait have been passed once more."""
-        self._passed[rank] = 0
-        for r in range(rank + 1, len(PRIORITIES)):
-            if self._class_waits(r):
-                self._passed[r] += 1
+        passed = self._passed
+        passed[rank] = 0
+        if self._count:
+            for r in range(rank + 1, len(PRIORITIES)):
+                if self._class_waits(r):
+                    passed[r] += 1
+        self._starving = max(passed) >= STARVE_AFTER
 
     def end(self, t: TenantQueue, held_s: float, charge: float) -> None:
         """A grant of `t` (tracked) ended after `held_s`: correct its charge and free its share."""
@@ -225,9 +240,13 @@ class FairQueue:
     ) -> tuple[Waiter, S] | None:
         """The waiter the next free slot goes to and that slot (`choose` says which it may take),
         or None. Waiters found already done (cancelled) are taken out and handed to `gone`."""
+        if not self._count:
+            return None
         dead: list[Waiter] = []
         try:
             for rank in self._class_order():
+                if not self._heaps[rank]:
+                    continue
                 found = self._scan(self._heaps[rank], choose, dead)
                 if found is None or isinstance(found, tuple):
                     return found
@@ -247,8 +266,7 @@ class FairQueue:
         try:
             while heap:
                 entry = heap[0]
-                if not self._live(entry):
-                    heapq.heappop(heap)
+                if not self._current(heap):
                     continue
                 for w in entry[3].waiters:
                     if w.future.done():
@@ -265,41 +283,57 @@ class FairQueue:
             for e in popped:
                 heapq.heappush(heap, e)
 
-    def _class_order(self) -> list[int]:
-        ranks = list(range(len(PRIORITIES))) if self.fair else [1]
-        starved = [r for r in ranks if self._passed[r] >= STARVE_AFTER]
-        if starved:
-            first = max(starved, key=lambda r: self._passed[r])
-            ranks.remove(first)
-            ranks.insert(0, first)
-        return ranks
+    def _class_order(self) -> tuple[int, ...]:
+        if not self.fair:
+            return _FIFO_ORDER
+        if not self._starving:
+            return _CLASS_ORDER
+        first = max(_CLASS_ORDER, key=lambda r: self._passed[r])
+        return (first, *(r for r in _CLASS_ORDER if r != first))
 
     def _class_waits(self, rank: int) -> bool:
         heap = self._heaps[rank]
-        while heap and not self._live(heap[0]):
-            heapq.heappop(heap)
+        while heap and not self._current(heap):
+            pass
         return bool(heap)
 
-    def _live(self, entry: _Entry) -> bool:
-        return entry[2] == entry[3].seq
+    def _current(self, heap: list[_Entry]) -> bool:
+        """Whether the heap's top entry stands for its tenant as it is now; if not, it is dropped
+        (a stale entry) or replaced by the tenant's current key (it grew since: see `_push`)."""
+        served, head, seq, t = heap[0]
+        if seq != t.seq:
+            heapq.heappop(heap)
+            return False
+        now = self._key(t)
+        if now == (served, head):
+            return True
+        heapq.heappop(heap)
+        t.seq = -1
+        self._push(t)
+        return False
+
+    def _key(self, t: TenantQueue) -> tuple[float, int]:
+        return (t.served if self.fair else 0.0, t.waiters[0].order)
 
     def _push(self, t: TenantQueue) -> None:
         """(Re)place `t` in its class's heap by its current key, or out of it when it cannot be served."""
         if not t.waiters or not t.eligible or self.tenants.get(t.name) is not t:
             t.seq = -1
             return
+        key = self._key(t)
+        if t.seq != -1 and key >= t.key:
+            # Its entry's key grew (a charge, a newer oldest waiter): the entry stays, placed too
+            # early, and is put right when it surfaces (`_current`). Only a smaller key moves it now.
+            return
         self._seq += 1
-        t.seq = self._seq
-        rank = t.rank if self.fair else 1
-        served = t.served if self.fair else 0.0
-        heapq.heappush(self._heaps[rank], (served, t.waiters[0].order, t.seq, t))
+        t.seq, t.key = self._seq, key
+        heapq.heappush(self._heaps[t.rank if self.fair else 1], (*key, t.seq, t))
 
     def _lift(self, t: TenantQueue) -> None:
         """`t` starts waiting: no credit for the time it did not."""
         if not self.fair:
             return
-        floor = self._heaps[t.rank][0][0] if self._class_waits(t.rank) else self._vclock
-        t.served = max(t.served, floor)
+        t.served = max(t.served, self._vclock)
 
     def _eligibility(self, t: TenantQueue, was: bool) -> None:
         if t.eligible != was:

@@ -98,10 +98,10 @@ class Scheduler:
         `max_waiting` requests already wait or their bytes would pass `max_waiting_bytes`,
         Unavailable when no provider of the pool can take it or the wait outlasts the deadline.
         """
-        pool = self.pools[alias]
-        t = pool.waiters.tenant(tenant, priority, weight, None)
-        grant = await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, t, False, ask)
-        return grant.slot
+        who = (tenant, priority, weight, None)
+        return (
+            await self._acquire(self.pools[alias], deadline, exclude, size, prefer, prefer_wait_s, who, False, ask)
+        ).slot
 
     async def acquire_grant(
         self,
@@ -120,9 +120,8 @@ class Scheduler:
     ) -> Grant:
         """`acquire`, counted for its tenant until `release(grant.slot, grant)`: its share of the pool
         (max_concurrent, what /status shows running) and the service it really received."""
-        pool = self.pools[alias]
-        t = pool.waiters.tenant(tenant, priority, weight, max_concurrent)
-        return await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, t, True, ask)
+        who = (tenant, priority, weight, max_concurrent)
+        return await self._acquire(self.pools[alias], deadline, exclude, size, prefer, prefer_wait_s, who, True, ask)
 
     async def acquire_pinned(self, provider: str, deadline: float) -> ProviderSlots:
         """A slot of `provider` itself, whatever pool it is in (qualification; admin only)."""
@@ -133,8 +132,7 @@ class Scheduler:
         if pinned is None:
             pinned = PinnedQueue(f"pinned:{provider}", [slot])
             slot.pools.append(pinned)
-        t = pinned.waiters.tenant("", "standard", 1.0, None)
-        return (await self._acquire(pinned, deadline, frozenset(), 0, None, 0.0, t, False)).slot
+        return (await self._acquire(pinned, deadline, frozenset(), 0, None, 0.0, _NOBODY, False)).slot
 
     def set_drained(self, provider: str, drained: bool, by: str = "qualify", why: str = "exclusive qualify") -> None:
         """Take a provider out of its pools (no new user work) or put it back, for `by` (a qualification,
@@ -151,21 +149,25 @@ class Scheduler:
         size: int,
         prefer: str | None,
         prefer_wait_s: float,
-        tenant: TenantQueue,
+        who: _Who,
         tracked: bool,
         ask: Ask | None = None,
     ) -> Grant:
         alias = pool.alias
         hold = prefer_wait_s > 0 and self._holdable(pool, prefer, exclude)
+        queue = pool.waiters
+        known = queue.tenants.get(who[0])
         # Anyone who may take a slot before it waits already: a free slot is theirs, not this one's.
-        if not pool.waiters.eligible_waiting and (not tracked or tenant.eligible):
+        if not queue.eligible_waiting and (not tracked or known is None or known.eligible):
             slot = self._choice(pool, exclude, prefer, hold, ask)
             if slot is not None:
                 pool.waits_s.append(0.0)
-                return self._grant(slot, pool, tenant, tracked)
+                # A tenant with nothing here and nothing to give back later needs no entry.
+                t = queue.tenant(*who) if tracked or known is not None else None
+                return self._grant(slot, pool, t, tracked)
         if not any(p.seen for p in pool.providers):
             await self._await_connected(pool, deadline)
-            return await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, tenant, tracked, ask)
+            return await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, who, tracked, ask)
         # A pinned request waits for its provider whatever its breaker says: it measures it.
         retry_s = None if isinstance(pool, PinnedQueue) else self.retry_after(pool, exclude)
         if retry_s is not None:
@@ -187,13 +189,13 @@ class Scheduler:
         waiter = Waiter(loop.create_future(), next(self._order), exclude, size, prefer, hold)
         waiter.tracked, waiter.ask = tracked, ask
         queued_at = loop.time()
-        pool.waiters.add(waiter, tenant)
+        pool.waiters.add(waiter, queue.tenant(*who))  # after the last await: the entry is current
         self.waiting_bytes += size
         self.changed.set()
         hold_over = loop.call_later(prefer_wait_s, self._hold_over, pool, waiter) if hold else None
         # Whoever is first in the order may be holding out for its preferred provider, may not take
         # one it failed on, or be a tenant at its max_concurrent while another is free: a request
-        # behind may take that slot now, not at the next release.
+        # behind may take that slot now, not at the next release. With no slot free, nobody can.
         self._pump([pool])
         try:
             async with asyncio.timeout_at(deadline):
@@ -224,8 +226,10 @@ class Scheduler:
         pool.waits_s.append(loop.time() - queued_at)
         return grant
 
-    def _grant(self, slot: ProviderSlots, pool: PoolQueue, tenant: TenantQueue, tracked: bool) -> Grant:
+    def _grant(self, slot: ProviderSlots, pool: PoolQueue, tenant: TenantQueue | None, tracked: bool) -> Grant:
         self._take(slot, pool)
+        if tenant is None:
+            return Grant(slot, pool)
         charge = pool.waiters.start(tenant, tracked)
         pool.waiters.granted_class(tenant.rank)
         return Grant(slot, pool, tenant if tracked else None, charge)
@@ -462,6 +466,8 @@ class Scheduler:
         while True:
             chosen: tuple[PoolQueue, Waiter, ProviderSlots] | None = None
             for pool in pools:
+                if not pool.waiters or pool.best() is None:
+                    continue  # nobody waits, or nothing is free for anyone of this pool
                 found = pool.waiters.candidate(partial(self._choose, pool), self._gone)
                 if found is not None and (chosen is None or _turn(found[0]) < _turn(chosen[1])):
                     chosen = (pool, *found)
@@ -484,6 +490,11 @@ class Scheduler:
 
     def waiting(self, alias: str) -> int:
         return len(self.pools[alias].waiters)
+
+
+_Who = tuple[str, Priority, float, int | None]
+"""A request's tenant and its policy: name, priority, weight, max_concurrent on the pool."""
+_NOBODY: _Who = ("", "standard", 1.0, None)
 
 
 def _turn(w: Waiter) -> tuple[int, int]:
