@@ -35,6 +35,10 @@ from typing import Any, TypeVar
 
 from iop.edge.routing import Ask
 
+Who = tuple[str, str, float, int | None]
+"""A request's tenant and its policy: name, priority, weight, max_concurrent on the pool."""
+NOBODY: Who = ("", "standard", 1.0, None)
+
 S = TypeVar("S")
 """What a waiter may take (a provider's slots): this module sits below iop/edge/slots.py."""
 
@@ -65,6 +69,12 @@ class Waiter:
     tenant: TenantQueue | None = None
     tracked: bool = False
     """Its grant's release will say so (Scheduler.acquire_grant): it counts toward max_concurrent."""
+
+    @property
+    def turn(self) -> tuple[int, int]:
+        """Between pools sharing a provider: the higher class first, then the older."""
+        return (self.tenant.rank if self.tenant is not None else 1, self.order)
+
     ask: Ask | None = None
     """Its size and deadline for the router (iop/edge/routing.py): with a deadline it may refuse a
     free slot of a provider too slow for it, so the waiters behind it are asked too."""

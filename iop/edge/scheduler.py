@@ -15,7 +15,7 @@ from functools import partial
 from time import monotonic
 
 from iop.edge.affinity import Sessions
-from iop.edge.fairqueue import TenantQueue, Waiter
+from iop.edge.fairqueue import NOBODY, TenantQueue, Waiter, Who
 from iop.edge.routing import Ask, Router
 from iop.edge.slots import Grant, PinnedQueue, PoolQueue, ProviderSlots
 from iop.errors import QueueFull, Unavailable
@@ -89,10 +89,9 @@ class Scheduler:
         this request's turn comes; with `prefer_wait_s` the request waits up to that long for it
         while others are free. The order and the caps are the same with or without it.
 
-        `tenant`, `priority`, `weight` are the request's tenant and its policy (iop/edge/tenants.py):
-        its place in the pool's fair order (iop/edge/fairqueue.py). `max_concurrent` (the tenant's
-        in-flight bound on this pool, None: none) holds only through `acquire_grant`, whose
-        release gives the share back. `ask`: its size and deadline, for the router (iop/edge/routing.py).
+        `tenant`, `priority`, `weight`: its place in the pool's fair order (iop/edge/fairqueue.py);
+        `max_concurrent` (the tenant's bound on this pool) holds only through `acquire_grant`.
+        `ask`: its size and deadline, for the router (iop/edge/routing.py).
 
         `size` is the bytes the request holds while it waits (its body). Raises QueueFull when
         `max_waiting` requests already wait or their bytes would pass `max_waiting_bytes`,
@@ -132,7 +131,7 @@ class Scheduler:
         if pinned is None:
             pinned = PinnedQueue(f"pinned:{provider}", [slot])
             slot.pools.append(pinned)
-        return (await self._acquire(pinned, deadline, frozenset(), 0, None, 0.0, _NOBODY, False)).slot
+        return (await self._acquire(pinned, deadline, frozenset(), 0, None, 0.0, NOBODY, False)).slot
 
     def set_drained(self, provider: str, drained: bool, by: str = "qualify", why: str = "exclusive qualify") -> None:
         """Take a provider out of its pools (no new user work) or put it back, for `by` (a qualification,
@@ -149,7 +148,7 @@ class Scheduler:
         size: int,
         prefer: str | None,
         prefer_wait_s: float,
-        who: _Who,
+        who: Who,
         tracked: bool,
         ask: Ask | None = None,
     ) -> Grant:
@@ -193,9 +192,8 @@ class Scheduler:
         self.waiting_bytes += size
         self.changed.set()
         hold_over = loop.call_later(prefer_wait_s, self._hold_over, pool, waiter) if hold else None
-        # Whoever is first in the order may be holding out for its preferred provider, may not take
-        # one it failed on, or be a tenant at its max_concurrent while another is free: a request
-        # behind may take that slot now, not at the next release. With no slot free, nobody can.
+        # The first in the order may hold out for its preferred provider, not take one it failed on,
+        # or be at its max_concurrent while another is free: one behind may take that slot now.
         self._pump([pool])
         try:
             async with asyncio.timeout_at(deadline):
@@ -469,7 +467,7 @@ class Scheduler:
                 if not pool.waiters or pool.best() is None:
                     continue  # nobody waits, or nothing is free for anyone of this pool
                 found = pool.waiters.candidate(partial(self._choose, pool), self._gone)
-                if found is not None and (chosen is None or _turn(found[0]) < _turn(chosen[1])):
+                if found is not None and (chosen is None or found[0].turn < chosen[1].turn):
                     chosen = (pool, *found)
             if chosen is None:
                 return
@@ -490,16 +488,6 @@ class Scheduler:
 
     def waiting(self, alias: str) -> int:
         return len(self.pools[alias].waiters)
-
-
-_Who = tuple[str, Priority, float, int | None]
-"""A request's tenant and its policy: name, priority, weight, max_concurrent on the pool."""
-_NOBODY: _Who = ("", "standard", 1.0, None)
-
-
-def _turn(w: Waiter) -> tuple[int, int]:
-    """Between pools: the higher class, then the older."""
-    return (w.tenant.rank if w.tenant is not None else 1, w.order)
 
 
 def _pool_unavailable(alias: str, retry_s: float) -> Unavailable:
