@@ -128,12 +128,13 @@ class Recording:
         # One reply within a NATS message; the follower asks again from the last one it got.
         out: list[dict[str, Any]] = []
         size, limit = 2, max(1024, self.nc.max_payload // 2)
-        for event in self.events[max(after + 1, 0) :]:
+        rest = self.events[max(after + 1, 0) :]
+        for event in rest:
             size += len(_encode(event)) + 1
             if out and size > limit:
                 break
             out.append(event)
-        await msg.respond(_encode(out))
+        await msg.respond(_encode({"events": out, "more": len(out) < len(rest)}))
 
 
 async def stored_events(store: ResponseStore, owner: str, stored: Stored) -> list[dict[str, Any]]:
@@ -171,16 +172,17 @@ async def follow(
     deadline = asyncio.get_running_loop().time() + wait_s
     try:
         while True:
-            missed = await _ask(nc, response_id, last)
-            if missed is None:
+            asked = await _ask(nc, response_id, last)
+            if asked is None:
                 break  # no edge runs it: what is stored says how it ended
+            missed, more = asked
             for event in missed:
                 last = event["sequence_number"]
                 yield sse([event])
                 if event["type"] in _FINAL:
                     return
-            if missed:
-                continue  # more may wait behind one full reply
+            if more:
+                continue  # more wait behind one full reply
             while True:
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:
@@ -214,14 +216,18 @@ async def follow(
         yield sse([e for e in events if e.get("sequence_number", -1) > last])
 
 
-async def _ask(nc: NATS, response_id: str, after: int) -> list[dict[str, Any]] | None:
-    """The events after `after` from the edge running the response; None when none answers."""
+async def _ask(nc: NATS, response_id: str, after: int) -> tuple[list[dict[str, Any]], bool] | None:
+    """The events after `after` from the edge running the response, and whether more wait behind
+    them; None when no edge answers."""
     try:
         reply = await nc.request(subject(response_id, "since"), str(after).encode(), timeout=ASK_S)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
         return None
-    events = _decode(reply.data)
-    return [e for e in events if isinstance(e, dict)] if isinstance(events, list) else []
+    answer = _decode(reply.data)
+    events = answer.get("events") if isinstance(answer, dict) else None
+    if not isinstance(events, list):
+        return [], False
+    return [e for e in events if isinstance(e, dict)], answer.get("more") is True
 
 
 async def cancel_elsewhere(nc: NATS, response_id: str) -> None:
