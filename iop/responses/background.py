@@ -90,6 +90,7 @@ async def _ended(responses: Responses, owner: str, turn: Turn, response: dict[st
     """Its followers hear the end (`response.failed`) before it is kept, as for any answer."""
     await recording.add({"type": "response.failed", "response": response})
     await responses.keep(owner, turn, response)
+    await recording.release()
 
 
 async def cancel(responses: Responses, owner: str, stored: Stored) -> dict[str, Any]:

@@ -56,6 +56,8 @@ class Recording:
         self.owner = owner
         self.response_id = response_id
         self.events: list[dict[str, Any]] = []
+        self.visible = 0
+        """Events followers may have: all but a final one until its answer is kept (`release`)."""
         self.ended = False
         self.subs: list[Subscription] = []
         self.pending = b""
@@ -71,6 +73,7 @@ class Recording:
             self.subs.append(await self.nc.subscribe(subject(self.response_id, "cancel"), cb=cancelled))
 
     async def stop(self) -> None:
+        await self.release()
         for sub in self.subs:
             try:
                 await sub.unsubscribe()
@@ -101,17 +104,16 @@ class Recording:
             pass  # they ask again when they hear nothing
 
     async def add(self, event: dict[str, Any]) -> None:
-        """One event: numbered, published; the final one also keeps the whole recording (before
-        the answer is kept, so whoever finds the answer finds its events)."""
+        """One event: numbered, published. The final one keeps the whole recording (before the
+        answer is kept, so whoever finds the answer finds its events) and is published only by
+        `release`, once the answer is kept: a follower that heard the end finds it in the store."""
         if self.ended:
             return
         event["sequence_number"] = len(self.events)
         self.events.append(event)
-        try:
-            await self.nc.publish(subject(self.response_id, "events"), _encode(event))
-        except nats.errors.Error as exc:
-            log.warning("background %s: event not published: %s", self.response_id, type(exc).__name__)
         if event["type"] not in _FINAL:
+            self.visible = len(self.events)
+            await self._publish(event)
             return
         self.ended = True
         try:
@@ -119,6 +121,18 @@ class Recording:
         except Unavailable:
             # Its answer is still kept when the store comes back; its replay is then renumbered.
             log.warning("background %s: events not kept", self.response_id)
+
+    async def release(self) -> None:
+        """The final event to followers (its answer is kept now)."""
+        if self.ended and self.visible < len(self.events):
+            self.visible = len(self.events)
+            await self._publish(self.events[-1])
+
+    async def _publish(self, event: dict[str, Any]) -> None:
+        try:
+            await self.nc.publish(subject(self.response_id, "events"), _encode(event))
+        except nats.errors.Error as exc:
+            log.warning("background %s: event not published: %s", self.response_id, type(exc).__name__)
 
     async def _since(self, msg: Msg) -> None:
         try:
@@ -128,7 +142,7 @@ class Recording:
         # One reply within a NATS message; the follower asks again from the last one it got.
         out: list[dict[str, Any]] = []
         size, limit = 2, max(1024, self.nc.max_payload // 2)
-        rest = self.events[max(after + 1, 0) :]
+        rest = self.events[max(after + 1, 0) : self.visible]
         for event in rest:
             size += len(_encode(event)) + 1
             if out and size > limit:

@@ -119,6 +119,8 @@ class KeepingSend:
             if self.recording is not None:
                 await self.recording.feed(out)  # recorded and kept before the answer is
             await self._keep(event["response"])
+            if self.recording is not None:
+                await self.recording.release()  # followers hear the end once the answer is kept
             return out
         return b"event: " + str(kind).encode() + b"\ndata: " + _encode(event) + b"\n\n"
 
