@@ -245,3 +245,19 @@ async def test_responses_background_cancelled_from_another_edge_stops_its_work(f
     assert polled["status"] == "cancelled"
     assert all(e["type"] not in ("response.completed", "response.output_text.delta") for e in ended[:-1])
     assert not ended or ended[-1]["response"]["status"] in ("cancelled", "in_progress")
+
+
+async def test_responses_websocket_continues_a_compaction_from_its_summary(fresh: Two) -> None:
+    ws = await WsClient.connect(fresh.a.url, headers=auth(KEY_A))
+    window = [user("the long start"), {"type": "compaction_trigger"}]
+    await ws.send_json({"type": "response.create", "model": "m", "input": window, "store": False})
+    compacted = (await ws.until("response.completed"))[-1]["response"]
+    await ws.send_json(
+        {"type": "response.create", "model": "m", "input": "next", "previous_response_id": compacted["id"]}
+    )
+    ended = (await ws.until("response.completed", "error"))[-1]
+    await ws.close()
+    assert ended["type"] == "response.completed", ended
+    # The socket's last response is the compaction: the model reads its summary, not the window and trigger.
+    after = fresh.up.bodies[-1]["messages"]
+    assert [m["content"] for m in after] == [SUMMARY_PREFIX + fresh.up.text(), "next"]
