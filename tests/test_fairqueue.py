@@ -193,3 +193,15 @@ async def test_fair_queue_gives_a_cancelled_or_timed_out_waiter_share_back() -> 
     assert s.pools["m"].waiters.tenants["a"].running == 1
     s.release(grant.slot, grant)
     assert s.pools["m"].waiters.tenants == {}
+
+
+async def test_fair_queue_keeps_counting_a_tenant_whose_waiter_took_its_last_share() -> None:
+    s = scheduler(4)
+    r = Served(s)
+    await r.ask("a1", "a", max_concurrent=1)
+    await r.ask("a2", "a", max_concurrent=1)
+    assert await r.release("a1") == "a2"  # its only waiter granted as its only running one ended
+    await r.ask("a3", "a", max_concurrent=1)  # still one of hers running: this one waits
+    assert "a3" not in r.order and s.waiting("m") == 1
+    assert await r.release("a2") == "a3"
+    await r.close()

@@ -28,6 +28,7 @@ from iop.edge.observe import Trace
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
 from iop.edge.slots import ProviderSlots
+from iop.edge.tenants import Tenant, TenantPolicy
 from iop.errors import (
     BadRequest,
     NodeLost,
@@ -904,3 +905,30 @@ async def test_dispatch_alias_removed_between_grant_and_dispatch_gives_the_slot_
         assert got.value.code == "model_removed"
         r.scheduler.release(held_too)
         assert r.in_flight() == {"p": 0, "q": 0}
+
+
+async def test_dispatch_holds_a_tenant_to_max_concurrent_and_gives_its_share_back_on_cancel(
+    nats_server: EmbeddedNats,
+) -> None:
+    alice = Tenant("alice", TenantPolicy(max_concurrent=1))
+    async with rig(nats_server, {"p": 3}, {"p": silent}) as r:
+        loop = asyncio.get_running_loop()
+
+        def dispatch(tenant: Tenant) -> PoolDispatch:
+            return PoolDispatch(r.scheduler, r.relay, "m", loop.time() + 5, Trace("req_t", "chat"), tenant=tenant)
+
+        first = asyncio.create_task(r.serve(dispatch(alice)))
+        await until(lambda: len(r.node.items) == 1, r.node.changed)
+        second = asyncio.create_task(r.serve(dispatch(alice)))
+        await waiting(r.scheduler, "m", 1)  # two slots free, but alice has her one
+        other = asyncio.create_task(r.serve(dispatch(Tenant("bob", TenantPolicy()))))
+        await until(lambda: len(r.node.items) == 2, r.node.changed)  # bob is not behind her
+        assert r.in_flight() == {"p": 2} and r.scheduler.waiting("m") == 1
+        first.cancel()  # alice's client leaves: her share goes to her waiting request
+        await until(lambda: len(r.node.items) == 3, r.node.changed)
+        loads = {t: (w, n) for t, _, w, n in r.scheduler.pools["m"].waiters.loads()}
+        assert loads == {"alice": (0, 1), "bob": (0, 1)}
+        for t in (second, other):
+            t.cancel()
+        await asyncio.gather(first, second, other, return_exceptions=True)
+        assert r.in_flight() == {"p": 0} and r.scheduler.pools["m"].waiters.tenants == {}

@@ -194,7 +194,8 @@ class FairQueue:
         if len(t.waiters) == 1:
             self._push(t)
 
-    def remove(self, waiter: Waiter) -> None:
+    def remove(self, waiter: Waiter, granted: bool = False) -> None:
+        """`waiter` leaves; `granted`: for a slot, `start` follows at once (the tenant stays known)."""
         t = waiter.tenant
         assert t is not None
         head = t.waiters[0] is waiter
@@ -204,7 +205,8 @@ class FairQueue:
             self._eligible -= 1
         if head:
             self._push(t)
-        self._forget_idle(t)
+        if not granted:
+            self._forget_idle(t)
 
     def start(self, t: TenantQueue, tracked: bool) -> float:
         """A slot granted to `t` (queued or at once): charge it; returns the charge. `tracked`: its

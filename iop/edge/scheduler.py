@@ -472,7 +472,7 @@ class Scheduler:
             if chosen is None:
                 return
             pool, waiter, slot = chosen
-            pool.waiters.remove(waiter)
+            pool.waiters.remove(waiter, granted=True)
             self._left(waiter)
             assert waiter.tenant is not None
             waiter.future.set_result(self._grant(slot, pool, waiter.tenant, waiter.tracked))
