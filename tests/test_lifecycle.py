@@ -62,6 +62,7 @@ SERVERS: dict[str, dict[str, object]] = {
     "crash": {},  # no idle_stop_s: always on, started with the node
     "rst": {},
     "slow": {"idle_stop_s": 30, "load_s": 30},
+    "burst": {"idle_stop_s": 30, "load_s": 1.0},
 }
 """The servers of node `life`, one or two per test."""
 
@@ -265,6 +266,25 @@ async def test_a_server_that_dies_mid_request_fails_it_and_is_restarted_with_bac
     assert await ask(h, "crash") == "hello from crash"
     (_, _, died), (_, again, _) = sorted(runs(life.events / "crash"), key=lambda r: r[1])
     assert again - died >= 0.2  # restart_backoff_s: not at once
+
+
+async def test_requests_waiting_for_a_cold_start_hold_no_more_than_the_capacity(life: Life) -> None:
+    h, node = life.h, life.node
+    server = server_of(node, "burst")  # capacity 2, loads for 1 s
+    asked = [asyncio.create_task(ask(h, "burst")) for _ in range(4)]
+
+    async def held() -> bool:
+        # Two taken by the node and waiting for the server, two waiting in the edge's queue.
+        return (
+            server.state == "starting"
+            and server.waiting == 2
+            and await broker_counts(h.edge.js, "burst") == (2, 0)
+            and h.edge.scheduler.waiting("burst") == 2
+        )
+
+    await eventually(held, timeout_s=5)
+    assert await asyncio.gather(*asked) == ["hello from burst"] * 4
+    assert node.resources["burst"].peak_in_flight == 2 and server.cold_starts == 1
 
 
 async def test_a_client_that_leaves_during_a_cold_start_leaves_nothing_held_on_the_node(life: Life) -> None:
