@@ -183,10 +183,8 @@ async def test_a_request_to_a_stopped_server_waits_for_its_cold_start_and_is_ser
     cold_s = server.last_cold_start_ms / 1000
     assert cold_s >= LOAD_S
     assert LOAD_S <= took <= cold_s + 1.0
-    t1 = time.monotonic()
     assert await ask(h, "cold") == "hello from cold"
-    assert time.monotonic() - t1 < LOAD_S  # warm now
-    assert server.cold_starts == 1
+    assert server.cold_starts == 1  # warm now: served without another start
 
     # The ledger tells the request that waited for the cold start, and for how long.
     await until(lambda: len(records) >= 2, written, timeout_s=5)
@@ -248,7 +246,7 @@ async def test_an_idle_server_is_stopped_after_idle_stop_s(life: Life, caplog: p
     await until(lambda: server.state == "stopped", node.changed, timeout_s=5)
     # Stopped once its last request had been over for idle_stop_s, and not much later.
     assert time.monotonic() - server.last_used >= 0.5
-    assert time.monotonic() - served <= 0.5 + 1.0
+    assert time.monotonic() - served <= 0.5 + 1.5
     assert pid_gone(pid)
     assert [(name, end < float("inf")) for name, _, end in runs(life.events / "idle")] == [("idle", True)]
 
