@@ -261,3 +261,14 @@ async def test_responses_websocket_continues_a_compaction_from_its_summary(fresh
     # The socket's last response is the compaction: the model reads its summary, not the window and trigger.
     after = fresh.up.bodies[-1]["messages"]
     assert [m["content"] for m in after] == [SUMMARY_PREFIX + fresh.up.text(), "next"]
+
+
+async def test_responses_bounds_compaction_item_named_by_reference_is_opened(fresh: Two) -> None:
+    async with fresh.a.http() as http:
+        made = await create(http, input=[user("the long start"), {"type": "compaction_trigger"}])
+        item_id = made.json()["output"][0]["id"]
+        follow = await create(http, input=[{"type": "item_reference", "id": item_id}, user("next")])
+        other = await create(http, KEY_B, input=[{"type": "item_reference", "id": item_id}, user("next")])
+    assert follow.status_code == 200, follow.text
+    assert [m["content"] for m in fresh.up.bodies[-1]["messages"]] == [SUMMARY_PREFIX + fresh.up.text(), "next"]
+    assert other.status_code == 404  # another key's item is not there at all

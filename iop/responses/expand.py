@@ -123,7 +123,11 @@ class Responses:
             # A stored compaction answer: the model reads the summary its item holds.
             # Another service's item (a Responses upstream's own compaction) goes on as it is.
             history = compaction.opened(history, self.sealer, owner, "previous_response_id", foreign=True)
-        out["input"] = history + turn_items
+        sent = turn_items
+        if referenced and any(isinstance(i, Mapping) and i.get("type") == "compaction" for i in sent):
+            # One named by item_reference (the front opened those sent whole): the same.
+            sent = compaction.opened(sent, self.sealer, owner, foreign=True)
+        out["input"] = history + sent
         size = len(_encode(out["input"])) if history else 0
         if max_bytes is not None and size > max_bytes:
             raise _too_large(size, max_bytes)
