@@ -13,6 +13,32 @@ import pytest
 from iop.nats.server import EmbeddedNats
 from tests.harness import build_archive, have_openssl, make_pki, snapshot_sources
 
+# The files that take longest, longest first. Under `-n N --dist loadfile` (with
+# `--no-loadscope-reorder`, pyproject.toml) xdist hands files to workers in collection order, so
+# one of these collected last would run alone at the end while the other workers idle. Files that
+# wait for the shared archive (test_smoke, test_ui) come after test_build, which builds it.
+LONGEST_FIRST = (
+    "test_build_platforms.py",
+    "test_lint.py",
+    "test_build.py",
+    "test_cluster.py",
+    "test_edge_process.py",
+    "test_local_guide.py",
+    "test_ui.py",
+    "test_smoke.py",
+    "test_node_process.py",
+    "test_qualify.py",
+    "test_faults.py",
+    "test_edges_utilisation.py",
+    "test_faults_flow.py",
+    "test_usage_report.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order stays
+
 
 @pytest.fixture
 async def nats_server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:

@@ -585,6 +585,34 @@ def build_archive(sources: Path, out: Path, platform: str | None = None) -> subp
     return done
 
 
+# The interpreter behind the test venv: it has none of iop's dependencies on its path when run with -S.
+BARE_PYTHON = getattr(sys, "_base_executable", sys.executable)
+
+
+def clean_env(cache: Path, home: Path) -> dict[str, str]:
+    """An environment without the test venv: PATH without its bin, its own HOME and IOP_CACHE_DIR."""
+    venv_bin = str(Path(sys.executable).parent)
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != venv_bin)
+    return {"PATH": path, "HOME": str(home), "IOP_CACHE_DIR": str(cache), "LANG": "C.UTF-8"}
+
+
+def run_pyz(
+    pyz: Path, args: list[str], cache: Path, cwd: Path, *, bare: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """`python iop.pyz ARGS` in `cwd` with a clean environment; `bare` runs it with -S, so anything
+    missing from the archive fails instead of being found in site-packages."""
+    flags = ["-S"] if bare else []
+    return subprocess.run(
+        [BARE_PYTHON, *flags, str(pyz), *args],
+        cwd=cwd,
+        env=clean_env(cache, cwd),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def one_provider_yaml(url: str) -> str:
     """A deployment of one node with one provider `p` (capacity 1) on the upstream at `url`, alias `m`."""
     return f"""

@@ -19,11 +19,10 @@ from click.testing import CliRunner
 from iop import config
 from iop.cli import main
 from tests.fakes import fake_upstream
-from tests.harness import deployment_running
+from tests.harness import BARE_PYTHON, deployment_running
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE_YAML = ROOT / "configs" / "smoke.yaml"
-BARE_PYTHON = getattr(sys, "_base_executable", sys.executable)
 RUN_S = 60.0
 """Bound on one smoke run in these tests; a pass takes about 6 s on a 2-core machine."""
 
