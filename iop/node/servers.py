@@ -126,7 +126,8 @@ class ManagedServer:
     def has_process(self) -> bool:
         return self.state in ("starting", "ready", "draining")
 
-    async def _start_when_room(self) -> None:
+    async def _start_when_room(self, *, demand: bool = True) -> None:
+        """Start the server once its group has room; `demand`: a request waits for it (a cold start)."""
         g = self.group
         async with g.lock:
             swapped = False
@@ -140,7 +141,8 @@ class ManagedServer:
             if self.state == "stopped" and not self.closed:
                 if swapped:
                     self.swaps += 1
-                self.cold_starts += 1
+                if demand:
+                    self.cold_starts += 1
                 self._set("starting")
                 self._spawn(self._run_start(time.monotonic()))
 
@@ -223,7 +225,7 @@ class ManagedServer:
         self._set("stopped")
         if self.waiting or self.cfg.idle_stop_s is None:
             # Someone waits for it, or it is meant to run all the time: start it again now.
-            self._spawn(self._start_when_room())
+            self._spawn(self._start_when_room(demand=self.waiting > 0))
 
     async def _idle_watch(self, proc: ServerProcess) -> None:
         idle = self.cfg.idle_stop_s
@@ -262,7 +264,7 @@ class ManagedServer:
 
     def start_soon(self) -> None:
         """Start the server now if its group has room (else once it has), with no request waiting."""
-        self._spawn(self._start_when_room())
+        self._spawn(self._start_when_room(demand=False))
 
     async def retire(self) -> None:
         """Its adapter left the catalog: no new request; stop once the running ones have finished."""
