@@ -155,6 +155,16 @@ class EdgeClient:
         except msgspec.DecodeError:
             raise IopError(f"{self.url}{path} answered {r.status_code}: {r.text[:200]}") from None
 
+    async def keys(self, method: str, path: str = "", body: dict[str, object] | None = None) -> dict[str, Any]:
+        """`/admin/keys{path}` (managed keys): the JSON answer; IopError with the edge's message otherwise."""
+        content = msgspec.json.encode(body) if body is not None else None
+        headers = {"content-type": "application/json"} if body is not None else None
+        r = await self._send(method, "/admin/keys" + path, content=content, headers=headers)
+        if r.status_code != 200:
+            raise IopError(f"{self.url}/admin/keys{path} answered {r.status_code}: {_message(r)}")
+        answer: dict[str, Any] = msgspec.json.decode(r.content)
+        return answer
+
     async def usage(self, params: dict[str, str]) -> bytes:
         """GET /usage: the usage table as JSON or CSV (`params["format"]`), as the edge sent it."""
         r = await self._send("GET", "/usage", params=params, timeout=120.0)

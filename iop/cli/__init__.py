@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from iop import __version__, configview
-from iop.cli import check, operate, provider, serve
+from iop.cli import check, keys, operate, provider, serve
 from iop.cli.common import load_or_exit
 from iop.errors import IopError
 
@@ -42,6 +42,7 @@ main.add_command(operate.status_cmd)
 main.add_command(operate.usage_cmd)
 main.add_command(operate.refresh_cmd)
 main.add_command(provider.provider_group)
+main.add_command(keys.keys_group)
 main.add_command(check.qualify_cmd)
 main.add_command(check.smoke_cmd)
 

@@ -84,6 +84,10 @@ class Serving(Protocol):
         """The client key's name ("" without keys); raises Unauthorized."""
         ...
 
+    def identify(self, scope: Scope) -> tuple[str, str]:
+        """The client key's name and its tenant; raises Unauthorized."""
+        ...
+
     def owner(self, scope: Scope) -> str:
         """The id stored responses of this request's client key are filed under (iop/responses/store.py)."""
         ...
@@ -114,8 +118,7 @@ class ApiEndpoint:
             if self.pinned:
                 self.edge.keys.admin(scope)
             else:
-                trace.key = self.edge.authorize(scope)
-                trace.tenant = self.edge.tenants.tenant_of_key(trace.key)
+                trace.key, trace.tenant = self.edge.identify(scope)
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{scope['method']} {scope['path']}: use POST", headers={"Allow": "POST"})
             check_content_type(scope)

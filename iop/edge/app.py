@@ -18,6 +18,7 @@ from iop.contracts.status import encode_status
 from iop.edge.api import ApiEndpoint, ApiRoutes, RequestIds
 from iop.edge.count_tokens import CountTokensEndpoint
 from iop.edge.lifecycle import lifecycle_routes
+from iop.edge.managed import key_routes
 from iop.edge.metrics import CONTENT_TYPE, OPENMETRICS
 from iop.edge.origin import HostAllowList, SameOrigin
 from iop.edge.provider_admin import provider_routes
@@ -149,6 +150,7 @@ def build_app(edge: Edge) -> ASGIApp:
         Route("/usage/tail", usage_tail, methods=["GET"]),
         Route("/admin/refresh", refresh, methods=["POST"]),
         *provider_routes(edge.keys, lambda: edge.catalog, edge.registry, edge.nc),
+        *key_routes(edge.keys, edge.managed_keys),
         *response_routes(edge),
         *ui_routes(edge.keys, edge.status_feed, ledger_on=ledger_on),
         *qualify_routes(edge, lambda: edge.qualify, lambda: encode_status(status_of(edge.status_sources))),

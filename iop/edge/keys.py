@@ -10,7 +10,7 @@ import hmac
 import ipaddress
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from starlette.types import Scope
@@ -28,6 +28,8 @@ class Key:
 
     name: str
     secret: bytes = field(repr=False)
+    tenant: str | None = None
+    """The tenant a managed key belongs to (iop/edge/managed.py); None: resolved from the name."""
 
 
 def parse_keys(raw: str, prefix: str) -> list[Key]:
@@ -64,6 +66,8 @@ class EdgeKeys:
 
     clients: list[Key]
     admins: list[Key]
+    lookups: list[Callable[[bytes], Key | None]] = field(default_factory=list)
+    """Further client keys beside the environment's, asked in order (the managed keys)."""
 
     @classmethod
     def from_settings(cls, edge: config.EdgeSettings, environ: Mapping[str, str] | None = None) -> EdgeKeys:
@@ -76,7 +80,12 @@ class EdgeKeys:
         """The client key of this request (None when the edge has none); Unauthorized when it fits none."""
         if not self.clients:
             return None
-        key = _match(_bearer(scope), self.clients)
+        given = _bearer(scope)
+        key = _match(given, self.clients)
+        if key is None and given:
+            for lookup in self.lookups:
+                if (key := lookup(given)) is not None:
+                    break
         if key is None:
             raise Unauthorized("missing or invalid API key (send Authorization: Bearer <key> or x-api-key: <key>)")
         return key

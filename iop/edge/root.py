@@ -7,6 +7,7 @@ other part of the edge sees only the few objects it was handed here, never `Edge
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import secrets
 import time
@@ -26,6 +27,7 @@ from iop.edge.keys import EdgeKeys
 from iop.edge.ledger import LedgerWriter, ensure_ledger_stream
 from iop.edge.lifecycle import Lifecycle
 from iop.edge.limits import Limiter
+from iop.edge.managed import ManagedKeys
 from iop.edge.memory import BurstTrim
 from iop.edge.metrics import Metrics
 from iop.edge.observe import Observer
@@ -128,6 +130,10 @@ class Edge:
         """Read once, like the keys: a refresh reports a change as needing a restart."""
         self.metrics = Metrics(self.scheduler, self.registry, self.ledger, nc, self.started_at, self.tracing)
         self.observer = Observer(self.edge_id, self.metrics, self.ledger)
+        self.managed_keys = ManagedKeys()
+        """Keys made by `iop keys`, from the KV bucket iop_keys; checked after the environment's."""
+        # A copy: the EdgeKeys given may serve other edges (tests run several in one process).
+        self.keys = dataclasses.replace(self.keys, lookups=[*self.keys.lookups, self.managed_keys.lookup])
         self.limits = Limiter()
         """Tenants' rpm, tpm and budgets, shared with the other edges in the KV bucket iop_limits."""
         self.limits.on_refusal = self.metrics.refused
@@ -184,6 +190,13 @@ class Edge:
     def tenants(self) -> Tenants:
         return self.current.tenants
 
+    def identify(self, scope: Scope) -> tuple[str, str]:
+        """The client key's name and its tenant ("", "" when the edge has no keys); raises Unauthorized."""
+        key = self.keys.client(scope)
+        if key is None:
+            return "", ""
+        return key.name, key.tenant if key.tenant is not None else self.current.tenants.tenant_of_key(key.name)
+
     def authorize(self, scope: Scope) -> str:
         """Check the client key; returns its name for the ledger ("" when the edge has no keys)."""
         key = self.keys.client(scope)
@@ -216,6 +229,7 @@ class Edge:
             )
             self.ledger.start()
         await available("the limits bucket", lambda: self.limits.open(self.js, settings.nats.replicas))
+        await available("the keys bucket", lambda: self.managed_keys.open(self.js, settings.nats.replicas))
         await available("the work stream", lambda: streams.ensure_work_stream(self.js, replicas=settings.nats.replicas))
         if settings.responses.enabled:
             replicas = settings.nats.replicas
@@ -272,6 +286,7 @@ class Edge:
         await self.lifecycle.stop()
         await self.registry.stop()
         await self.limits.drain()
+        await self.managed_keys.stop()
         if self.ledger is not None:
             await self.ledger.stop()
         await flushed
