@@ -152,3 +152,13 @@ async def test_refresh_applies_a_changed_tenant_policy_live(edge: EdgeHandle) ->
         r = await http.post("/v1/chat/completions", json=chat("other"), headers={"authorization": "Bearer ka"})
         assert r.status_code == 200, r.text
     await edge.edge.refresh_to(deployment(TENANTS + BASE))
+
+
+@MODULE_LOOP
+async def test_usage_groups_by_tenant(edge: EdgeHandle) -> None:
+    await records(edge, 3)
+    async with edge.http() as http:
+        r = await http.get("/usage", params={"by": "tenant", "since": "1h"}, headers={"authorization": "Bearer kci"})
+    assert r.status_code == 200, r.text
+    rows = r.json()["rows"]
+    assert [row["tenant"] for row in rows] == ["alice"]

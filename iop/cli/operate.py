@@ -65,7 +65,10 @@ def status_cmd(
 )
 @click.option("--until", default=None, help="End (default: now), same forms as --since.")
 @click.option(
-    "--by", default="model", show_default=True, help="Group by: model,provider,node,key,day,hour,api,route,status."
+    "--by",
+    default="model",
+    show_default=True,
+    help="Group by: model,provider,node,key,tenant,day,hour,api,route,status.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON the edge answered.")
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV.")

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 
 from iop.errors import BadRequest
 
-GROUP_KEYS = ("model", "provider", "node", "key", "day", "hour", "api", "route", "status")
+GROUP_KEYS = ("model", "provider", "node", "key", "tenant", "day", "hour", "api", "route", "status")
 """What `by` may name; `model` is the alias the client asked for."""
 COLUMNS = (
     "requests",

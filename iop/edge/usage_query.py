@@ -30,7 +30,15 @@ from iop.percentile import nearest_rank
 
 log = logging.getLogger("iop.edge")
 
-_ATTR = {"model": "alias", "provider": "provider", "node": "node", "key": "key", "api": "api", "route": "route"}
+_ATTR = {
+    "model": "alias",
+    "provider": "provider",
+    "node": "node",
+    "key": "key",
+    "tenant": "tenant",
+    "api": "api",
+    "route": "route",
+}
 _ATTR["status"] = "status"
 _PERIOD_S = {"day": 86400, "hour": 3600}
 """Time keys group by whole periods of Unix time (UTC), named only when the table is made."""
