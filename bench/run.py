@@ -18,6 +18,8 @@ table with medians [min..max] and every target with PASS/MISS and its gap, and w
                 take a known time to load (docs/lifecycle.md)
     fairness    a pool of capacity 4 (200 ms answers), a tenant flooding at 10x its rate and a quiet
                 one: the quiet tenant's queue wait alone, with fair queueing and with FIFO
+    routing     a mixed pool (a fast and a slow provider): routing by expected finish time against
+                free-slot ranking at the same offered load; mean and p99 latency, throughput
     bodies      agent-sized bodies (1 KB .. 3 MB), chat and Responses, against direct and the floor
                 (a bare JetStream work-queue round trip); edge memory with 200 of them waiting
 
@@ -46,6 +48,7 @@ from bench.fairness import FairnessOptions, run_fairness
 from bench.lifecycle import LifecycleOptions, run_lifecycle
 from bench.procs import REPO, Owned, git_state, install_signal_handlers, loadavg, log, machine
 from bench.report import judge, render
+from bench.routing import RoutingOptions, run_routing
 from bench.scale import ScaleOptions, run_memory, run_scale
 from bench.startup import StartupOptions, run_startup
 
@@ -61,6 +64,7 @@ SCENARIOS = (
     "bodies",
     "lifecycle",
     "fairness",
+    "routing",
 )
 
 
@@ -203,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         if "lifecycle" in only:
             lc = LifecycleOptions(archive=a.archive, swaps=2 if a.quick else 6)
             attempt("lifecycle", lambda: run_lifecycle(owned, workdir, lc))
+        if "routing" in only:
+            ro = RoutingOptions(storage=a.storage, archive=a.archive)
+            if a.quick:
+                ro.seconds, ro.rounds = 8.0, 1
+            attempt("routing", lambda: run_routing(owned, workdir, ro))
     except KeyboardInterrupt:
         log("interrupted: stopping our processes")
         result["meta"]["interrupted"] = True
