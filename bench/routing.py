@@ -5,8 +5,8 @@ token 40 ms, 5 ms per token) and `mac` (250 ms, 25 ms per token), capacity 4 eac
 served under two aliases of one stack: `mixed` (routing: expected_finish, the default) and
 `mixed-free` (routing: free_slots). The same open-loop load on each (Poisson arrivals at a fixed
 rate, seeded; streamed answers of 64 tokens), the two runs alternating per round, at two rates:
-one the fast provider alone could nearly always take, one where it is often full and requests
-overflow to the slow one (a request never waits while a slot is free). Per rate and routing: the
+one the fast provider alone can nearly always take, one where it is full often enough that
+requests overflow to the slow one (a request never waits while a slot is free). Per rate and routing: the
 client's end-to-end latency over every round's requests (mean, p50, p99), the throughput, and
 the share each provider got.
 """
@@ -34,9 +34,11 @@ PROVIDERS = (("gpu", 40.0, 5.0), ("mac", 250.0, 25.0))
 
 @dataclass
 class RoutingOptions:
-    rates_per_s: tuple[float, ...] = (2.0, 6.0)
-    """Offered loads, both below the fast provider's capacity alone (4 / ~0.36 s ≈ 11 req/s)."""
-    seconds: float = 30.0
+    rates_per_s: tuple[float, ...] = (1.0, 4.0)
+    """Offered loads, both below the fast provider's capacity alone (4 / ~0.36 s, about 11 req/s): at
+    1/s it is full for under 1 % of the arrivals, at 4/s for several percent (those overflow)."""
+    requests: int = 60
+    """Per run (its length is requests / rate)."""
     tokens: int = 64
     capacity: int = 4
     rounds: int = 2
@@ -85,7 +87,8 @@ def run_routing(owned: Owned, workdir: Path, opts: RoutingOptions) -> dict[str, 
                 order = ("free_slots", "expected_finish") if r % 2 == 0 else ("expected_finish", "free_slots")
                 for name in order:
                     alias = "mixed" if name == "expected_finish" else "mixed-free"
-                    got = asyncio.run(_load(stack.url, alias, rate, opts.seconds, opts.tokens, opts.seed + r))
+                    seconds = opts.requests / rate
+                    got = asyncio.run(_load(stack.url, alias, rate, seconds, opts.tokens, opts.seed + r))
                     at_rate[name].append(got)
                     lat = got["latency_ms"] or {}
                     log(
@@ -96,7 +99,7 @@ def run_routing(owned: Owned, workdir: Path, opts: RoutingOptions) -> dict[str, 
         stack.stop()
     return {
         "providers": [{"id": p, "ttft_ms": t, "ms_per_token": m, "capacity": opts.capacity} for p, t, m in PROVIDERS],
-        "seconds": opts.seconds,
+        "requests_per_run": opts.requests,
         "rounds": opts.rounds,
         "tokens": opts.tokens,
         "runs": runs,

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         if "routing" in only:
             ro = RoutingOptions(storage=a.storage, archive=a.archive)
             if a.quick:
-                ro.seconds, ro.rounds = 8.0, 1
+                ro.requests, ro.rounds = 20, 1
             attempt("routing", lambda: run_routing(owned, workdir, ro))
     except KeyboardInterrupt:
         log("interrupted: stopping our processes")

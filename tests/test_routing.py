@@ -151,3 +151,14 @@ async def test_deadline_waiting_past_it_leaves_the_queue_with_the_deadline_error
     assert await in_time(s, Ask(max_tokens=100, finish_by=monotonic() + 0.8)) == "late"
     assert monotonic() - t0 < 0.8  # it left once a free slot could no longer answer in time
     assert s.waiting("m") == 0 and s.waiting_bytes == 0
+
+
+async def test_routing_counts_a_stopped_servers_cold_start_against_it() -> None:
+    s = scheduler({"fast": 4, "slow": 4})
+    teach(s, "fast", 50, 200)
+    teach(s, "slow", 400, 20)  # about 13 s for 256 tokens: still quicker than a 30 s start
+    stopped = wire.ServerLive(state="stopped", last_cold_start_ms=30_000)
+    s.router.server_of = lambda pid: stopped if pid == "fast" else None
+    assert (await s.acquire("m", soon(), ask=Ask())).id == "slow"
+    s.router.server_of = lambda pid: wire.ServerLive(state="ready") if pid == "fast" else None
+    assert (await s.acquire("m", soon(), ask=Ask())).id == "fast"

@@ -17,7 +17,7 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 from starlette.types import Scope
 
-from iop import config
+from iop import config, wire
 from iop.contracts.refresh import RefreshResult
 from iop.edge import http as edge_http
 from iop.edge.bodies import BURST_MIB as BODY_BURST_MIB
@@ -137,6 +137,7 @@ class Edge:
         self.limits = Limiter()
         """Tenants' rpm, tpm and budgets, shared with the other edges in the KV bucket iop_limits."""
         self.limits.on_refusal = self.metrics.refused
+        self.scheduler.router.server_of = self._server_of
         self.lifecycle = Lifecycle(self.scheduler, lambda: self.current.catalog, self.js, self.edge_id)
         """Drains by policy, by an operator, by a failed qualification; shared with the other edges."""
         self.qualify = QualifyDesk(self)
@@ -251,6 +252,13 @@ class Edge:
 
     async def _consumer(self, provider: str, capacity: int) -> None:
         await streams.ensure_provider_consumer(self.js, provider, capacity)
+
+    def _server_of(self, provider: str) -> wire.ServerLive | None:
+        """The model server `provider`'s node runs for it, as its last heartbeat said (the router's cold start)."""
+        ref = self.current.catalog.providers.get(provider)
+        st = self.registry.nodes.get(ref.node.id) if ref is not None else None
+        live = st.live.get(provider) if st is not None and st.connected else None
+        return live.server if live is not None else None
 
     def waiting_requests(self) -> int:
         """Requests waiting in this edge's pool queues now."""

@@ -11,7 +11,8 @@ each figure at the concurrency the provider would run at with this request added
 - the request's size: TTFT grows with the prompt (input tokens estimated from the body's bytes),
   the decode term with the output expected (its `max_tokens`, at most what the pool's answers
   usually are);
-- a cold server's start time (`Figures.cold_s`, 0 while its state is unknown: treated as ready).
+- a cold server's start time (`cold_start_s`: a server the node runs itself that is stopped or
+  still starting, from its heartbeat; 0 while its state is unknown: treated as ready).
 
 A cheap step, O(free providers of the pool), no model. Providers within `TIE_FRACTION` of the
 best are equally good: among them the most free slots wins (the free-slot order), so identical
@@ -25,6 +26,7 @@ that meets it is free; `best_case_s` says whether anyone could meet it at all.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from time import monotonic
@@ -108,8 +110,6 @@ class Figures:
     """EWMA of the concurrency the samples ran at (to read the curve at the same point)."""
     samples: int = 0
     curve: Curve | None = None
-    cold_s: float = 0.0
-    """Seconds before the server can answer: its expected start while it is stopped or starting."""
 
     def learn(self, ttft_s: float | None, decode_tok_s: float | None, input_tokens: int, load: int) -> None:
         a = ALPHA if self.samples else 1.0
@@ -140,13 +140,14 @@ class Figures:
             rate = crate if rate is None else rate
         return ttft, rate
 
-    def expected_s(self, c: float, input_tokens: int, output_tokens: float) -> float | None:
-        """Seconds until a request of this size would be done here at concurrency `c`; None: unknown."""
+    def expected_s(self, c: float, input_tokens: int, output_tokens: float, cold_s: float = 0.0) -> float | None:
+        """Seconds until a request of this size would be done here at concurrency `c` (after `cold_s`
+        of a server start); None: unknown."""
         ttft, rate = self.figures_at(c)
         if rate is None or rate <= 0:
             return None
         prefill = (ttft or 0.0) * (input_tokens + PREFILL_REF_TOKENS) / (self.input_tokens + PREFILL_REF_TOKENS)
-        return self.cold_s + prefill + output_tokens / rate
+        return cold_s + prefill + output_tokens / rate
 
 
 def _bounded(x: float) -> float:
@@ -193,6 +194,8 @@ class Router:
     """Pool alias → EWMA of its answers' output tokens."""
     on_outcome: Callable[[str, bool, wire.Done | None], None] | None = None
     """Called when a pool request ended on a provider, answered or failed by it (its lifecycle policy)."""
+    server_of: Callable[[str], wire.ServerLive | None] = field(default=lambda _: None)
+    """The model server a provider's node runs for it, from the node's last heartbeat (iop/edge/root.py)."""
 
     def ended(
         self, provider: str, alias: str, ok: bool, report: wire.Done | wire.Failure | None, input_tokens: int, load: int
@@ -252,7 +255,8 @@ class Router:
         f = self.figures.get(p.id)
         if f is None:
             return None
-        return f.expected_s(p.in_flight + p.elsewhere + 1, ask.input_tokens, self.expected_output(alias, ask))
+        cold = cold_start_s(self.server_of(p.id), time.time())
+        return f.expected_s(p.in_flight + p.elsewhere + 1, ask.input_tokens, self.expected_output(alias, ask), cold)
 
     def best_case_s(self, alias: str, in_rotation: Iterable[Candidate], ask: Ask) -> float | None:
         """The quickest any of `in_rotation` could answer, idle; None if one of them is unmeasured."""
@@ -309,6 +313,20 @@ class Router:
             f" vs {runner_up:.2f}s" if runner_up is not None else f" (tie of {len(near)})" if len(near) > 1 else ""
         )
         return chosen
+
+
+COLD_START_GUESS_S = 30.0
+"""A stopped server's start before it ever started here (its heartbeat reports the last one's)."""
+
+
+def cold_start_s(server: wire.ServerLive | None, now: float) -> float:
+    """Seconds before a provider's model server can answer: 0 when ready (or not one the node runs)."""
+    if server is None or server.state in ("ready", "draining"):
+        return 0.0
+    last = server.last_cold_start_ms / 1000 if server.last_cold_start_ms else COLD_START_GUESS_S
+    if server.state == "starting":
+        return max(0.0, last - (now - server.since))
+    return last
 
 
 def unmeetable(alias: str, ask: Ask, best_s: float | None) -> Unavailable:
