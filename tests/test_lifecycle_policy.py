@@ -99,11 +99,13 @@ async def chat(
 
 async def test_routing_sends_requests_to_the_faster_provider_once_both_are_measured(rig: Rig) -> None:
     sched = rig.h.edge.scheduler
-    got = [(await chat(rig.http, "m")).headers["x-iop-provider"] for _ in range(8)]
-    # The first two measure both (each unmeasured provider goes first once), then the quick one
-    # takes every request although the slow one has twice its free slots.
-    assert sorted(got[:2]) == ["fast", "slow"], got
-    assert got[2:] == ["fast"] * 6, got
+    # Each unmeasured provider goes first once (whatever of this module ran before on this worker).
+    for _ in range(2):
+        assert (await chat(rig.http, "m")).status_code == 200
+    assert set(sched.router.figures) >= {"fast", "slow"}
+    # Then the quick one takes every request although the slow one has twice its free slots.
+    got = [(await chat(rig.http, "m")).headers["x-iop-provider"] for _ in range(6)]
+    assert got == ["fast"] * 6, got
     figures = sched.router.figures
     assert figures["fast"].decode_tok_s is not None and figures["slow"].decode_tok_s is not None
     assert figures["fast"].decode_tok_s > 3 * figures["slow"].decode_tok_s
@@ -113,6 +115,8 @@ async def test_routing_sends_requests_to_the_faster_provider_once_both_are_measu
 
 
 async def test_deadline_nobody_can_meet_is_refused_at_once(rig: Rig) -> None:
+    for _ in range(2):  # both measured (each unmeasured provider goes first once), whatever ran before
+        assert (await chat(rig.http, "m")).status_code == 200
     await eventually(_measured(rig, "fast", "slow"))
     t0 = time.monotonic()
     r = await chat(rig.http, "m", headers={"x-iop-deadline-ms": "1"})
