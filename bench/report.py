@@ -63,6 +63,9 @@ def targets(result: dict[str, Any]) -> list[Target]:
     sc = result.get("scenarios", {})
     ab = sc.get("ab", {})
     out: list[Target] = []
+    tc = sc.get("tracing")
+    if tc:
+        out.append(at_most("tracing at 10 %: added CPU per request", tc["cost"]["10%"]["added_us"], 30.0, "us"))
     for api in ("chat", "responses"):
         c1 = _cell(ab, f"{api}/nonstream/c1")
         if c1:
@@ -418,6 +421,29 @@ def render(result: dict[str, Any]) -> str:
             )
             + f"\ncold starts {lc['cold_starts_counted']}, swaps {lc['swaps_counted']}, "
             f"server processes left after the node's SIGTERM: {lc['orphans_after_node_sigterm']}"
+        )
+    tc = sc.get("tracing")
+    if tc:
+        parts.append(
+            f"Traces: edge + node CPU per request (chat, c={tc['concurrency']}), against tracing off\n"
+            + table(
+                ["tracing", "CPU us/request", "edge", "node", "added us", "req/s", "p50 ms", "foreign cores"],
+                [
+                    [
+                        arm,
+                        _num(v["cpu_us_per_request"], 0),
+                        _num(v["edge_us"], 0),
+                        _num(v["node_us"], 0),
+                        _num(v["added_us"], 1),
+                        _num(v["rps"], 0),
+                        _num(v["p50_ms"], 3),
+                        _num(v["foreign_cores"], 2),
+                    ]
+                    for arm, v in tc["arms"].items()
+                ],
+            )
+            + "\nthe spans alone, in process (edge and node spans of a pool request, their export), CPU us/request: "
+            + ", ".join(f"{arm} {v['cpu_us_per_request']:.1f} (+{v['added_us']:.1f})" for arm, v in tc["cost"].items())
         )
     beside = litellm_rows(ab)
     if beside:

@@ -51,6 +51,7 @@ from bench.report import judge, render
 from bench.routing import RoutingOptions, run_routing
 from bench.scale import ScaleOptions, run_memory, run_scale
 from bench.startup import StartupOptions, run_startup
+from bench.tracing import TracingOptions, run_tracing
 
 SCENARIOS = (
     "latency",
@@ -65,6 +66,7 @@ SCENARIOS = (
     "lifecycle",
     "fairness",
     "routing",
+    "tracing",
 )
 
 
@@ -204,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             if a.body_sizes:
                 bo.sizes = [int(x) for x in a.body_sizes.split(",") if x.strip()]
             attempt("bodies", lambda: run_bodies(owned, workdir, bo))
+        if "tracing" in only:
+            to = TracingOptions(rounds=1 if a.quick else 3, seconds=1.5 if a.quick else 3.0, archive=a.archive)
+            attempt("tracing", lambda: run_tracing(owned, workdir, to))
         if "lifecycle" in only:
             lc = LifecycleOptions(archive=a.archive, swaps=2 if a.quick else 6)
             attempt("lifecycle", lambda: run_lifecycle(owned, workdir, lc))

@@ -99,6 +99,7 @@ def start_stack(
     ready_timeout_s: float = 90.0,
     edge_extra: dict[str, Any] | None = None,
     ready_headers: dict[str, str] | None = None,
+    top_extra: dict[str, Any] | None = None,
 ) -> Stack:
     """Write the deployment, start edge and nodes, wait until /status shows every node and full capacity.
 
@@ -108,7 +109,7 @@ def start_stack(
     http_port, nats_port = free_port(), free_port()
     store = workdir / f"{name}-nats"
     edge_cfg = edge_settings(http_port, nats_port, store, max_waiting) | (edge_extra or {})
-    deployment = {"edge": edge_cfg, "models": models, "nodes": nodes}
+    deployment = {"edge": edge_cfg, "models": models, "nodes": nodes} | (top_extra or {})
     cfg = workdir / f"{name}.yaml"
     cfg.write_text(json.dumps(deployment, indent=1))  # JSON is YAML
     nats_url = f"nats://127.0.0.1:{nats_port}"

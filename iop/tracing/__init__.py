@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import re
 import threading
 import time
@@ -26,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 from iop.tracingconf import TracingSettings
 
 if TYPE_CHECKING:
-    from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
 
@@ -102,7 +102,7 @@ class Tracing:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         import iop
@@ -116,7 +116,10 @@ class Tracing:
         if instance:
             attributes["service.instance.id"] = instance
         provider = TracerProvider(
-            sampler=ParentBasedTraceIdRatio(self.ratio),
+            # The ratio is drawn in `server_span`, before the SDK is called at all: an unsampled
+            # request then costs a random number, not a span. What reaches the SDK is sampled,
+            # or continues a context (a client's, a work item's) whose flag decides.
+            sampler=ParentBased(ALWAYS_ON),
             resource=Resource(attributes),
             shutdown_on_exit=False,
         )
@@ -142,10 +145,22 @@ class Tracing:
         None when the request is not sampled: nothing below it makes spans or carries a context.
         """
         assert self.tracer is not None
-        span = self.tracer.start_span(name, self._context_of(headers), self._api.SpanKind.SERVER, attributes)
-        if not span.is_recording():
-            return None
-        return span
+        carrier: dict[str, str] = {}
+        for key, value in headers:
+            if key == b"traceparent" or key == b"tracestate":
+                carrier[key.decode()] = value.decode("latin-1")
+        match = _TRACEPARENT.match(carrier.get("traceparent", ""))
+        if match is not None:
+            if not int(match[3], 16) & 1:
+                return None  # the client's context is not sampled: parent-based, nothing is recorded
+            context = self._propagator.extract(carrier)
+        else:
+            # A new trace (no context, or one W3C says to ignore): sampled at the configured ratio.
+            if self.ratio < 1.0 and random.random() >= self.ratio:
+                return None
+            context = None
+        span = self.tracer.start_span(name, context, self._api.SpanKind.SERVER, attributes)
+        return span if span.is_recording() else None
 
     def child(self, parent: Span, name: str, kind: str = "internal", attributes: dict[str, Any] | None = None) -> Span:
         """A span under `parent` (which this tracer made, or a context from `continued`)."""
@@ -168,13 +183,6 @@ class Tracing:
         return self.tracer.start_span(
             name, self._propagator.extract(carrier), self._api.SpanKind[kind.upper()], attributes
         )
-
-    def _context_of(self, headers: Sequence[tuple[bytes, bytes]]) -> Context | None:
-        carrier: dict[str, str] = {}
-        for name, value in headers:
-            if name == b"traceparent" or name == b"tracestate":
-                carrier[name.decode()] = value.decode("latin-1")
-        return self._propagator.extract(carrier) if carrier else None
 
     # --- export -----------------------------------------------------------------------------------
 
