@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import httpx
 import pytest
 
@@ -16,6 +15,12 @@ from iop.nats.server import EmbeddedNats
 from tests.fakes import FakeUpstream, fake_upstream
 from tests.harness import EdgeHandle, deployment, deployment_running, until
 from tests.test_ledger import ledger_records
+
+if TYPE_CHECKING:
+    import anthropic
+
+# The SDK is imported by the tests that use it: under xdist every worker collects this file, and the
+# SDK's import alone is seconds of CPU for the three workers that never run it.
 
 KEY = "sk-iop-claude-test-key"
 TOOLS: list[Any] = [
@@ -43,6 +48,8 @@ nodes:
 async def served(
     nats_url: str, api: str, monkeypatch: pytest.MonkeyPatch, extra: str = "", adapter: str = "", **knobs: Any
 ) -> AsyncIterator[tuple[EdgeHandle, FakeUpstream, anthropic.AsyncAnthropic]]:
+    import anthropic
+
     monkeypatch.setenv("IOP_TEST_KEYS", KEY)
     upstream_api = api.strip("[]").replace(" ", "")
     async with (
@@ -136,6 +143,8 @@ async def test_messages_pass_through_to_an_upstream_that_serves_them(
 async def test_messages_refusals_are_anthropic_errors(
     nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import anthropic
+
     async with served(nats_server.url, "chat", monkeypatch) as (h, up, client):
         with pytest.raises(anthropic.NotFoundError) as missing:
             await client.messages.create(model="nope", max_tokens=8, messages=HELLO)
@@ -168,6 +177,8 @@ async def test_messages_refusals_are_anthropic_errors(
 async def test_messages_upstream_failure_and_full_queue_are_anthropic_errors(
     nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import anthropic
+
     async with served(nats_server.url, "chat", monkeypatch, fail_status=500) as (h, up, client):
         with pytest.raises(anthropic.APIStatusError) as failed:
             await client.messages.create(model="m", max_tokens=8, messages=HELLO)
@@ -191,6 +202,8 @@ async def test_messages_upstream_failure_and_full_queue_are_anthropic_errors(
 async def test_count_tokens_estimates_without_a_model(
     nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import anthropic
+
     async with served(nats_server.url, "chat", monkeypatch) as (_, up, client):
         short = await client.messages.count_tokens(model="m", messages=HELLO)
         long = await client.messages.count_tokens(
@@ -227,6 +240,8 @@ async def test_count_tokens_asks_the_upstreams_tokenizer_through_the_pool(
 async def test_an_endpoint_the_pool_cannot_serve_is_refused_at_once(
     nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import anthropic
+
     gate = asyncio.Event()  # the only slot is busy: a request that queued would wait
     async with served(nats_server.url, "responses", monkeypatch, gate=gate) as (h, up, client):
         held = asyncio.create_task(h.client(KEY).chat.completions.create(model="m", messages=HELLO))
