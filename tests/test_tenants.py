@@ -144,6 +144,19 @@ async def test_a_model_outside_the_tenants_list_is_not_found_and_the_ledger_name
 
 
 @MODULE_LOOP
+async def test_models_lists_only_the_tenants_models(edge: EdgeHandle) -> None:
+    async with edge.http() as http:
+        alice = await http.get("/v1/models", headers={"authorization": "Bearer ka"})
+        assert [m["id"] for m in alice.json()["data"]] == ["chat-small", "chat-large"]
+        carol = await http.get("/v1/models", headers={"authorization": "Bearer kc"})
+        assert [m["id"] for m in carol.json()["data"]] == ["other"]
+        hidden = await http.get("/v1/models/other", headers={"authorization": "Bearer ka"})
+        assert hidden.status_code == 404 and hidden.json()["error"]["param"] == "model"
+        shown = await http.get("/v1/models/chat-large", headers={"authorization": "Bearer ka"})
+        assert shown.status_code == 200 and shown.json()["id"] == "chat-large"
+
+
+@MODULE_LOOP
 async def test_refresh_applies_a_changed_tenant_policy_live(edge: EdgeHandle) -> None:
     wider = TENANTS.replace('models: ["chat-*"]', 'models: ["chat-*", other]')
     result = await edge.edge.refresh_to(deployment(wider + BASE))

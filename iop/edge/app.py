@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Scope
 
 from iop import config, endpoints
 from iop.contracts.status import encode_status
@@ -52,14 +52,17 @@ def build_app(edge: Edge) -> ASGIApp:
         served = endpoints.ordered(endpoints.of_alias(edge.catalog, alias))
         return {"id": alias, "object": "model", "created": int(edge.started_at), "owned_by": "iop", "endpoints": served}
 
+    def visible(scope: Scope) -> list[str]:
+        # A tenant sees only the models it may use: the others do not exist for its key, as they answer 404.
+        policy = edge.tenants.of_key(edge.authorize(scope)).policy
+        return [m.alias for m in edge.deployment.models if policy.allows(m.alias)]
+
     async def models(request: Request) -> Response:
-        edge.authorize(request.scope)
-        return JSONResponse({"object": "list", "data": [model_entry(m.alias) for m in edge.deployment.models]})
+        return JSONResponse({"object": "list", "data": [model_entry(alias) for alias in visible(request.scope)]})
 
     async def model(request: Request) -> Response:
-        edge.authorize(request.scope)
         alias = request.path_params["alias"]
-        if not any(m.alias == alias for m in edge.deployment.models):
+        if alias not in visible(request.scope):
             raise NotFound(f"model '{alias}' does not exist; GET /v1/models lists the models", param="model")
         return JSONResponse(model_entry(alias))
 
