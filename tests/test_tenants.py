@@ -157,6 +157,16 @@ async def test_models_lists_only_the_tenants_models(edge: EdgeHandle) -> None:
 
 
 @MODULE_LOOP
+async def test_a_background_response_for_a_model_outside_the_tenants_list_is_refused_before_it_queues(
+    edge: EdgeHandle,
+) -> None:
+    body = {"model": "other", "input": "hi", "background": True}
+    async with edge.http() as http:
+        refused = await http.post("/v1/responses", json=body, headers={"authorization": "Bearer ka"})
+        assert refused.status_code == 404 and refused.json()["error"]["param"] == "model", refused.text
+
+
+@MODULE_LOOP
 async def test_refresh_applies_a_changed_tenant_policy_live(edge: EdgeHandle) -> None:
     wider = TENANTS.replace('models: ["chat-*"]', 'models: ["chat-*", other]')
     result = await edge.edge.refresh_to(deployment(wider + BASE))

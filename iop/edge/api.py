@@ -175,7 +175,8 @@ class ApiEndpoint:
     ) -> None:
         """Answer `queued` now; the request runs in a task with its own trace (iop/responses/background.py)."""
         edge, model = self.edge, head.model
-        if model not in edge.catalog.pools and model not in edge.catalog.routes:
+        allowed = edge.tenants.get(out.trace.tenant).policy.allows(model)  # refused now, not after `queued`
+        if not allowed or (model not in edge.catalog.pools and model not in edge.catalog.routes):
             raise NotFound(f"model '{model}' does not exist; GET /v1/models lists the models", param="model")
         queued = await background.queue(edge.responses, owner, turn, turn.request, model)
         trace = Trace(new_request_id(), self.api)
