@@ -167,6 +167,16 @@ async def test_a_background_response_for_a_model_outside_the_tenants_list_is_ref
 
 
 @MODULE_LOOP
+async def test_count_tokens_for_a_model_outside_the_tenants_list_is_not_found(edge: EdgeHandle) -> None:
+    body = {"model": "other", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    async with edge.http() as http:
+        refused = await http.post("/v1/messages/count_tokens", json=body, headers={"authorization": "Bearer ka"})
+        assert refused.status_code == 404 and refused.json()["error"]["type"] == "not_found_error", refused.text
+        counted = await http.post("/v1/messages/count_tokens", json=body, headers={"authorization": "Bearer kc"})
+        assert counted.status_code == 200 and counted.json()["input_tokens"] > 0, counted.text
+
+
+@MODULE_LOOP
 async def test_refresh_applies_a_changed_tenant_policy_live(edge: EdgeHandle) -> None:
     wider = TENANTS.replace('models: ["chat-*"]', 'models: ["chat-*", other]')
     result = await edge.edge.refresh_to(deployment(wider + BASE))

@@ -10,6 +10,8 @@ measured; no slot, no queue, no ledger record. Refusals are Anthropic's error bo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 from starlette.types import Message, Receive, Scope, Send
 
@@ -35,7 +37,7 @@ class CountTokensEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            self.edge.authorize(scope)
+            tenant = self.edge.tenants.of_key(self.edge.authorize(scope))
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{scope['method']} {scope['path']}: use POST", headers={"Allow": "POST"})
             check_content_type(scope)
@@ -44,14 +46,14 @@ class CountTokensEndpoint:
             if model is not None and endpoints.counts_tokens(self.edge.catalog, model):
                 await self.upstream(scope, _replay(body, receive), send)
                 return
-            count = self.count(body)
+            count = self.count(body, tenant.policy.allows)
         except RequestError as exc:
             await send_error(send, error_response(exc, scope.get("iop.request_id") or new_request_id()))
             return
         await send({"type": "http.response.start", "status": 200, "headers": _JSON})
         await send({"type": "http.response.body", "body": _encode({"input_tokens": count})})
 
-    def count(self, body: bytes) -> int:
+    def count(self, body: bytes, allows: Callable[[str], bool]) -> int:
         try:
             head = heads.count_tokens_head(body)
             request = _decode(body)
@@ -62,7 +64,8 @@ class CountTokensEndpoint:
         except RecursionError:
             raise BadRequest("request body is nested too deeply", code="invalid_json") from None
         catalog = self.edge.catalog
-        if head.model not in catalog.pools and head.model not in catalog.routes:
+        # A model outside the tenant's list does not exist for its key (as on /v1/messages).
+        if not allows(head.model) or (head.model not in catalog.pools and head.model not in catalog.routes):
             raise NotFound(f"model '{head.model}' does not exist; GET /v1/models lists the models", param="model")
         endpoints.check(catalog, head.model, "messages")
         # The translation wants max_tokens; the count does not depend on it.
