@@ -257,6 +257,9 @@ async def test_a_refusal_says_when_to_retry_and_that_time_admits(edges: Edges) -
     assert on_time.status_code == 200, on_time.text
     metrics = await edges.clients[1].get("/metrics", headers=auth("free"))  # the edge that refused
     assert 'iop_limit_refusals_total{limit="rpm",tenant="retry"}' in metrics.text
+    status = (await edges.clients[1].get("/status", headers=auth("free"))).json()
+    retry = next(t for t in status["tenants"] if t["tenant"] == "retry")
+    assert retry["rpm"] == 2 and retry["seen"]  # its window has passed by now: the counts may be 0
     unlimited = await http.post("/v1/chat/completions", json=chat(), headers=auth("free"))
     assert unlimited.status_code == 200 and "x-ratelimit-limit-requests" not in unlimited.headers
 

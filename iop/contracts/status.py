@@ -183,6 +183,23 @@ class RouteStatus(msgspec.Struct, kw_only=True):
     """What the CLI resource answers."""
 
 
+class TenantLimits(msgspec.Struct, kw_only=True):
+    """A limited tenant's limits and its use as this edge last read it from the shared bucket."""
+
+    tenant: str
+    rpm: int | None = None
+    tpm: int | None = None
+    tokens_per_day: int | None = None
+    tokens_per_month: int | None = None
+    requests_in_window: int = 0
+    """Admissions the last 60 s (and the current second) hold."""
+    tokens_in_window: int = 0
+    tokens_today: int = 0
+    tokens_this_month: int = 0
+    seen: bool = False
+    """This edge has read or written the tenant's use (else the counts are not known here)."""
+
+
 class Status(msgspec.Struct, kw_only=True):
     """The whole document: every node once, every provider once under its node, then pools and routes."""
 
@@ -190,6 +207,8 @@ class Status(msgspec.Struct, kw_only=True):
     nodes: list[NodeStatus]
     pools: list[PoolStatus]
     routes: list[RouteStatus]
+    tenants: list[TenantLimits] = msgspec.field(default_factory=list)
+    """The tenants with rpm, tpm or a budget in the deployment file (iop/edge/limits.py)."""
 
     def pool(self, alias: str) -> PoolStatus | None:
         return next((p for p in self.pools if p.alias == alias), None)

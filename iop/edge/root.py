@@ -157,6 +157,7 @@ class Edge:
             work_stream=self.work_stream,
             refresher=self.refresher,
             qualifications=self.qualify.summaries,
+            limits=self.limits,
         )
         self.status_feed = StatusFeed(self.status_sources)
         """`/status/events`: the live status the `/ui` page reads."""

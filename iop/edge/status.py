@@ -20,13 +20,16 @@ from iop.contracts.status import (
     QualificationSummary,
     RouteStatus,
     Status,
+    TenantLimits,
     TenantLoad,
 )
 from iop.edge.current import CurrentDeployment
+from iop.edge.limits import Limiter
 from iop.edge.refresh import Refresher
 from iop.edge.registry import Registry
 from iop.edge.scheduler import Scheduler
 from iop.edge.storage import WorkStream
+from iop.edge.window import day_of, month_of
 from iop.percentile import nearest_rank
 
 
@@ -45,6 +48,7 @@ class StatusSources:
     refresher: Refresher
     qualifications: Mapping[str, QualificationSummary]
     """The qualification desk's latest summary per provider (kept up to date in place)."""
+    limits: Limiter | None = None
 
     @property
     def deployment(self) -> config.Deployment:
@@ -198,7 +202,31 @@ def status_of(src: StatusSources) -> Status:
         nodes=nodes,
         pools=pools,
         routes=routes,
+        tenants=tenant_limits(src, now),
     )
+
+
+def tenant_limits(src: StatusSources, now: float) -> list[TenantLimits]:
+    """The limited tenants the file lists, with their use as this edge last saw it."""
+    seen = src.limits.state() if src.limits is not None else {}
+    window = src.limits.window if src.limits is not None else None
+    out = []
+    for name, p in sorted(src.current.tenants.policies.items()):
+        if not p.limited:
+            continue
+        row = TenantLimits(
+            tenant=name, rpm=p.rpm, tpm=p.tpm, tokens_per_day=p.tokens_per_day, tokens_per_month=p.tokens_per_month
+        )
+        use = seen.get(name)
+        if use is not None and window is not None:
+            live = window.live(use.window, window.slot(now))
+            row.requests_in_window = sum(s.requests for s in live)
+            row.tokens_in_window = sum(s.tokens for s in live)
+            row.tokens_today = use.day_tokens if use.day == day_of(now) else 0
+            row.tokens_this_month = use.month_tokens if use.month == month_of(now) else 0
+            row.seen = True
+        out.append(row)
+    return out
 
 
 def edge_info(src: StatusSources, now: float) -> EdgeInfo:
