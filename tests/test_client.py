@@ -138,7 +138,8 @@ async def test_status_keeps_its_field_names_and_decodes_into_the_schema(
 ) -> None:
     async with deployment_running(deployment(MIXED), nats_server.url) as h, h.http() as http:
         raw = (await http.get("/status")).json()
-        assert set(raw) == {"edge", "nodes", "pools", "routes"}
+        assert set(raw) == {"edge", "nodes", "pools", "routes", "tenants"}
+        assert raw["tenants"] == []  # no tenant in this deployment has rpm, tpm or a budget
         assert set(raw["edge"]) == {"id", "version", "uptime_s", "nats", "nats_connected", "drift", "storage_error"}
         (node,) = raw["nodes"]
         assert set(node) == NODE_FIELDS | {"providers"}
