@@ -218,6 +218,25 @@ def test_http_a_405_names_the_allowed_methods_and_its_access_line_what_was_asked
     edge_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="iop.access")
+    asked_logged = threading.Event()  # the edge writes its access line after the answer has gone out
+
+    class _Asked(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("asked-1 "):
+                asked_logged.set()
+
+    watcher = _Asked()
+    logging.getLogger("iop.access").addHandler(watcher)
+    try:
+        _ask_405s(edge_url)
+        assert asked_logged.wait(10), "no access line for the request asked-1"
+    finally:
+        logging.getLogger("iop.access").removeHandler(watcher)
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "iop.access"]
+    assert any(line.startswith("asked-1 GET /v1/chat/completions - -/- 405 ") for line in lines), lines
+
+
+def _ask_405s(edge_url: str) -> None:
     with httpx.Client(base_url=edge_url) as http:
         for method, path, allowed in (
             ("GET", "/v1/chat/completions", {"POST"}),
@@ -229,8 +248,7 @@ def test_http_a_405_names_the_allowed_methods_and_its_access_line_what_was_asked
             _error(r, 405, "method_not_allowed")
             assert {m.strip() for m in r.headers["allow"].split(",")} == allowed, (method, path, r.headers)
         r = http.get("/v1/chat/completions", headers={"x-request-id": "asked-1"})
-    lines = [rec.getMessage() for rec in caplog.records if rec.name == "iop.access"]
-    assert any(line.startswith("asked-1 GET /v1/chat/completions - -/- 405 ") for line in lines), lines
+        _error(r, 405, "method_not_allowed")
 
 
 def _nested(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
