@@ -13,74 +13,74 @@ from iop.edge.ledger import RequestRecord
 from iop.edge.usage_query import follow
 from iop.nats.server import EmbeddedNats
 from tests.harness import deployment, deployment_running, until
-from tests.test_scheduler import granted, scheduler, soon, waiting
+from tests.test_scheduler import free, granted, scheduler, soon, waiting
 
 # --- the scheduler: prefer when free, wait no longer than asked, FIFO kept --------------------------
 
 
 async def test_affinity_takes_the_preferred_provider_when_it_has_a_free_slot() -> None:
     s = scheduler({"a": 4, "b": 4}, {"m": ["a", "b"]})
-    first = await s.acquire("m", soon(), prefer="a")
+    first = await s.acquire_grant("m", soon(), prefer="a")
     # Without a preference b (4 free) beats a (3 free); the session's provider wins while it is free.
-    picks = [(await s.acquire("m", soon(), prefer="a")).id for _ in range(3)]
-    assert (first.id, picks) == ("a", ["a", "a", "a"])
-    assert (await s.acquire("m", soon())).id == "b"
+    picks = [(await s.acquire_grant("m", soon(), prefer="a")).slot.id for _ in range(3)]
+    assert (first.slot.id, picks) == ("a", ["a", "a", "a"])
+    assert (await s.acquire_grant("m", soon())).slot.id == "b"
 
 
 async def test_affinity_without_a_wait_goes_elsewhere_at_once_when_the_preferred_is_busy() -> None:
     s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
-    held = await s.acquire("m", soon(), prefer="a")
-    assert held.id == "a"
-    other = await s.acquire("m", soon(), prefer="a")  # affinity_wait_ms 0: never waits for a
-    assert (other.id, s.waiting("m")) == ("b", 0)
+    held = await s.acquire_grant("m", soon(), prefer="a")
+    assert held.slot.id == "a"
+    other = await s.acquire_grant("m", soon(), prefer="a")  # affinity_wait_ms 0: never waits for a
+    assert (other.slot.id, s.waiting("m")) == ("b", 0)
 
 
 async def test_affinity_waits_for_the_preferred_provider_within_its_wait() -> None:
     s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
-    held = await s.acquire("m", soon(), prefer="a")
-    task = asyncio.create_task(s.acquire("m", soon(), prefer="a", prefer_wait_s=30.0))
+    held = await s.acquire_grant("m", soon(), prefer="a")
+    task = asyncio.create_task(s.acquire_grant("m", soon(), prefer="a", prefer_wait_s=30.0))
     await waiting(s, "m", 1)
     assert s.providers["b"].in_flight == 0  # b is free, yet the request holds out for a
-    s.release(held)
-    assert (await granted(task)).id == "a"
+    free(s, held)
+    assert (await granted(task)).slot.id == "a"
 
 
 async def test_affinity_never_waits_longer_than_its_wait() -> None:
     s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
-    await s.acquire("m", soon(), prefer="a")
+    await s.acquire_grant("m", soon(), prefer="a")
     loop = asyncio.get_running_loop()
     began = loop.time()
-    task = asyncio.create_task(s.acquire("m", soon(), prefer="a", prefer_wait_s=0.05))
+    task = asyncio.create_task(s.acquire_grant("m", soon(), prefer="a", prefer_wait_s=0.05))
     await waiting(s, "m", 1)
     # a never frees: once the wait is over, the free provider takes it (well before the deadline).
-    assert (await granted(task)).id == "b"
+    assert (await granted(task)).slot.id == "b"
     assert loop.time() - began < 4.0
 
 
 async def test_affinity_a_waiter_holding_out_does_not_block_the_requests_behind_it() -> None:
     s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
-    held = await s.acquire("m", soon(), prefer="a")
-    holder = asyncio.create_task(s.acquire("m", soon(), prefer="a", prefer_wait_s=30.0))
+    held = await s.acquire_grant("m", soon(), prefer="a")
+    holder = asyncio.create_task(s.acquire_grant("m", soon(), prefer="a", prefer_wait_s=30.0))
     await waiting(s, "m", 1)
-    behind = await asyncio.wait_for(s.acquire("m", soon()), 5)  # b is free: taken now, not after the hold
-    assert behind.id == "b"
-    s.release(held)
-    assert (await granted(holder)).id == "a"
+    behind = await asyncio.wait_for(s.acquire_grant("m", soon()), 5)  # b is free: taken now, not after the hold
+    assert behind.slot.id == "b"
+    free(s, held)
+    assert (await granted(holder)).slot.id == "a"
 
 
 async def test_affinity_keeps_fifo_a_preference_never_jumps_the_queue() -> None:
     s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
-    held_a = await s.acquire("m", soon())
-    held_b = await s.acquire("m", soon())
-    older = asyncio.create_task(s.acquire("m", soon()))
+    held_a = await s.acquire_grant("m", soon())
+    held_b = await s.acquire_grant("m", soon())
+    older = asyncio.create_task(s.acquire_grant("m", soon()))
     await waiting(s, "m", 1)
-    younger = asyncio.create_task(s.acquire("m", soon(), prefer=held_a.id))
+    younger = asyncio.create_task(s.acquire_grant("m", soon(), prefer=held_a.slot.id))
     await waiting(s, "m", 2)
-    s.release(held_a)  # the younger request's preferred provider frees: the older request takes it
-    assert (await granted(older)).id == held_a.id
+    free(s, held_a)  # the younger request's preferred provider frees: the older request takes it
+    assert (await granted(older)).slot.id == held_a.slot.id
     assert not younger.done()
-    s.release(held_b)
-    assert (await granted(younger)).id == held_b.id
+    free(s, held_b)
+    assert (await granted(younger)).slot.id == held_b.slot.id
 
 
 def test_affinity_sessions_are_a_bounded_lru_and_count_hits_per_pool() -> None:

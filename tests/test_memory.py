@@ -24,8 +24,8 @@ async def test_a_drained_burst_of_waiting_requests_is_trimmed_once() -> None:
     trim.start()
     try:
         loop = asyncio.get_running_loop()
-        held = await s.acquire("m", loop.time() + 30)
-        waiters = [asyncio.create_task(s.acquire("m", loop.time() + 30)) for _ in range(300)]
+        held = await s.acquire_grant("m", loop.time() + 30)
+        waiters = [asyncio.create_task(s.acquire_grant("m", loop.time() + 30)) for _ in range(300)]
         async with asyncio.timeout(5):
             while s.waiting("m") < 300:
                 s.changed.clear()
@@ -37,7 +37,7 @@ async def test_a_drained_burst_of_waiting_requests_is_trimmed_once() -> None:
         assert s.waiting("m") == 0
         await asyncio.wait_for(trim.trimmed.wait(), 5)
         assert trim.trims == 1
-        s.release(held)
+        s.release(held.slot, held)
     finally:
         trim.stop()
 

@@ -388,8 +388,9 @@ async def test_pinned_slots_ignore_drain_and_breaker_and_are_never_a_breaker_tri
     deadline = loop.time() + 5
     s.set_drained("q", True)
     # Users get the other provider, then wait: the drained one takes no pool work.
-    assert (await s.acquire("m", deadline)).id == "o"
-    user = asyncio.create_task(s.acquire("m", deadline))
+    held = await s.acquire_grant("m", deadline)
+    assert held.slot.id == "o"
+    user = asyncio.create_task(s.acquire_grant("m", deadline))
     await until(lambda: s.waiting("m") == 1, s.changed)
     # A pinned request takes q's slot although q is drained, and its breaker is open.
     q = s.providers["q"]
@@ -405,5 +406,5 @@ async def test_pinned_slots_ignore_drain_and_breaker_and_are_never_a_breaker_tri
     assert await second is q and not user.done()
     s.release(q)
     s.set_drained("q", False)
-    s.release(s.providers["o"])
-    assert (await user).id == "o"
+    s.release(held.slot, held)
+    assert (await user).slot.id == "o"

@@ -36,7 +36,7 @@ async def in_time(s: Scheduler, ask: Ask) -> str:
     loop = asyncio.get_running_loop()
     deadline = s.router.bound("m", s.pools["m"].in_rotation(), ask, soon(), loop.time())
     try:
-        return (await s.acquire("m", deadline, ask=ask)).id
+        return (await s.acquire_grant("m", deadline, ask=ask)).slot.id
     except Unavailable as exc:
         if exc.code == "queue_timeout" and ask.late is not None and monotonic() >= ask.late - 0.01:
             return "late"
@@ -56,8 +56,8 @@ async def test_routing_prefers_the_provider_expected_to_finish_first() -> None:
     teach(s, "fast", 50, 200)
     teach(s, "slow", 400, 20)
     ask = Ask(input_tokens=10)
-    slot = await s.acquire("m", soon(), ask=ask)
-    assert slot.id == "fast"
+    grant = await s.acquire_grant("m", soon(), ask=ask)
+    assert grant.slot.id == "fast"
     assert ask.reason.startswith("expected_finish ") and " vs " in ask.reason
 
 
@@ -66,7 +66,7 @@ async def test_routing_free_slots_opt_out_ranks_by_free_slots() -> None:
     teach(s, "fast", 50, 200)
     teach(s, "slow", 400, 20)
     ask = Ask(input_tokens=10)
-    assert (await s.acquire("m", soon(), ask=ask)).id == "slow"
+    assert (await s.acquire_grant("m", soon(), ask=ask)).slot.id == "slow"
     assert ask.reason == "free_slots"
 
 
@@ -75,8 +75,8 @@ async def test_routing_overflows_to_the_slower_provider_once_the_faster_is_full(
     teach(s, "fast", 50, 200)
     teach(s, "slow", 400, 20)
     first, second = Ask(), Ask()
-    assert (await s.acquire("m", soon(), ask=first)).id == "fast"
-    assert (await s.acquire("m", soon(), ask=second)).id == "slow"  # never waits while a slot is free
+    assert (await s.acquire_grant("m", soon(), ask=first)).slot.id == "fast"
+    assert (await s.acquire_grant("m", soon(), ask=second)).slot.id == "slow"  # never waits while a slot is free
     assert second.reason == "only_free"
 
 
@@ -84,7 +84,7 @@ async def test_routing_tries_an_unmeasured_provider_first() -> None:
     s = scheduler({"known": 4, "new": 4})
     teach(s, "known", 50, 200)
     ask = Ask()
-    assert (await s.acquire("m", soon(), ask=ask)).id == "new"
+    assert (await s.acquire_grant("m", soon(), ask=ask)).slot.id == "new"
     assert ask.reason == "unmeasured"
 
 
@@ -92,7 +92,7 @@ async def test_routing_similar_providers_share_the_load_by_free_slots() -> None:
     s = scheduler({"a": 4, "b": 4})
     teach(s, "a", 50, 200)
     teach(s, "b", 52, 195)
-    got = [(await s.acquire("m", soon(), ask=Ask())).id for _ in range(4)]
+    got = [(await s.acquire_grant("m", soon(), ask=Ask())).slot.id for _ in range(4)]
     assert sorted(got) == ["a", "a", "b", "b"]
 
 
@@ -101,9 +101,9 @@ async def test_routing_reads_the_qualification_curve_at_the_concurrency_it_would
     s = scheduler({"gpu": 4, "mac": 4})
     s.router.of("gpu").curve = Curve(((1, 0.2, 60.0), (4, 0.25, 55.0)))
     s.router.of("mac").curve = Curve(((1, 0.1, 80.0), (2, 0.2, 30.0), (4, 0.4, 10.0)))
-    first = await s.acquire("m", soon(), ask=Ask())
-    second = await s.acquire("m", soon(), ask=Ask())
-    assert (first.id, second.id) == ("mac", "gpu")  # idle the Mac is quicker; with one running it is not
+    first = await s.acquire_grant("m", soon(), ask=Ask())
+    second = await s.acquire_grant("m", soon(), ask=Ask())
+    assert (first.slot.id, second.slot.id) == ("mac", "gpu")  # idle the Mac is quicker; with one running it is not
 
 
 async def test_routing_prefers_an_affinity_provider_whenever_it_is_free() -> None:
@@ -111,7 +111,7 @@ async def test_routing_prefers_an_affinity_provider_whenever_it_is_free() -> Non
     teach(s, "fast", 50, 200)
     teach(s, "slow", 400, 20)
     ask = Ask()
-    assert (await s.acquire("m", soon(), prefer="slow", ask=ask)).id == "slow"
+    assert (await s.acquire_grant("m", soon(), prefer="slow", ask=ask)).slot.id == "slow"
     assert ask.reason == "affinity"
 
 
@@ -138,7 +138,7 @@ async def test_deadline_skips_a_free_provider_too_slow_for_it_while_a_quick_one_
             s.changed.clear()
             await s.changed.wait()
     # ... while a request without a deadline behind it takes the slow one at once.
-    assert (await asyncio.wait_for(s.acquire("m", soon(), ask=Ask()), 5)).id == "slow"
+    assert (await asyncio.wait_for(s.acquire_grant("m", soon(), ask=Ask()), 5)).slot.id == "slow"
     s.release(s.providers["fast"])
     assert await asyncio.wait_for(waiter, 5) == "fast"
 
@@ -146,7 +146,7 @@ async def test_deadline_skips_a_free_provider_too_slow_for_it_while_a_quick_one_
 async def test_deadline_waiting_past_it_leaves_the_queue_with_the_deadline_error() -> None:
     s = scheduler({"fast": 1})
     teach(s, "fast", 50, 200)
-    await s.acquire("m", soon(), ask=Ask())
+    await s.acquire_grant("m", soon(), ask=Ask())
     t0 = monotonic()
     assert await in_time(s, Ask(max_tokens=100, finish_by=monotonic() + 0.8)) == "late"
     assert monotonic() - t0 < 0.8  # it left once a free slot could no longer answer in time
@@ -159,6 +159,6 @@ async def test_routing_counts_a_stopped_servers_cold_start_against_it() -> None:
     teach(s, "slow", 400, 20)  # about 13 s for 256 tokens: still quicker than a 30 s start
     stopped = wire.ServerLive(state="stopped", last_cold_start_ms=30_000)
     s.router.server_of = lambda pid: stopped if pid == "fast" else None
-    assert (await s.acquire("m", soon(), ask=Ask())).id == "slow"
+    assert (await s.acquire_grant("m", soon(), ask=Ask())).slot.id == "slow"
     s.router.server_of = lambda pid: wire.ServerLive(state="ready") if pid == "fast" else None
-    assert (await s.acquire("m", soon(), ask=Ask())).id == "fast"
+    assert (await s.acquire_grant("m", soon(), ask=Ask())).slot.id == "fast"

@@ -20,6 +20,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from iop import errors, wire
+from iop.edge import admission as admission_module
 from iop.edge import scheduler as scheduler_module
 from iop.edge import slots as slots_module
 from iop.edge.channel import Channel
@@ -27,7 +28,7 @@ from iop.edge.dispatch import DirectDispatch, PoolDispatch
 from iop.edge.observe import Trace
 from iop.edge.relay import Relay
 from iop.edge.scheduler import Scheduler
-from iop.edge.slots import ProviderSlots
+from iop.edge.slots import Grant, ProviderSlots
 from iop.edge.tenants import Tenant, TenantPolicy
 from iop.errors import (
     BadRequest,
@@ -59,8 +60,13 @@ def soon() -> float:
     return asyncio.get_running_loop().time() + 5.0
 
 
-async def granted(future: asyncio.Future[ProviderSlots] | asyncio.Task[ProviderSlots]) -> ProviderSlots:
+async def granted(future: asyncio.Future[Grant] | asyncio.Task[Grant]) -> Grant:
     return await asyncio.wait_for(future, 5.0)
+
+
+def free(s: Scheduler, grant: Grant) -> None:
+    """The request holding `grant` ended: its slot and its tenant's share are given back."""
+    s.release(grant.slot, grant)
 
 
 async def waiting(s: Scheduler, alias: str, n: int) -> None:
@@ -76,41 +82,41 @@ async def waiting(s: Scheduler, alias: str, n: int) -> None:
 
 async def test_scheduler_grants_a_free_slot_at_once_without_queueing() -> None:
     s = scheduler({"p": 2}, {"m": ["p"]})
-    a = await s.acquire("m", soon())
-    b = await s.acquire("m", soon())
-    assert (a.id, b.id, s.providers["p"].in_flight, s.waiting("m")) == ("p", "p", 2, 0)
+    a = await s.acquire_grant("m", soon())
+    b = await s.acquire_grant("m", soon())
+    assert (a.slot.id, b.slot.id, s.providers["p"].in_flight, s.waiting("m")) == ("p", "p", 2, 0)
 
 
 async def test_scheduler_binds_to_the_provider_with_most_free_slots() -> None:
     s = scheduler({"small": 2, "big": 4}, {"m": ["small", "big"]})
-    picks = [(await s.acquire("m", soon())).id for _ in range(3)]
+    picks = [(await s.acquire_grant("m", soon())).slot.id for _ in range(3)]
     # big has 4 free, then 3 (> 2), then 2 == 2: the tie rotates, and neither is ever over capacity.
     assert picks[:2] == ["big", "big"]
     assert s.providers["big"].in_flight + s.providers["small"].in_flight == 3
     for _ in range(3):
-        await s.acquire("m", soon())
+        await s.acquire_grant("m", soon())
     assert (s.providers["big"].in_flight, s.providers["small"].in_flight) == (4, 2)
 
 
 async def test_scheduler_binds_a_waiter_late_to_whichever_provider_frees_first() -> None:
     s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
-    held = [await s.acquire("m", soon()), await s.acquire("m", soon())]
-    waiter = asyncio.create_task(s.acquire("m", soon()))
+    held = [await s.acquire_grant("m", soon()), await s.acquire_grant("m", soon())]
+    waiter = asyncio.create_task(s.acquire_grant("m", soon()))
     await waiting(s, "m", 1)
-    held_b = next(slot for slot in held if slot.id == "b")
-    s.release(held_b)
-    assert (await granted(waiter)).id == "b"
+    held_b = next(g for g in held if g.slot.id == "b")
+    free(s, held_b)
+    assert (await granted(waiter)).slot.id == "b"
     assert s.waiting("m") == 0
 
 
 async def test_scheduler_is_fifo_across_pools_sharing_a_provider() -> None:
     s = scheduler({"shared": 1}, {"alpha": ["shared"], "beta": ["shared"]})
-    shared = await s.acquire("alpha", soon())
+    shared = await s.acquire_grant("alpha", soon())
     order: list[str] = []
     served = asyncio.Event()
 
     async def ask(name: str, alias: str) -> None:
-        await s.acquire(alias, soon())
+        await s.acquire_grant(alias, soon())
         order.append(name)
         served.set()
 
@@ -121,7 +127,7 @@ async def test_scheduler_is_fifo_across_pools_sharing_a_provider() -> None:
         await waiting(s, alias, queued)
     for _ in asking:
         served.clear()
-        s.release(shared)  # one slot frees: the oldest waiter of either pool takes it
+        free(s, shared)  # one slot frees: the oldest waiter of either pool takes it
         await asyncio.wait_for(served.wait(), 5)
     assert order == ["a1", "b1", "a2", "b2"]
     await asyncio.gather(*tasks)
@@ -132,13 +138,13 @@ async def test_scheduler_waiters_cancelled_together_with_a_release_leave_cleanly
     # then the running request ends and its release clears the cancelled waiters off the queue's
     # head before their own handlers run. Before: each handler raised ValueError (not in deque).
     s = scheduler({"p": 1}, {"m": ["p"]})
-    held = await s.acquire("m", soon())
-    waiters = [asyncio.create_task(s.acquire("m", soon(), size=10)) for _ in range(3)]
+    held = await s.acquire_grant("m", soon())
+    waiters = [asyncio.create_task(s.acquire_grant("m", soon(), size=10)) for _ in range(3)]
     await waiting(s, "m", 3)
     for w in waiters:
         w.cancel()
     s.changed.clear()
-    s.release(held)
+    free(s, held)
     assert s.changed.is_set() and s.waiting("m") == 0  # observers hear that nobody waits any more
     results = await asyncio.gather(*waiters, return_exceptions=True)
     assert all(isinstance(r, asyncio.CancelledError) for r in results), results
@@ -147,11 +153,11 @@ async def test_scheduler_waiters_cancelled_together_with_a_release_leave_cleanly
 
 async def test_scheduler_refuses_past_max_waiting_with_retry_after() -> None:
     s = scheduler({"p": 1}, {"m": ["p"]}, max_waiting=1)
-    await s.acquire("m", soon())
-    queued = asyncio.create_task(s.acquire("m", soon()))
+    await s.acquire_grant("m", soon())
+    queued = asyncio.create_task(s.acquire_grant("m", soon()))
     await waiting(s, "m", 1)
     with pytest.raises(QueueFull) as refused:
-        await s.acquire("m", soon())
+        await s.acquire_grant("m", soon())
     assert refused.value.headers == {"Retry-After": "1"}
     queued.cancel()
     await asyncio.gather(queued, return_exceptions=True)
@@ -160,32 +166,32 @@ async def test_scheduler_refuses_past_max_waiting_with_retry_after() -> None:
 
 async def test_scheduler_gives_up_at_the_deadline_and_leaves_the_queue() -> None:
     s = scheduler({"p": 1}, {"m": ["p"]})
-    slot = await s.acquire("m", soon())
+    grant = await s.acquire_grant("m", soon())
     with pytest.raises(Unavailable) as late:
-        await s.acquire("m", asyncio.get_running_loop().time() + 0.05)
+        await s.acquire_grant("m", asyncio.get_running_loop().time() + 0.05)
     assert late.value.code == "queue_timeout" and s.waiting("m") == 0
-    s.release(slot)
+    free(s, grant)
     assert s.providers["p"].in_flight == 0
 
 
 async def test_scheduler_bounds_the_bytes_waiting_requests_hold() -> None:
     s = scheduler({"p": 1}, {"m": ["p"], "n": ["p"]})
     s.max_waiting_bytes = 1000
-    held = await s.acquire("m", soon(), size=5000)  # a request granted at once holds nothing here
-    first = asyncio.create_task(s.acquire("m", soon(), size=600))
+    held = await s.acquire_grant("m", soon(), size=5000)  # a request granted at once holds nothing here
+    first = asyncio.create_task(s.acquire_grant("m", soon(), size=600))
     await waiting(s, "m", 1)
     assert s.waiting_bytes == 600
     with pytest.raises(QueueFull) as refused:
-        await s.acquire("n", soon(), size=600)  # the bound is the edge's, over every pool
+        await s.acquire_grant("n", soon(), size=600)  # the bound is the edge's, over every pool
     assert refused.value.headers == {"Retry-After": "1"} and "max_waiting_mb" in refused.value.message
-    small = asyncio.create_task(s.acquire("n", soon(), size=400))
+    small = asyncio.create_task(s.acquire_grant("n", soon(), size=400))
     await waiting(s, "n", 1)
     assert s.waiting_bytes == 1000
     small.cancel()  # a waiter that leaves gives its bytes back
     await asyncio.gather(small, return_exceptions=True)
     assert s.waiting_bytes == 600
-    s.release(held)
-    s.release(await granted(first))  # and so does one that is granted
+    free(s, held)
+    free(s, await granted(first))  # and so does one that is granted
     assert s.waiting_bytes == 0
 
 
@@ -193,46 +199,47 @@ async def test_scheduler_waits_for_a_provider_to_connect() -> None:
     s = Scheduler(100)  # as at the edge's start: the node has not connected yet
     s.add_provider("p", "node-p", 1)
     s.add_pool("m", ["p"])
-    waiter = asyncio.create_task(s.acquire("m", soon()))
+    waiter = asyncio.create_task(s.acquire_grant("m", soon()))
     await asyncio.sleep(0)  # let it find nobody connected
     assert not waiter.done()
     s.set_connected("p", True)
-    assert (await granted(waiter)).id == "p"
+    assert (await granted(waiter)).slot.id == "p"
 
 
 async def test_scheduler_never_hands_out_an_excluded_provider() -> None:
     s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
-    assert (await s.acquire("m", soon(), frozenset({"b"}))).id == "a"
-    held_b = await s.acquire("m", soon())
-    waiter = asyncio.create_task(s.acquire("m", soon(), frozenset({"b"})))
+    held_a = await s.acquire_grant("m", soon(), frozenset({"b"}))
+    assert held_a.slot.id == "a"
+    held_b = await s.acquire_grant("m", soon())
+    waiter = asyncio.create_task(s.acquire_grant("m", soon(), frozenset({"b"})))
     await waiting(s, "m", 1)
-    s.release(held_b)  # b frees, but the waiter excludes it
+    free(s, held_b)  # b frees, but the waiter excludes it
     assert s.waiting("m") == 1 and s.providers["b"].in_flight == 0
-    s.release(s.providers["a"])
-    assert (await granted(waiter)).id == "a"
+    free(s, held_a)
+    assert (await granted(waiter)).slot.id == "a"
 
 
 async def test_scheduler_breaker_opens_half_opens_and_closes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scheduler_module, "BREAKER_COOLDOWN_S", 0.2)
     s = scheduler({"p": 4, "busy": 1}, {"m": ["p", "busy"]})
     p = s.providers["p"]
-    await s.acquire("m", soon(), frozenset({"p"}))  # the other provider is busy throughout
+    await s.acquire_grant("m", soon(), frozenset({"p"}))  # the other provider is busy throughout
     for _ in range(scheduler_module.BREAKER_FAILURES):
-        s.release(await s.acquire("m", soon(), frozenset({"busy"})))
+        free(s, await s.acquire_grant("m", soon(), frozenset({"busy"})))
         s.failed(p)
     assert p.breaker(time.monotonic()) == "open" and not p.usable(time.monotonic())
 
     # Open: requests wait although p has free slots; when the cooldown ends one trial goes out.
-    trial = asyncio.create_task(s.acquire("m", soon()))
-    second = asyncio.create_task(s.acquire("m", soon()))
+    trial = asyncio.create_task(s.acquire_grant("m", soon()))
+    second = asyncio.create_task(s.acquire_grant("m", soon()))
     await waiting(s, "m", 2)
-    assert (await granted(trial)) is p
+    assert (await granted(trial)).slot is p
     assert p.trial and p.breaker(time.monotonic()) == "half_open"
     assert s.waiting("m") == 1 and p.in_flight == 1  # half-open: one request at a time
 
     # The trial succeeds: closed, and the next waiter gets its slot at once.
     s.succeeded(p)
-    assert (await granted(second)) is p
+    assert (await granted(second)).slot is p
     assert (p.breaker(time.monotonic()), p.failures, p.trips, p.trial) == ("closed", 0, 0, False)
 
 
@@ -240,15 +247,15 @@ async def test_scheduler_breaker_failed_trial_reopens_for_twice_as_long(monkeypa
     monkeypatch.setattr(scheduler_module, "BREAKER_COOLDOWN_S", 0.05)
     s = scheduler({"p": 1, "busy": 1}, {"m": ["p", "busy"]})
     p = s.providers["p"]
-    await s.acquire("m", soon(), frozenset({"p"}))  # busy throughout: requests wait for p
+    await s.acquire_grant("m", soon(), frozenset({"p"}))  # busy throughout: requests wait for p
     for _ in range(scheduler_module.BREAKER_FAILURES):
-        s.release(await s.acquire("m", soon(), frozenset({"busy"})))
+        free(s, await s.acquire_grant("m", soon(), frozenset({"busy"})))
         s.failed(p)
-    trial = await granted(asyncio.create_task(s.acquire("m", soon())))
+    trial = await granted(asyncio.create_task(s.acquire_grant("m", soon())))
     assert p.trial
-    s.release(trial)
+    free(s, trial)
     before = time.monotonic()
-    s.failed(trial)
+    s.failed(trial.slot)
     assert not p.trial and p.trips == 2
     assert p.open_until >= before + 0.1  # doubled: 0.1 s this time
 
@@ -261,20 +268,21 @@ async def test_scheduler_breaker_wakes_its_waiter_even_when_the_timer_fires_earl
     monkeypatch.setattr(scheduler_module, "BREAKER_COOLDOWN_S", 0.05)
     skew = [0.0]
     monkeypatch.setattr(scheduler_module, "monotonic", lambda: time.monotonic() + skew[0])
+    monkeypatch.setattr(admission_module, "monotonic", lambda: time.monotonic() + skew[0])
     monkeypatch.setattr(slots_module, "monotonic", lambda: time.monotonic() + skew[0])
     s = scheduler({"p": 1, "busy": 1}, {"m": ["p", "busy"]})
     p = s.providers["p"]
-    await s.acquire("m", soon(), frozenset({"p"}))  # busy throughout: the request waits for p
+    await s.acquire_grant("m", soon(), frozenset({"p"}))  # busy throughout: the request waits for p
     for _ in range(scheduler_module.BREAKER_FAILURES - 1):
-        s.release(await s.acquire("m", soon(), frozenset({"busy"})))
+        free(s, await s.acquire_grant("m", soon(), frozenset({"busy"})))
         s.failed(p)
-    s.release(await s.acquire("m", soon(), frozenset({"busy"})))
+    free(s, await s.acquire_grant("m", soon(), frozenset({"busy"})))
     skew[0] = 0.005
     s.failed(p)  # opens until 5 ms past the moment its timer is due
     skew[0] = 0.0
     loop = asyncio.get_running_loop()
     waited = loop.time()
-    assert (await s.acquire("m", loop.time() + 1.0)) is p  # before: 503 queue_timeout after 1 s
+    assert (await s.acquire_grant("m", loop.time() + 1.0)).slot is p  # before: 503 queue_timeout after 1 s
     print(f"\nearly breaker timer: trial granted {1000 * (loop.time() - waited):.1f} ms after the wait began")
 
 
@@ -282,23 +290,23 @@ async def open_breaker(s: Scheduler, provider: str) -> None:
     p = s.providers[provider]
     others = frozenset(s.providers) - {provider}
     for _ in range(scheduler_module.BREAKER_FAILURES):
-        s.release(await s.acquire("m", soon(), others))
+        free(s, await s.acquire_grant("m", soon(), others))
         s.failed(p)
 
 
 async def test_scheduler_pool_with_every_breaker_open_refuses_at_once_with_retry_after() -> None:
     s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
     await open_breaker(s, "a")
-    held = await s.acquire("m", soon())  # b, the last usable one, is busy: a request waits for it
-    waiter = asyncio.create_task(s.acquire("m", soon()))
+    held = await s.acquire_grant("m", soon())  # b, the last usable one, is busy: a request waits for it
+    waiter = asyncio.create_task(s.acquire_grant("m", soon()))
     await waiting(s, "m", 1)
-    s.release(held)
-    s.release(await granted(waiter))
+    free(s, held)
+    free(s, await granted(waiter))
     await open_breaker(s, "b")
     loop = asyncio.get_running_loop()
     asked = loop.time()
     with pytest.raises(Unavailable) as refused:
-        await s.acquire("m", asked + 30)  # before: waited the whole queue timeout
+        await s.acquire_grant("m", asked + 30)  # before: waited the whole queue timeout
     print(f"\nevery breaker open: 503 after {1000 * (loop.time() - asked):.2f} ms")
     assert refused.value.code == "pool_unavailable" and refused.value.status == 503
     # a opened first: its half-open try comes first, within the 5 s cooldown.
@@ -309,24 +317,24 @@ async def test_scheduler_pool_with_every_breaker_open_refuses_at_once_with_retry
 async def test_scheduler_waiters_are_told_when_the_last_usable_provider_opens_its_breaker() -> None:
     s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
     await open_breaker(s, "a")
-    held = await s.acquire("m", soon())
-    assert held.id == "b"
-    waiters = [asyncio.create_task(s.acquire("m", soon())) for _ in range(3)]
+    held = await s.acquire_grant("m", soon())
+    assert held.slot.id == "b"
+    waiters = [asyncio.create_task(s.acquire_grant("m", soon())) for _ in range(3)]
     await waiting(s, "m", 3)
     for _ in range(scheduler_module.BREAKER_FAILURES):
-        s.failed(held)  # b's breaker opens while it still runs one: its waiters cannot be served
+        s.failed(held.slot)  # b's breaker opens while it still runs one: its waiters cannot be served
     for w in waiters:
         with pytest.raises(Unavailable) as told:
             await asyncio.wait_for(w, 1)
         assert told.value.code == "pool_unavailable" and told.value.headers["Retry-After"] in {"4", "5"}
-    s.release(held)
+    free(s, held)
     assert s.waiting("m") == 0 and s.providers["b"].in_flight == 0
 
 
 async def test_scheduler_pool_whose_nodes_are_gone_refuses_at_once_and_tells_its_waiters() -> None:
     s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
-    held = [await s.acquire("m", soon()), await s.acquire("m", soon())]
-    waiter = asyncio.create_task(s.acquire("m", soon()))
+    held = [await s.acquire_grant("m", soon()), await s.acquire_grant("m", soon())]
+    waiter = asyncio.create_task(s.acquire_grant("m", soon()))
     await waiting(s, "m", 1)
     s.set_connected("a", False)
     assert not waiter.done() or waiter.exception() is None  # b may still free a slot
@@ -337,61 +345,61 @@ async def test_scheduler_pool_whose_nodes_are_gone_refuses_at_once_and_tells_its
     loop = asyncio.get_running_loop()
     asked = loop.time()
     with pytest.raises(Unavailable) as refused:
-        await s.acquire("m", asked + 30)  # before: the 2.5 s connect grace, then 503 no_provider
+        await s.acquire_grant("m", asked + 30)  # before: the 2.5 s connect grace, then 503 no_provider
     assert refused.value.code == "pool_unavailable" and loop.time() - asked < 0.1
     for slot in held:
-        s.release(slot)
+        free(s, slot)
     s.set_connected("a", True)
-    assert (await s.acquire("m", soon())).id == "a"
+    assert (await s.acquire_grant("m", soon())).slot.id == "a"
 
 
 async def test_scheduler_refresh_drains_a_removed_provider() -> None:
     s = scheduler({"old": 1, "keep": 1}, {"m": ["old", "keep"]})
-    running = await s.acquire("m", soon(), frozenset({"keep"}))
-    assert running.id == "old"
+    running = await s.acquire_grant("m", soon(), frozenset({"keep"}))
+    assert running.slot.id == "old"
     draining = s.apply({"keep": ("node-keep", 1), "new": ("node-new", 2)}, {"m": ["keep", "new"]})
     assert draining == ["old"]
-    assert running.removed and s.providers["old"] is running  # still counted while it runs
-    assert not running.usable(time.monotonic())
+    assert running.slot.removed and s.providers["old"] is running.slot  # still counted while it runs
+    assert not running.slot.usable(time.monotonic())
     s.set_connected("new", True)
-    assert (await s.acquire("m", soon())).id == "new"
+    assert (await s.acquire_grant("m", soon())).slot.id == "new"
     s.changed.clear()
-    s.release(running)
+    free(s, running)
     assert "old" not in s.providers and s.changed.is_set()
 
 
 async def test_scheduler_refresh_fails_the_waiters_of_a_removed_pool() -> None:
     s = scheduler({"p": 1}, {"m": ["p"], "gone": ["p"]})
-    held = await s.acquire("m", soon())
-    waiter = asyncio.create_task(s.acquire("gone", soon()))
+    held = await s.acquire_grant("m", soon())
+    waiter = asyncio.create_task(s.acquire_grant("gone", soon()))
     await waiting(s, "gone", 1)
     s.apply({"p": ("node-p", 1)}, {"m": ["p"]})
     with pytest.raises(Unavailable) as removed:
         await waiter
     assert removed.value.code == "model_removed"
-    s.release(held)
+    free(s, held)
     assert s.providers["p"].in_flight == 0
 
 
 async def test_scheduler_refresh_to_providers_not_yet_connected_lets_waiters_wait() -> None:
     s = scheduler({"old": 1}, {"m": ["old"]})
-    held = await s.acquire("m", soon())
-    waiter = asyncio.create_task(s.acquire("m", soon()))
+    held = await s.acquire_grant("m", soon())
+    waiter = asyncio.create_task(s.acquire_grant("m", soon()))
     await waiting(s, "m", 1)
     s.apply({"new": ("node-new", 1)}, {"m": ["new"]})  # its node has not connected yet
     assert s.waiting("m") == 1 and not waiter.done()
     s.set_connected("new", True)
-    assert (await granted(waiter)).id == "new"
-    s.release(held)
+    assert (await granted(waiter)).slot.id == "new"
+    free(s, held)
 
 
 async def test_scheduler_refresh_hands_new_capacity_to_waiters() -> None:
     s = scheduler({"p": 1}, {"m": ["p"]})
-    await s.acquire("m", soon())
-    waiter = asyncio.create_task(s.acquire("m", soon()))
+    await s.acquire_grant("m", soon())
+    waiter = asyncio.create_task(s.acquire_grant("m", soon()))
     await waiting(s, "m", 1)
     s.apply({"p": ("node-p", 2)}, {"m": ["p"]})
-    assert (await granted(waiter)).id == "p" and s.providers["p"].in_flight == 2
+    assert (await granted(waiter)).slot.id == "p" and s.providers["p"].in_flight == 2
 
 
 # --- the pool's index of free slots (best() never scans the pool) -------------------------------
@@ -401,12 +409,12 @@ async def test_scheduler_providers_with_equal_free_slots_take_turns() -> None:
     s = scheduler({f"p{i}": 1 for i in range(5)}, {"m": [f"p{i}" for i in range(5)]})
     picks = []
     for _ in range(10):
-        slot = await s.acquire("m", soon())
-        picks.append(slot.id)
-        s.release(slot)
+        grant = await s.acquire_grant("m", soon())
+        picks.append(grant.slot.id)
+        free(s, grant)
     assert picks == [f"p{i}" for i in range(5)] * 2  # c=1: every provider in turn, none twice running
     s = scheduler({"a": 2, "b": 2, "c": 2}, {"m": ["a", "b", "c"]})
-    assert [(await s.acquire("m", soon())).id for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    assert [(await s.acquire_grant("m", soon())).slot.id for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
     assert [s.providers[x].in_flight for x in "abc"] == [2, 2, 2]
 
 
@@ -428,9 +436,9 @@ async def test_scheduler_best_follows_a_provider_whose_state_changes_while_ranke
     assert pool.best() is s.providers["b"]
     s.apply({"a": ("node-a", 1), "b": ("node-b", 2)}, {"m": ["a"]})  # b leaves the pool
     assert pool.best() is s.providers["a"]
-    held = await s.acquire("m", soon())
-    assert pool.best() is None and held.id == "a"
-    s.release(held)
+    held = await s.acquire_grant("m", soon())
+    assert pool.best() is None and held.slot.id == "a"
+    free(s, held)
     assert pool.best() is s.providers["a"]
 
 
@@ -442,21 +450,22 @@ async def test_scheduler_best_matches_a_scan_of_the_pool_through_random_changes(
     # half-opening with the clock and closing, capacities and members changed by a refresh.
     clock = [0.0]
     monkeypatch.setattr(scheduler_module, "monotonic", lambda: time.monotonic() + clock[0])
+    monkeypatch.setattr(admission_module, "monotonic", lambda: time.monotonic() + clock[0])
     monkeypatch.setattr(slots_module, "monotonic", lambda: time.monotonic() + clock[0])
     rng = random.Random(19)
     ids = [f"p{i}" for i in range(12)]
     caps = {pid: rng.randint(1, 4) for pid in ids}
     s = scheduler(caps, {"m": ids}, max_waiting=1000)
     members = list(ids)
-    held: list[ProviderSlots] = []
+    held: list[Grant] = []
     checked = 0
     for step in range(3000):
         op = rng.randrange(9)
         p = s.providers[rng.choice(ids)]
         if op == 0 and held:
-            slot = held.pop(rng.randrange(len(held)))
-            s.release(slot)
-            s.trial_over(slot)
+            grant = held.pop(rng.randrange(len(held)))
+            free(s, grant)
+            s.trial_over(grant.slot)
         elif op == 1:
             s.set_elsewhere(p.id, rng.randint(0, p.capacity))
         elif op == 2:
@@ -485,9 +494,9 @@ async def test_scheduler_best_matches_a_scan_of_the_pool_through_random_changes(
         assert got is not None and got in scan, f"step {step}: {got} is not usable"
         assert got.free == max(q.free for q in scan), f"step {step}: {got.id} has fewer free slots than the best"
         if op == 8 and not pool.waiters:
-            slot = await s.acquire("m", soon(), exclude)
-            assert slot.free >= 0 and slot.id not in exclude
-            held.append(slot)
+            grant = await s.acquire_grant("m", soon(), exclude)
+            assert grant.slot.free >= 0 and grant.slot.id not in exclude
+            held.append(grant)
     assert checked > 500  # the walk spent most of its time with something to choose
 
 
@@ -707,7 +716,7 @@ async def test_dispatch_cancelled_by_the_client_releases_once_and_cancels_the_no
 
 async def test_dispatch_cancelled_while_queued_takes_no_slot(nats_server: EmbeddedNats) -> None:
     async with rig(nats_server, {"p": 1}, {"p": silent}) as r:
-        held = await r.scheduler.acquire("m", soon())
+        held = await r.scheduler.acquire_grant("m", soon())
         dispatch = r.dispatch()
         task = asyncio.create_task(r.serve(dispatch))
         await waiting(r.scheduler, "m", 1)
@@ -715,7 +724,7 @@ async def test_dispatch_cancelled_while_queued_takes_no_slot(nats_server: Embedd
         with pytest.raises(asyncio.CancelledError):
             await task
         assert r.in_flight() == {"p": 1} and r.scheduler.waiting("m") == 0 and not r.node.items
-        r.scheduler.release(held)
+        free(r.scheduler, held)
         assert r.in_flight() == {"p": 0}
         assert dispatch.record.attempts == 0
 
@@ -849,6 +858,7 @@ def cooled(monkeypatch: pytest.MonkeyPatch, p: ProviderSlots) -> None:
     """Move the scheduler's clock past `p`'s breaker cooldown: its trial may go now."""
     ahead = p.open_until - time.monotonic() + 0.001
     monkeypatch.setattr(scheduler_module, "monotonic", lambda: time.monotonic() + ahead)
+    monkeypatch.setattr(admission_module, "monotonic", lambda: time.monotonic() + ahead)
     monkeypatch.setattr(slots_module, "monotonic", lambda: time.monotonic() + ahead)
 
 
@@ -860,7 +870,7 @@ async def test_dispatch_a_half_open_trial_refused_as_a_4xx_lets_the_next_trial_g
     async with rig(nats_server, {"p": 1}, {"p": fails(refused)}) as r:
         p = r.scheduler.providers["p"]
         for _ in range(scheduler_module.BREAKER_FAILURES):
-            r.scheduler.release(await r.scheduler.acquire("m", soon()))
+            free(r.scheduler, await r.scheduler.acquire_grant("m", soon()))
             r.scheduler.failed(p)
         cooled(monkeypatch, p)
         # The trial is refused as the request's own fault.
@@ -878,32 +888,32 @@ async def test_scheduler_a_trial_whose_client_left_lets_the_next_trial_go(monkey
     s = scheduler({"p": 1}, {"m": ["p"]})
     p = s.providers["p"]
     for _ in range(scheduler_module.BREAKER_FAILURES):
-        s.release(await s.acquire("m", soon()))
+        free(s, await s.acquire_grant("m", soon()))
         s.failed(p)
     cooled(monkeypatch, p)
-    trial = await granted(asyncio.create_task(s.acquire("m", soon())))
+    trial = await granted(asyncio.create_task(s.acquire_grant("m", soon())))
     assert p.trial
-    s.trial_over(trial)  # what PoolDispatch does when the client leaves mid-trial
-    s.release(trial)
-    assert (await granted(asyncio.create_task(s.acquire("m", soon())))) is p
+    s.trial_over(trial.slot)  # what PoolDispatch does when the client leaves mid-trial
+    free(s, trial)
+    assert (await granted(asyncio.create_task(s.acquire_grant("m", soon())))).slot is p
 
 
 async def test_dispatch_alias_removed_between_grant_and_dispatch_gives_the_slot_back(
     nats_server: EmbeddedNats,
 ) -> None:
     async with rig(nats_server, {"p": 1, "q": 1}, {"p": answers(b"x"), "q": answers(b"x")}) as r:
-        held = await r.scheduler.acquire("m", soon())  # one slot busy, so the request below waits
-        other = "q" if held.id == "p" else "p"
-        held_too = await r.scheduler.acquire("m", soon(), frozenset({held.id}))
-        assert held_too.id == other
+        held = await r.scheduler.acquire_grant("m", soon())  # one slot busy, so the request below waits
+        other = "q" if held.slot.id == "p" else "p"
+        held_too = await r.scheduler.acquire_grant("m", soon(), frozenset({held.slot.id}))
+        assert held_too.slot.id == other
         task = asyncio.create_task(r.serve(r.dispatch()))
         await waiting(r.scheduler, "m", 1)
-        r.scheduler.release(held)  # granted to the waiter ...
+        free(r.scheduler, held)  # granted to the waiter ...
         r.scheduler.apply({"p": ("node-p", 1), "q": ("node-q", 1)}, {})  # ... and the alias goes before it runs
         with pytest.raises(Unavailable) as got:
             await task
         assert got.value.code == "model_removed"
-        r.scheduler.release(held_too)
+        free(r.scheduler, held_too)
         assert r.in_flight() == {"p": 0, "q": 0}
 
 

@@ -31,8 +31,8 @@ async def per_dispatch_us(providers: int, dispatches: int) -> float:
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
     for _ in range(dispatches):
-        slot = await sched.acquire("pool", loop.time() + 10)
-        sched.release(slot)
+        grant = await sched.acquire_grant("pool", loop.time() + 10)
+        sched.release(grant.slot, grant)
     return (time.perf_counter() - t0) / dispatches * 1e6
 
 

@@ -68,7 +68,7 @@ class Waiter:
     """Still in its pool's queue (Scheduler._left takes it out of the count when it leaves)."""
     tenant: TenantQueue | None = None
     tracked: bool = False
-    """Its grant's release will say so (Scheduler.acquire_grant): it counts toward max_concurrent."""
+    """Its grant's release will say so (Scheduler.acquire_grant, not a pinned one): it counts toward max_concurrent."""
 
     @property
     def turn(self) -> tuple[int, int]:

@@ -1,0 +1,346 @@
+"""The edge's pool queues: a request takes a free slot now, or waits its turn until one frees.
+
+A freed slot goes to the waiter whose turn it is in its pool's fair order (iop/edge/fairqueue.py),
+bound late to the provider the router picks (iop/edge/routing.py). What the providers are and
+whether they are usable (catalog, connections, breakers) is iop/edge/scheduler.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections.abc import Callable
+from functools import partial
+from time import monotonic
+
+from iop.edge.affinity import Sessions
+from iop.edge.fairqueue import NOBODY, TenantQueue, Waiter, Who
+from iop.edge.routing import Ask, Router
+from iop.edge.slots import Grant, PinnedQueue, PoolQueue, ProviderSlots
+from iop.errors import QueueFull, Unavailable
+from iop.tenancy import Priority
+
+CONNECT_GRACE_S = 2.5
+"""How long a request waits for a provider of its pool to connect before 503 (edge or node start)."""
+GONE_RETRY_AFTER_S = 1
+"""Retry-After when every provider of a pool is on a node that is gone (a node restarts in about 1 s)."""
+
+
+class Admission:
+    """The waiting side of the scheduler: grants, releases, and the pump that serves waiters."""
+
+    def __init__(self, max_waiting: int, max_waiting_bytes: int = 256 * 1024 * 1024, fair: bool = True) -> None:
+        self.max_waiting = max_waiting
+        self.max_waiting_bytes = max_waiting_bytes
+        """Bound on the request bytes all waiting requests hold in memory together (every pool)."""
+        self.waiting_bytes = 0
+        self.fair = fair
+        """Fair queueing between tenants (edge.queue.fair_queueing); off: arrival order."""
+        self.providers: dict[str, ProviderSlots] = {}
+        self.pools: dict[str, PoolQueue] = {}
+        self._order = itertools.count()
+        self._connected = asyncio.Event()
+        self.changed = asyncio.Event()
+        """Set whenever a request starts or stops waiting (observers clear it, then wait)."""
+        self.sessions = Sessions()
+        """Prefix-cache affinity: the provider each session used last (the dispatch reads and feeds it)."""
+        self.on_count: Callable[[ProviderSlots], None] | None = None
+        """Called when a provider's `in_flight` changed (iop/edge/share.py tells the other edges)."""
+        self.router = Router()
+        """Which free provider a request gets (iop/edge/routing.py), and what it knows of each one's speed."""
+
+    async def acquire_grant(
+        self,
+        alias: str,
+        deadline: float,
+        exclude: frozenset[str] = frozenset(),
+        size: int = 0,
+        *,
+        prefer: str | None = None,
+        prefer_wait_s: float = 0.0,
+        tenant: str = "",
+        priority: Priority = "standard",
+        weight: float = 1.0,
+        max_concurrent: int | None = None,
+        ask: Ask | None = None,
+    ) -> Grant:
+        """A slot of a provider of `alias` (none of `exclude`), counted for its tenant until
+        `release(grant.slot, grant)`; `deadline` is on the loop's clock.
+
+        `prefer` (prefix-cache affinity) is taken over the others whenever it has a free slot when
+        this request's turn comes; with `prefer_wait_s` the request waits up to that long for it
+        while others are free. The order and the caps are the same with or without it.
+
+        `tenant`, `priority`, `weight`: its place in the pool's fair order (iop/edge/fairqueue.py);
+        `max_concurrent`: the tenant's bound on this pool's slots (its share, what /status shows
+        running). `ask`: its size and deadline, for the router (iop/edge/routing.py).
+
+        `size` is the bytes the request holds while it waits (its body). Raises QueueFull when
+        `max_waiting` requests already wait or their bytes would pass `max_waiting_bytes`,
+        Unavailable when no provider of the pool can take it or the wait outlasts the deadline.
+        """
+        who = (tenant, priority, weight, max_concurrent)
+        return await self._acquire(self.pools[alias], deadline, exclude, size, prefer, prefer_wait_s, who, True, ask)
+
+    async def acquire_pinned(self, provider: str, deadline: float) -> ProviderSlots:
+        """A slot of `provider` itself, whatever pool it is in (qualification; admin only)."""
+        slot = self.providers.get(provider)
+        if slot is None:
+            raise Unavailable(f"provider '{provider}' has no capacity here", code="no_provider")
+        pinned = next((q for q in slot.pools if isinstance(q, PinnedQueue)), None)
+        if pinned is None:
+            pinned = PinnedQueue(f"pinned:{provider}", [slot])
+            slot.pools.append(pinned)
+        return (await self._acquire(pinned, deadline, frozenset(), 0, None, 0.0, NOBODY, False)).slot
+
+    async def _acquire(
+        self,
+        pool: PoolQueue,
+        deadline: float,
+        exclude: frozenset[str],
+        size: int,
+        prefer: str | None,
+        prefer_wait_s: float,
+        who: Who,
+        tracked: bool,
+        ask: Ask | None = None,
+    ) -> Grant:
+        alias = pool.alias
+        hold = prefer_wait_s > 0 and self._holdable(pool, prefer, exclude)
+        queue = pool.waiters
+        known = queue.tenants.get(who[0])
+        # Anyone who may take a slot before it waits already: a free slot is theirs, not this one's.
+        if not queue.eligible_waiting and (not tracked or known is None or known.eligible):
+            slot = self._choice(pool, exclude, prefer, hold, ask)
+            if slot is not None:
+                pool.waits_s.append(0.0)
+                # A tenant with nothing here and nothing to give back later needs no entry.
+                t = queue.tenant(*who) if tracked or known is not None else None
+                return self._grant(slot, pool, t, tracked)
+        if not any(p.seen for p in pool.providers):
+            await self._await_connected(pool, deadline)
+            return await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, who, tracked, ask)
+        # A pinned request waits for its provider whatever its breaker says: it measures it.
+        retry_s = None if isinstance(pool, PinnedQueue) else self.retry_after(pool, exclude)
+        if retry_s is not None:
+            raise _pool_unavailable(alias, retry_s)
+        if len(pool.waiters) >= self.max_waiting:
+            raise QueueFull(
+                f"model '{alias}': {len(pool.waiters)} requests already wait for a free slot; retry later",
+                headers={"Retry-After": "1"},
+            )
+        if self.waiting_bytes + size > self.max_waiting_bytes:
+            # Each waiting request keeps its whole body here: bound the sum, not only the count.
+            mib = self.max_waiting_bytes / (1024 * 1024)
+            raise QueueFull(
+                f"model '{alias}': waiting requests already hold {self.waiting_bytes / (1024 * 1024):.1f} MiB "
+                f"of the edge's {mib:g} MiB for waiting requests (edge.queue.max_waiting_mb); retry later",
+                headers={"Retry-After": "1"},
+            )
+        loop = asyncio.get_running_loop()
+        waiter = Waiter(loop.create_future(), next(self._order), exclude, size, prefer, hold)
+        waiter.tracked, waiter.ask = tracked, ask
+        queued_at = loop.time()
+        pool.waiters.add(waiter, queue.tenant(*who))  # after the last await: the entry is current
+        self.waiting_bytes += size
+        self.changed.set()
+        hold_over = loop.call_later(prefer_wait_s, self._hold_over, pool, waiter) if hold else None
+        # The first in the order may hold out for its preferred provider, not take one it failed on,
+        # or be at its max_concurrent while another is free: one behind may take that slot now.
+        self._pump([pool])
+        try:
+            async with asyncio.timeout_at(deadline):
+                grant: Grant = await waiter.future
+        except BaseException as exc:
+            if waiter.future.done() and not waiter.future.cancelled():
+                if waiter.future.exception() is None:
+                    # Granted in the same instant as the timeout or the client leaving: give it back.
+                    granted: Grant = waiter.future.result()
+                    self.trial_over(granted.slot)
+                    self.release(granted.slot, granted)
+            else:
+                waiter.future.cancel()
+                # A release between the cancel and this handler may have dropped it off the queue
+                # already (_pump clears finished waiters): remove it only if it is still in.
+                if waiter.queued:
+                    pool.waiters.remove(waiter)
+                    self._left(waiter)
+                    self.changed.set()
+            if isinstance(exc, TimeoutError):
+                raise Unavailable(
+                    f"model '{alias}': no slot became free within the queue timeout", code="queue_timeout"
+                ) from None
+            raise
+        finally:
+            if hold_over is not None:
+                hold_over.cancel()
+        pool.waits_s.append(loop.time() - queued_at)
+        return grant
+
+    def _grant(self, slot: ProviderSlots, pool: PoolQueue, tenant: TenantQueue | None, tracked: bool) -> Grant:
+        self._take(slot, pool)
+        if tenant is None:
+            return Grant(slot, pool)
+        charge = pool.waiters.start(tenant, tracked)
+        pool.waiters.granted_class(tenant.rank)
+        return Grant(slot, pool, tenant if tracked else None, charge)
+
+    def _holdable(self, pool: PoolQueue, prefer: str | None, exclude: frozenset[str]) -> bool:
+        """Whether `prefer` is a provider of the pool worth waiting for: in rotation and connected."""
+        p = self.providers.get(prefer) if prefer is not None else None
+        return (
+            p is not None
+            and pool in p.pools
+            and p.id not in exclude
+            and p.connected
+            and not p.removed
+            and not p.drained
+            and not p.open_until
+        )
+
+    def _choice(
+        self, pool: PoolQueue, exclude: frozenset[str], prefer: str | None, hold: bool, ask: Ask | None = None
+    ) -> ProviderSlots | None:
+        """The slot a request gets now: its preferred provider when free, else the router's pick (None
+        while it holds out for its preferred provider, or no free provider can meet its deadline)."""
+        if prefer is not None:
+            p = self.providers.get(prefer)
+            if p is not None and pool in p.pools and p.id not in exclude and p.usable(monotonic()):
+                if ask is not None:
+                    ask.reason = "affinity"
+                return p
+            if hold and self._holdable(pool, prefer, exclude):
+                return None
+        return pool.routed(self.router, exclude, ask)
+
+    def _hold_over(self, pool: PoolQueue, waiter: Waiter) -> None:
+        """A waiter's `affinity_wait_ms` is over: from now on any provider of its pool will do."""
+        waiter.holding = False
+        self._pump([pool])
+
+    def _pump(self, pools: list[PoolQueue]) -> None:
+        """Hand free slots to the waiters of the given pools whose turn it is (iop/edge/fairqueue.py);
+        between pools that share a provider, the oldest of their first waiters goes first."""
+        while True:
+            chosen: tuple[PoolQueue, Waiter, ProviderSlots] | None = None
+            for pool in pools:
+                if not pool.waiters or pool.best() is None:
+                    continue  # nobody waits, or nothing is free for anyone of this pool
+                found = pool.waiters.candidate(partial(self._choose, pool), self._gone)
+                if found is not None and (chosen is None or found[0].turn < chosen[1].turn):
+                    chosen = (pool, *found)
+            if chosen is None:
+                return
+            pool, waiter, slot = chosen
+            pool.waiters.remove(waiter, granted=True)
+            self._left(waiter)
+            assert waiter.tenant is not None
+            waiter.future.set_result(self._grant(slot, pool, waiter.tenant, waiter.tracked))
+            self.changed.set()
+
+    def _choose(self, pool: PoolQueue, w: Waiter) -> ProviderSlots | None:
+        return self._choice(pool, w.exclude, w.prefer, w.holding, w.ask)
+
+    def _gone(self, waiter: Waiter) -> None:
+        """A waiter the pump found cancelled (its own handler has not run yet): out of the count."""
+        self._left(waiter)
+        self.changed.set()  # one fewer waits: observers (the burst trim) count again
+
+    def _left(self, waiter: Waiter) -> None:
+        """A waiter left the queue (granted, refused, gone): its bytes no longer count."""
+        self.waiting_bytes -= waiter.size
+        waiter.size = 0
+        waiter.queued = False
+
+    def _take(self, slot: ProviderSlots, pool: PoolQueue) -> None:
+        slot.in_flight += 1
+        slot.rerank()
+        if self.on_count is not None:
+            self.on_count(slot)
+        slot.dispatched += 1
+        # A pinned request (qualification) says nothing to the breaker, so it is never its trial.
+        if slot.open_until and not isinstance(pool, PinnedQueue):
+            slot.trial = True
+
+    async def _await_connected(self, pool: PoolQueue, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        until = min(deadline, loop.time() + CONNECT_GRACE_S)
+        while not pool.connected:
+            self._connected.clear()
+            try:
+                async with asyncio.timeout_at(until):
+                    await self._connected.wait()
+            except TimeoutError:
+                raise Unavailable(
+                    f"model '{pool.alias}': no provider of its pool is connected", code="no_provider"
+                ) from None
+
+    def release(self, slot: ProviderSlots, grant: Grant | None = None) -> None:
+        """A request's slot is free again; with its `grant`, so is its tenant's share."""
+        slot.in_flight -= 1
+        slot.rerank()
+        if self.on_count is not None:
+            self.on_count(slot)
+        if slot.removed and slot.in_flight == 0 and self.providers.get(slot.id) is slot:
+            del self.providers[slot.id]
+            self.changed.set()
+        if grant is not None and grant.tenant is not None:
+            grant.pool.waiters.end(grant.tenant, monotonic() - grant.at, grant.charge)
+            grant.tenant = None  # given back once, whoever calls again
+        self._pump(slot.pools)
+
+    def trial_over(self, slot: ProviderSlots) -> None:
+        """A request that held `slot` ended saying nothing of the provider's health (the client left,
+        the request itself was refused): a half-open trial it carried is over, the next one may go."""
+        if slot.trial:
+            slot.trial = False
+            self._pump(slot.pools)
+
+    def retry_after(self, pool: PoolQueue, exclude: frozenset[str] = frozenset()) -> float | None:
+        """None while a provider of the pool can take work now or once a running request ends;
+        otherwise the seconds until one may (its breaker's next half-open try, or GONE_RETRY_AFTER_S
+        when its node is gone). A half-open provider counts as usable: its trial decides."""
+        now = monotonic()
+        wait: float | None = None
+        for p in pool.providers:
+            if p.id in exclude or p.removed:
+                continue
+            if not p.connected:
+                w = float(GONE_RETRY_AFTER_S)
+            elif p.open_until and now < p.open_until:
+                w = p.open_until - now
+            else:
+                return None
+            wait = w if wait is None else min(wait, w)
+        return GONE_RETRY_AFTER_S if wait is None else wait
+
+    def _fail_if_unusable(self, pools: list[PoolQueue]) -> None:
+        """Tell the waiters of a pool that just lost its last usable provider, instead of letting
+        them wait out the queue timeout for a slot that cannot come."""
+        for pool in pools:
+            if isinstance(pool, PinnedQueue):
+                continue  # its provider's breaker does not stop a qualification
+            if not any(p.seen for p in pool.providers):
+                continue  # none connected yet (edge start, a refresh's new providers): they wait a grace
+            for waiter in list(pool.waiters):
+                if waiter.future.done():
+                    continue
+                retry_s = self.retry_after(pool, waiter.exclude)
+                if retry_s is not None:
+                    pool.waiters.remove(waiter)
+                    self._left(waiter)
+                    waiter.future.set_exception(_pool_unavailable(pool.alias, retry_s))
+                    self.changed.set()
+
+    def waiting(self, alias: str) -> int:
+        return len(self.pools[alias].waiters)
+
+
+def _pool_unavailable(alias: str, retry_s: float) -> Unavailable:
+    return Unavailable(
+        f"model '{alias}': no provider of its pool can take requests now (every one is out of rotation "
+        f"after failures, or its node is gone); retry in {math.ceil(retry_s)} s",
+        code="pool_unavailable",
+        headers={"Retry-After": str(max(1, math.ceil(retry_s)))},
+    )
