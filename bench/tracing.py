@@ -206,21 +206,20 @@ def run_cost(requests: int, sink_url: str) -> dict[str, Any]:
                 spans.request(edge, trace, scope)
             if trace.span is None:
                 continue
-            adm = spans.admission(trace)
-            spans.admitted(adm, trace, "m", b"{}")
+            spans.admitted(trace, "m", b"{}")
             q = spans.queue(trace, pool, "m", 0)
             spans.queue_ended(q, "granted")
-            spans.route(trace, pool, slot, None, frozenset(), False)
+            routed = spans.route(pool, slot, None, frozenset(), False, "")
             trace.attempts = 1
-            attempt = spans.attempt(trace, "p", "n", "pool")
+            attempt = spans.attempt(trace, "p", "n", "pool", routed)
             headers = tr.headers_of(attempt)
             work = node_spans.work(node, headers, resource, item, "n", 1, 0.5)
             assert work is not None
             call = node_spans.call(node, work, resource, None, item)
             tr.traceparent(call)
             node_spans.ended(work, call, Outcome(upstream_status=200), usage, "", 12.0)
-            answer = spans.answer(trace, attempt, False)
-            spans.answer_ended(answer, trace, "")
+            spans.answer(attempt, False)
+            spans.answer_ended(attempt, trace, "")
             spans.attempt_ended(attempt, None, False)
             spans.finish(trace, trace.record("e"))
         edge.shutdown(30.0)

@@ -41,6 +41,8 @@ class SeenSpan:
     """OTLP's Status.StatusCode: 0 unset, 1 ok, 2 error."""
     start_ns: int
     end_ns: int
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    """(name, attributes) of the span's events, in order."""
 
 
 @dataclass
@@ -82,6 +84,7 @@ class Collector:
                             status=s.status.code,
                             start_ns=s.start_time_unix_nano,
                             end_ns=s.end_time_unix_nano,
+                            events=[(e.name, {a.key: _value(a.value) for a in e.attributes}) for e in s.events],
                         )
                     )
         self.posts += 1

@@ -130,10 +130,11 @@ async def test_tracing_pool_request_is_one_tree_across_edge_nats_node_and_upstre
     trace_id, parent = client_context()
     r = await traced.http.post("/v1/chat/completions", json=chat("m"), headers={"traceparent": parent})
     assert r.status_code == 200
-    spans = await tree(
-        traced.collector, trace_id, "POST", "iop.admission", "iop.queue", "iop.route", "iop.attempt", "iop.node.work",
-        "chat up-model", "iop.answer",
-    )  # fmt: skip
+    spans = await tree(traced.collector, trace_id, "POST", "iop.queue", "iop.attempt", "iop.node.work", "chat up-model")
+    # One span where time goes that no other shows: admission, route and answer are attributes and events.
+    assert sorted(s.name for s in spans) == [
+        "POST /v1/chat/completions", "chat up-model", "iop.attempt good-p", "iop.node.work", "iop.queue"
+    ]  # fmt: skip
     root = one(spans, "POST /v1/chat/completions")
     assert root.kind == SERVER and root.service == "iop-edge"
     assert root.parent_id == parent.split("-")[2]  # the client's span is the parent: its trace continues
@@ -141,13 +142,15 @@ async def test_tracing_pool_request_is_one_tree_across_edge_nats_node_and_upstre
     assert root.attributes["gen_ai.request.model"] == "m" and root.attributes["gen_ai.response.model"] == "up-model"
     assert root.attributes["iop.request_id"] == r.headers["x-request-id"]
     assert root.attributes["gen_ai.usage.output_tokens"] == 3
-    for name in ("iop.admission", "iop.queue", "iop.route", "iop.attempt"):
+    assert root.attributes["iop.tenant"] == "" and root.attributes["http.request.body.size"] > 0  # the admission
+    for name in ("iop.queue", "iop.attempt"):
         assert one(spans, name).parent_id == root.span_id, name
     assert one(spans, "iop.queue").attributes["iop.queue.outcome"] == "granted"
-    route = one(spans, "iop.route").attributes
-    assert route["iop.route.chosen"] == "good-p" and route["iop.route.candidates"] == ["good-p"]
     attempt = one(spans, "iop.attempt good-p")
     assert attempt.kind == PRODUCER and attempt.attributes["iop.node"] == "n-good"
+    assert attempt.attributes["iop.route.chosen"] == "good-p"
+    assert attempt.attributes["iop.route.candidates"] == ["good-p"]
+    assert [name for name, _ in attempt.events] == ["iop.answer"] and attempt.attributes["iop.bytes_out"] > 0
     # Across NATS: the node's span is the try's child, in the node's own service.
     work = one(spans, "iop.node.work")
     assert work.parent_id == attempt.span_id and work.kind == CONSUMER and work.service == "iop-node"
@@ -156,7 +159,6 @@ async def test_tracing_pool_request_is_one_tree_across_edge_nats_node_and_upstre
     assert upstream.parent_id == work.span_id and upstream.kind == CLIENT
     assert upstream.attributes["http.response.status_code"] == 200
     assert upstream.attributes["gen_ai.usage.output_tokens"] == 3
-    assert one(spans, "iop.answer").parent_id == attempt.span_id
     # The upstream request itself carried the call's context.
     assert f"00-{trace_id}-{upstream.span_id}-01" in traced.good.traceparents
     assert all(s.start_ns <= s.end_ns for s in spans)
@@ -192,15 +194,14 @@ async def test_tracing_failover_shows_each_attempt_and_its_node(traced: Traced) 
     trace_id, parent = client_context()
     r = await traced.http.post("/v1/chat/completions", json=chat("f"), headers={"traceparent": parent})
     assert r.status_code == 200
-    spans = await tree(traced.collector, trace_id, "POST", "iop.attempt bad-p", "iop.attempt good-f", "iop.answer")
+    spans = await tree(traced.collector, trace_id, "POST", "iop.attempt bad-p", "iop.attempt good-f")
     root = one(spans, "POST")
     failed, answered = one(spans, "iop.attempt bad-p"), one(spans, "iop.attempt good-f")
     assert failed.parent_id == answered.parent_id == root.span_id
     assert failed.attributes["iop.failover"] is True and failed.status == 2 and "error.type" in failed.attributes
     assert answered.attributes["iop.failover"] is False and answered.attributes["iop.attempt"] == 2
-    routes = [s for s in spans if s.name == "iop.route"]
-    reasons = [s.attributes["iop.route.reason"] for s in sorted(routes, key=lambda s: s.start_ns)]
-    assert len(reasons) == 2 and reasons[0] and reasons[1] == "failover"
+    assert failed.attributes["iop.route.reason"] and answered.attributes["iop.route.reason"] == "failover"
+    assert answered.attributes["iop.route.excluded"] == ["bad-p"] and failed.start_ns < answered.start_ns
     await traced.collector.wait_for(lambda c: len(c.named(trace_id, "iop.node.work")) == 2)
     works = {s.parent_id: s for s in traced.collector.named(trace_id, "iop.node.work")}
     assert works[failed.span_id].attributes["iop.outcome"] != "ok"
@@ -311,12 +312,12 @@ async def test_tracing_dead_collector_costs_only_dropped_spans(traced: Traced) -
             for _ in range(3):
                 r = await http.post("/v1/chat/completions", json=chat("m"))
                 assert r.status_code == 200
-            # Each request leaves its spans (request, admission, queue, route, attempt, answer): all dropped.
-            await eventually(lambda: _true(h.edge.tracing.dropped >= 3 * 6))
+            # Each request leaves its spans (request, queue, attempt): all dropped.
+            await eventually(lambda: _true(h.edge.tracing.dropped >= 3 * 3))
             assert h.edge.tracing.exported == 0
             metrics = (await http.get("/metrics")).text
             line = next(x for x in metrics.splitlines() if x.startswith("iop_trace_spans_dropped_total"))
-            assert float(line.split()[-1]) >= 18
+            assert float(line.split()[-1]) >= 9
 
 
 async def test_tracing_off_imports_nothing_of_opentelemetry() -> None:
@@ -326,7 +327,7 @@ async def test_tracing_off_imports_nothing_of_opentelemetry() -> None:
         "from iop.tracing import Tracing\n"
         "import iop.edge.app, iop.node.runtime\n"
         "t = Tracing(TracingSettings(), 'iop-edge', env={})\n"
-        "assert not t.on and t.tracer is None\n"
+        "assert not t.on\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
     )
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE)

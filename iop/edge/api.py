@@ -112,7 +112,7 @@ class ApiEndpoint:
         out = TrackedSend(send, trace)
         if self.edge.tracing.on:
             spans.request(self.edge.tracing, trace, scope)
-        admission = spans.admission(trace) if trace.span is not None else None
+        admitting = trace.span is not None
         try:
             # The key first: a caller without one learns nothing, and leaves no ledger record.
             if self.pinned:
@@ -126,9 +126,9 @@ class ApiEndpoint:
             trace.bytes_in = len(body)
             head = parse_head(self.api, body)
             trace.stream = head.stream
-            if admission is not None:
-                spans.admitted(admission, trace, head.model, body)
-                admission = None
+            if admitting:
+                spans.admitted(trace, head.model, body)
+                admitting = False
             if head.stateful and not self.pinned:
                 body, turn, owner = await self._expand(scope, body, head.stream, out)
                 if turn.background and not head.stream:
@@ -137,9 +137,9 @@ class ApiEndpoint:
             await self._serve(body, head, scope, receive, out)
         except RequestError as exc:
             trace.error = exc.code
-            if admission is not None:
-                spans.refused(admission, exc.code)  # refused before its model was read
-                admission = None
+            if admitting:
+                spans.refused(trace, exc.code)  # refused before its model was read
+                admitting = False
             if not trace.alias:
                 trace.refused_at(scope["method"], scope.get("raw_path") or scope["path"].encode())
             if not out.started:
@@ -150,8 +150,6 @@ class ApiEndpoint:
             trace.cancelled = True
             raise
         finally:
-            if admission is not None:
-                admission.end()
             if not self.pinned:
                 self._finished(trace, out.started)
             elif trace.span is not None:
@@ -232,15 +230,14 @@ class ApiEndpoint:
         admission: Admission | None = None
         tenant = edge.tenants.get(trace.tenant)
         if tenant.policy.limited and not self.pinned:
-            limit = spans.limits(trace) if trace.span is not None else None
             try:
                 admission = await edge.limits.admit(tenant, dispatch.alias, body, self.api)
             except RequestError as exc:
-                if limit is not None:
-                    spans.refused(limit, exc.code)
+                if trace.span is not None:
+                    spans.limits(trace, exc.code)
                 raise
-            if limit is not None:
-                limit.end()
+            if trace.span is not None:
+                spans.limits(trace, "")
             out.headers = admission.headers(self.api)
         task = asyncio.current_task()
         assert task is not None
@@ -328,7 +325,9 @@ class ApiEndpoint:
     async def _answer(self, attempt: Attempt, stream: bool, out: TrackedSend, arrived: float) -> RequestError | None:
         """Relay the try's answer; the error a stream ended with once the client had its 200."""
         replies, provider, ch = attempt.replies(), attempt.provider, attempt.channel
-        span = spans.answer(out.trace, attempt.span, stream) if attempt.span is not None else None
+        span = attempt.span
+        if span is not None:
+            spans.answer(span, stream)
         error = "cancelled"
         try:
             if stream:

@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from types import TracebackType
+from typing import Any
 
 from iop import tracing, wire
 from iop.edge import spans
@@ -62,6 +63,7 @@ class Attempt:
         pool: PoolQueue | None = None,
         scheduler: Scheduler | None = None,
         grant: Grant | None = None,
+        routed: dict[str, Any] | None = None,
     ) -> None:
         self.dispatch = dispatch
         self.scheduler = scheduler
@@ -77,7 +79,9 @@ class Attempt:
         self.channel: Channel = dispatch.relay.open(slot.node if slot is not None else dispatch.node, holder=self)
         record = dispatch.record
         self.span = (
-            spans.attempt(record, provider, self.channel.node, record.route) if record.span is not None else None
+            spans.attempt(record, provider, self.channel.node, record.route, routed)
+            if record.span is not None
+            else None
         )
         """This try's span when the request is traced: its context travels with the work to the node."""
 
@@ -266,16 +270,25 @@ class PoolDispatch(_Dispatch):
             self.record.affinity = self.sessions.served(self.alias, self.session, slot.id, self.prefer)
         if self.ask is not None:
             self.record.route_reason = self.ask.reason
-        if traced:
-            spans.route(self.record, pool, slot, self.prefer, self.tried, self.record.affinity)
+        routed = (
+            spans.route(pool, slot, self.prefer, self.tried, self.record.affinity, self.record.route_reason)
+            if traced
+            else None
+        )
         self.prefer = None  # a failover goes wherever is free; the provider that answers is remembered
-        return self._attempt(slot, pool, grant)
+        return self._attempt(slot, pool, grant, routed)
 
-    def _attempt(self, slot: ProviderSlots, pool: PoolQueue, grant: Grant | None = None) -> Attempt:
+    def _attempt(
+        self,
+        slot: ProviderSlots,
+        pool: PoolQueue,
+        grant: Grant | None = None,
+        routed: dict[str, Any] | None = None,
+    ) -> Attempt:
         # Nothing awaits between the grant and the attempt: its `async with` always ends the slot.
         self.record.attempts += 1
         self.record.provider = slot.id
-        return Attempt(self, slot.id, slot, pool, self.scheduler, grant)
+        return Attempt(self, slot.id, slot, pool, self.scheduler, grant, routed)
 
     def ended(self, attempt: Attempt, exc: BaseException | None) -> bool:
         sched, slot = self.scheduler, attempt.slot

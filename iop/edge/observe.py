@@ -19,9 +19,7 @@ from iop.edge.metrics import Metrics
 from iop.tracing import trace_id
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
-    from iop.tracing import Tracing
+    from iop.tracing import Span, Tracing
 
 access_log = logging.getLogger("iop.access")
 

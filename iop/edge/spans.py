@@ -2,16 +2,16 @@
 
 Every function here is called only for a sampled request (`Trace.span` set); an unsampled one, or
 any with tracing off, costs its callers one attribute test. Attributes are metadata only (names,
-ids, counts, outcomes): bodies go in only with `tracing.content`, never keys.
+ids, counts, outcomes): bodies go in only with `tracing.content`, never keys. A span is made only
+where time is spent that the others do not show; the rest are attributes and events:
 
-    POST /v1/chat/completions               the request (SERVER), its outcome when it ends
-      iop.admission                         the key, the body, the model asked for
-      iop.limits                            the tenant's limits, when it has any
-      iop.queue                             the wait for a slot in the pool: position, outcome
-      iop.route                             the provider chosen, the candidates and why
-      iop.attempt {provider}                one try (PRODUCER): its context goes to the node
-        (node) iop.node.work ...            see iop/node/running.py
-        iop.answer                          the node's answer relayed to the client
+    POST /v1/chat/completions       the request (SERVER): the key's name, tenant, model, body size;
+                                    its outcome when it ends; event iop.limits (a limited tenant)
+      iop.queue                     the wait for a slot in the pool: position, outcome
+      iop.attempt {provider}        one try (PRODUCER), its context goes to the node: the route
+                                    (candidates, free slots, chosen, reason); event iop.answer when
+                                    the relay to the client begins, its bytes and outcome at the end
+        (node) iop.node.work ...    see iop/node/running.py
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from iop import tracing as tr
 from iop.edge.ledger import RequestRecord
 from iop.edge.observe import Trace
 from iop.edge.slots import PoolQueue, ProviderSlots
+from iop.tracing import Span
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
     from starlette.types import Scope
 
 _OPERATION = {"chat": "chat", "responses": "chat", "messages": "chat", "embeddings": "embeddings"}
@@ -32,6 +32,9 @@ _OPERATION = {"chat": "chat", "responses": "chat", "messages": "chat", "embeddin
 
 def request(tracing: tr.Tracing, trace: Trace, scope: Scope) -> None:
     """Start the request's span (continuing the client's `traceparent`); unsampled leaves `trace.span` None."""
+    context = tracing.sample(scope["headers"])
+    if context is None:
+        return
     path = scope["path"]
     attributes: dict[str, Any] = {
         "http.request.method": scope["method"],
@@ -43,42 +46,38 @@ def request(tracing: tr.Tracing, trace: Trace, scope: Scope) -> None:
     server = scope.get("server")
     if server:
         attributes["server.address"], attributes["server.port"] = server[0], server[1] or 0
-    span = tracing.server_span(f"{scope['method']} {path}", scope["headers"], attributes)
-    if span is not None:
-        trace.span, trace.tracing = span, tracing
+    trace.span, trace.tracing = tracing.server_span(f"{scope['method']} {path}", context, attributes), tracing
 
 
-def admission(trace: Trace) -> Span:
-    """The key check, the body's read and the few fields the edge reads (tenants and limits add theirs)."""
-    assert trace.span is not None and trace.tracing is not None
-    return trace.tracing.child(trace.span, "iop.admission")
-
-
-def admitted(span: Span, trace: Trace, model: str, body: bytes) -> None:
+def admitted(trace: Trace, model: str, body: bytes) -> None:
+    """The key checked and the body read: who asks, for which model, how much."""
+    span, tracing = trace.span, trace.tracing
+    assert span is not None and tracing is not None
     span.set_attributes(
         {
             "iop.key_name": trace.key,
             "iop.tenant": trace.tenant,
             "gen_ai.request.model": model,
             "iop.stream": trace.stream,
+            "http.request.body.size": len(body),
         }
     )
-    span.set_attribute("http.request.body.size", len(body))
-    if trace.tracing is not None and trace.tracing.content and trace.span is not None:
-        trace.span.set_attribute("gen_ai.input.messages", tr.content(body))  # tracing.content: debugging only
-    span.end()
+    if tracing.content:
+        span.set_attribute("gen_ai.input.messages", tr.content(body))  # tracing.content: debugging only
 
 
-def limits(trace: Trace) -> Span:
-    """The tenant's limits checked (rate, tokens, concurrency): refused ends it with the limit's code."""
-    assert trace.span is not None and trace.tracing is not None
-    return trace.tracing.child(trace.span, "iop.limits", attributes={"iop.tenant": trace.tenant})
+def refused(trace: Trace, code: str) -> None:
+    """Refused at admission (the key, the body, the head) or by the tenant's limits."""
+    assert trace.span is not None
+    trace.span.set_attribute("iop.admission.outcome", code)
 
 
-def refused(span: Span, code: str) -> None:
-    span.set_attribute("iop.admission.outcome", code)
-    _failed(span, code, server=False)
-    span.end()
+def limits(trace: Trace, code: str) -> None:
+    """The tenant's limits checked (rate, tokens, concurrency): "" admitted, else the limit's code."""
+    assert trace.span is not None
+    trace.span.add_event("iop.limits", {"iop.tenant": trace.tenant, "iop.limits.outcome": code or "admitted"})
+    if code:
+        refused(trace, code)
 
 
 def queue(trace: Trace, pool: PoolQueue | None, alias: str, retry: int) -> Span:
@@ -99,72 +98,64 @@ def queue(trace: Trace, pool: PoolQueue | None, alias: str, retry: int) -> Span:
 def queue_ended(span: Span, outcome: str) -> None:
     span.set_attribute("iop.queue.outcome", outcome)
     if outcome != "granted":
-        _failed(span, outcome)
+        span.fail(outcome)
     span.end()
 
 
 def route(
-    trace: Trace, pool: PoolQueue, slot: ProviderSlots, prefer: str | None, tried: frozenset[str], affinity: bool
-) -> None:
-    """The routing decision as one instant span: who could have served, who was chosen, and why."""
-    assert trace.span is not None and trace.tracing is not None
+    pool: PoolQueue, slot: ProviderSlots, prefer: str | None, tried: frozenset[str], affinity: bool, reason: str
+) -> dict[str, Any]:
+    """The routing decision, as the try's attributes: who could have served, who was chosen, and why."""
     candidates = [p for p in pool.providers if p.id not in tried]
     if affinity:
         why = "affinity"  # the session's provider of last time, for its prefix cache
     elif tried:
         why = "failover"
     else:
-        why = trace.route_reason or "most_free_slots"  # the quality router's reason, when it chose
-    span = trace.tracing.child(
-        trace.span,
-        "iop.route",
-        attributes={
-            "iop.pool": pool.alias,
-            "iop.route.candidates": [p.id for p in candidates],
-            "iop.route.free_slots": [max(0, p.capacity - p.in_flight - p.elsewhere) for p in candidates],
-            "iop.route.chosen": slot.id,
-            "iop.route.reason": why,
-            "iop.route.preferred": prefer or "",
-            "iop.route.excluded": sorted(tried),
-        },
-    )
-    span.end()
+        why = reason or "most_free_slots"  # the quality router's reason, when it chose
+    return {
+        "iop.pool": pool.alias,
+        "iop.route.candidates": [p.id for p in candidates],
+        "iop.route.free_slots": [max(0, p.capacity - p.in_flight - p.elsewhere) for p in candidates],
+        "iop.route.chosen": slot.id,
+        "iop.route.reason": why,
+        "iop.route.preferred": prefer or "",
+        "iop.route.excluded": sorted(tried),
+    }
 
 
-def attempt(trace: Trace, provider: str, node: str, route: str) -> Span:
+def attempt(trace: Trace, provider: str, node: str, route: str, routed: dict[str, Any] | None) -> Span:
     assert trace.span is not None and trace.tracing is not None
-    return trace.tracing.child(
-        trace.span,
-        f"iop.attempt {provider}",
-        "producer",
-        {
-            "iop.provider": provider,
-            "iop.node": node,
-            "iop.attempt": trace.attempts,
-            "iop.route": route,
-            "messaging.system": "nats",
-        },
-    )
+    attributes: dict[str, Any] = {
+        "iop.provider": provider,
+        "iop.node": node,
+        "iop.attempt": trace.attempts,
+        "iop.route": route,
+        "messaging.system": "nats",
+    }
+    if routed is not None:
+        attributes.update(routed)
+    return trace.tracing.child(trace.span, f"iop.attempt {provider}", tr.PRODUCER, attributes)
 
 
 def attempt_ended(span: Span, exc: BaseException | None, retried: bool) -> None:
     if exc is not None:
         code = getattr(exc, "code", None) or ("cancelled" if not isinstance(exc, Exception) else type(exc).__name__)
-        _failed(span, str(code))
+        span.fail(str(code))
     span.set_attribute("iop.failover", retried)
     span.end()
 
 
-def answer(trace: Trace, parent: Span, stream: bool) -> Span:
-    assert trace.tracing is not None
-    return trace.tracing.child(parent, "iop.answer", attributes={"iop.stream": stream})
+def answer(attempt: Span, stream: bool) -> None:
+    """The relay of the node's answer to the client begins."""
+    attempt.add_event("iop.answer", {"iop.stream": stream})
 
 
-def answer_ended(span: Span, trace: Trace, error: str) -> None:
-    span.set_attribute("iop.bytes_out", trace.bytes_out)
+def answer_ended(attempt: Span, trace: Trace, error: str) -> None:
+    attempt.set_attribute("iop.bytes_out", trace.bytes_out)
     if error:
-        _failed(span, error)
-    span.end()
+        attempt.set_attribute("iop.answer.outcome", error)
+        attempt.fail(error)
 
 
 def finish(trace: Trace, rec: RequestRecord) -> None:
@@ -194,13 +185,5 @@ def finish(trace: Trace, rec: RequestRecord) -> None:
         attributes["iop.ttfb_ms"] = rec.ttfb_ms
     span.set_attributes(attributes)
     if rec.error:
-        _failed(span, rec.error, server=rec.status >= 500 or rec.status == 0)
+        span.fail(rec.error, server=rec.status >= 500 or rec.status == 0)
     span.end()
-
-
-def _failed(span: Span, code: str, server: bool = True) -> None:
-    from opentelemetry.trace import StatusCode
-
-    span.set_attribute("error.type", code)
-    if server:
-        span.set_status(StatusCode.ERROR, code)

@@ -13,15 +13,13 @@ stay out, as in the ledger).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from iop import config, wire
 from iop import tracing as tr
 from iop.node.adapters.base import Outcome
 from iop.node.resource import Resource
-
-if TYPE_CHECKING:
-    from opentelemetry.trace import Span
+from iop.tracing import Span
 
 
 def work(
@@ -39,7 +37,7 @@ def work(
     span = tracing.continued(
         headers,
         "iop.node.work",
-        "consumer",
+        tr.CONSUMER,
         {
             "iop.node": node,
             "iop.provider": r.cfg.id,
@@ -74,7 +72,7 @@ def call(tracing: tr.Tracing, parent: Span, r: Resource, adapter: config.Adapter
             attributes["server.address"] = _host(adapter.base_url)
     if tracing.content:
         attributes["gen_ai.input.messages"] = tr.content(item.body)  # tracing.content: debugging only
-    return tracing.child(parent, name, "internal" if r.kind == "cli" else "client", attributes)
+    return tracing.child(parent, name, tr.INTERNAL if r.kind == "cli" else tr.CLIENT, attributes)
 
 
 def ended(
@@ -100,19 +98,12 @@ def ended(
             attributes["gen_ai.usage.output_tokens"] = used.output_tokens
         call.set_attributes(attributes)
         if error:
-            _failed(call, error)
+            call.fail(error)
         call.end()
     work.set_attribute("iop.outcome", error or "ok")
     if error:
-        _failed(work, error)
+        work.fail(error)
     work.end()
-
-
-def _failed(span: Span, code: str) -> None:
-    from opentelemetry.trace import StatusCode
-
-    span.set_attribute("error.type", code)
-    span.set_status(StatusCode.ERROR, code)
 
 
 def _host(url: str) -> str:

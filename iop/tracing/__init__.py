@@ -1,12 +1,15 @@
-"""OpenTelemetry traces of requests, for the edge and the node: the one module that touches the SDK.
+"""OpenTelemetry traces of requests, for the edge and the node: spans made and exported by iop itself.
 
 Off unless an OTLP/HTTP endpoint is configured (the deployment's `tracing.endpoint` or the usual
-`OTEL_EXPORTER_OTLP_*` variables); then `Tracing.on` is true and the SDK is imported. Off, nothing
-of OpenTelemetry is imported or made: every caller tests `on` (or a span it holds) first.
+`OTEL_EXPORTER_OTLP_*` variables); then `Tracing.on` is true. Every caller tests `on` (or a span
+it holds) first, and an unsampled request makes nothing: `sample` walks its headers and draws one
+random number.
 
-Spans are finished into a bounded queue a background thread exports in batches (the SDK's batch
-processor and OTLP exporter), so a request never waits on the collector: when the queue is full
-or an export fails, the spans are dropped and counted (`dropped`, `iop_trace_spans_dropped_total`).
+A span is a small object (`Span`): its ids, times, attributes and events, ended into a bounded
+buffer that a background thread encodes as OTLP protobuf and sends in batches
+(iop/tracing/export.py), so a request never waits on the collector. When the buffer is full or an
+export fails, the spans are dropped and counted (`dropped`, `iop_trace_spans_dropped_total`).
+The OpenTelemetry SDK is not used: its spans cost 100-130 µs of CPU each here, these a few.
 
 The trace context crosses NATS and reaches the upstream as W3C `traceparent` / `tracestate`
 headers. The edge decides whether a request is sampled; a node only continues a trace whose
@@ -22,15 +25,11 @@ import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Final
 
+from iop.tracing import otlp
+from iop.tracing.export import BATCH_SPANS, Exporter
 from iop.tracingconf import TracingSettings
-
-if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.trace import Span, Tracer
-
-    from iop.tracing.export import Counting
 
 log = logging.getLogger("iop.tracing")
 
@@ -66,6 +65,77 @@ def ratio_of(settings: TracingSettings, env: Mapping[str, str]) -> float:
     return settings.sample_ratio
 
 
+INTERNAL, SERVER, CLIENT, PRODUCER, CONSUMER = 1, 2, 3, 4, 5
+"""OTLP's span kinds."""
+
+Context = tuple[int, int, str]
+"""A sampled trace to continue: trace id, parent span id (0: a new trace), tracestate."""
+NEW: Final[Context] = (0, 0, "")
+
+
+class Span:
+    """One span of a trace: what an exporter needs, filled in by the flow it times (iop/edge/spans.py)."""
+
+    __slots__ = (
+        "attributes",
+        "end_ns",
+        "error",
+        "events",
+        "kind",
+        "name",
+        "parent_id",
+        "span_id",
+        "start_ns",
+        "trace_id",
+        "trace_state",
+        "tracing",
+    )
+
+    def __init__(
+        self, tracing: Tracing, name: str, kind: int, context: Context, attributes: dict[str, Any] | None
+    ) -> None:
+        self.tracing = tracing
+        self.name = name
+        self.kind = kind
+        self.trace_id = context[0] or random.getrandbits(128) or 1
+        self.parent_id = context[1]
+        self.trace_state = context[2]
+        self.span_id = random.getrandbits(64) or 1
+        self.attributes: dict[str, Any] = attributes if attributes is not None else {}
+        self.events: list[tuple[int, str, dict[str, Any] | None]] | None = None
+        self.error = ""
+        """The status: "" unset, else ERROR with this description."""
+        self.start_ns = time.time_ns()
+        self.end_ns = 0
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        self.attributes.update(attributes)
+
+    def add_event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
+        if self.events is None:
+            self.events = []
+        self.events.append((time.time_ns(), name, attributes))
+
+    def fail(self, code: str, server: bool = True) -> None:
+        """`error.type`; with `server`, also the ERROR status (a client's mistake is not the server's)."""
+        self.attributes["error.type"] = code
+        if server:
+            self.error = code
+
+    def end(self) -> None:
+        if not self.end_ns:
+            self.end_ns = time.time_ns()
+            self.tracing.finished(self)
+
+    @property
+    def context(self) -> Context:
+        """The context a child continues (across NATS: `headers_of`)."""
+        return (self.trace_id, self.span_id, self.trace_state)
+
+
 class Tracing:
     """One process part's tracer (the edge's, a node's), with its export and its drop count."""
 
@@ -80,124 +150,92 @@ class Tracing:
         self.ratio = ratio_of(settings, env)
         self.service = env.get("OTEL_SERVICE_NAME", "").strip() or settings.service_name or service
         self._lock = threading.Lock()
-        self.pending = 0
-        """Spans handed to the exporter's queue and not yet exported or dropped."""
         self.dropped = 0
-        """Spans lost: the queue was full or their export failed (collector down, refused)."""
+        """Spans lost: the buffer was full or their export failed (collector down, refused)."""
         self.exported = 0
         self._limit = settings.max_queue_spans
         self._logged_drops = 0
         self._logged_at = 0.0
-        self._provider: TracerProvider | None = None
-        self._exporter: Counting | None = None
-        self._api: Any = None
-        self._propagator: Any = None
-        self.tracer: Tracer | None = None
+        self._exporter: Exporter | None = None
         if self.on:
-            self._build(settings, instance)
+            import iop
 
-    def _build(self, settings: TracingSettings, instance: str) -> None:
-        import opentelemetry.trace
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        import iop
-        from iop.tracing.export import Bounded, Counting
-
-        # The SDK logs every failed export and every dropped span; iop counts them and says so
-        # itself, once per interval (`_note_drops`), so a collector that is down does not flood the log.
-        for name in ("opentelemetry.exporter", "opentelemetry.sdk._shared_internal", "opentelemetry.sdk.trace"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-        attributes: dict[str, str] = {"service.name": self.service, "service.version": iop.__version__}
-        if instance:
-            attributes["service.instance.id"] = instance
-        provider = TracerProvider(
-            # The ratio is drawn in `server_span`, before the SDK is called at all: an unsampled
-            # request then costs a random number, not a span. What reaches the SDK is sampled,
-            # or continues a context (a client's, a work item's) whose flag decides.
-            sampler=ParentBased(ALWAYS_ON),
-            resource=Resource(attributes),
-            shutdown_on_exit=False,
-        )
-        self._exporter = Counting(OTLPSpanExporter(endpoint=self.endpoint, timeout=settings.export_timeout_s), self)
-        batch = BatchSpanProcessor(
-            self._exporter,
-            # Room beyond the bound `_Bounded` keeps: the SDK's own queue never drops uncounted.
-            max_queue_size=self._limit + 1,
-            schedule_delay_millis=settings.export_interval_ms,
-            max_export_batch_size=min(512, self._limit),
-        )
-        provider.add_span_processor(Bounded(batch, self))
-        self._provider = provider
-        self.tracer = provider.get_tracer("iop", iop.__version__)
-        self._api = opentelemetry.trace
-        self._propagator = TraceContextTextMapPropagator()
+            resource: dict[str, Any] = {
+                "service.name": self.service,
+                "service.version": iop.__version__,
+                "telemetry.sdk.name": "iop",
+                "telemetry.sdk.language": "python",
+            }
+            if instance:
+                resource["service.instance.id"] = instance
+            prefix = otlp.resource_prefix(resource, "iop", iop.__version__)
+            self._exporter = Exporter(
+                self.endpoint, env, prefix, self, settings.export_timeout_s, settings.export_interval_ms
+            )
 
     # --- spans ------------------------------------------------------------------------------------
 
-    def server_span(self, name: str, headers: Sequence[tuple[bytes, bytes]], attributes: dict[str, Any]) -> Span | None:
-        """The span of a request arriving over HTTP, continuing the client's trace context if it sent one.
+    def sample(self, headers: Sequence[tuple[bytes, bytes]]) -> Context | None:
+        """Whether a request arriving over HTTP is traced: its client's sampled context, NEW, or None.
 
-        None when the request is not sampled: nothing below it makes spans or carries a context.
-        """
-        assert self.tracer is not None
-        carrier: dict[str, str] = {}
+        Parent-based: a client's valid `traceparent` decides; without one, `sample_ratio` does.
+        Unsampled, this allocates nothing but the random draw."""
+        parent = state = None
         for key, value in headers:
-            if key == b"traceparent" or key == b"tracestate":
-                carrier[key.decode()] = value.decode("latin-1")
-        match = _TRACEPARENT.match(carrier.get("traceparent", ""))
-        if match is not None:
-            if not int(match[3], 16) & 1:
-                return None  # the client's context is not sampled: parent-based, nothing is recorded
-            context = self._propagator.extract(carrier)
-        else:
-            # A new trace (no context, or one W3C says to ignore): sampled at the configured ratio.
-            if self.ratio < 1.0 and random.random() >= self.ratio:
-                return None
-            context = None
-        span = self.tracer.start_span(name, context, self._api.SpanKind.SERVER, attributes)
-        return span if span.is_recording() else None
+            if key == b"traceparent":
+                parent = value
+            elif key == b"tracestate":
+                state = value
+        if parent is not None:
+            context = _parsed(parent.decode("latin-1"), state.decode("latin-1") if state is not None else "")
+            if context is not None:
+                return context if context[0] else None
+        ratio = self.ratio
+        if ratio >= 1.0 or (ratio > 0.0 and random.random() < ratio):
+            return NEW
+        return None
 
-    def child(self, parent: Span, name: str, kind: str = "internal", attributes: dict[str, Any] | None = None) -> Span:
-        """A span under `parent` (which this tracer made, or a context from `continued`)."""
-        assert self.tracer is not None
-        api = self._api
-        return self.tracer.start_span(name, api.set_span_in_context(parent), api.SpanKind[kind.upper()], attributes)
+    def server_span(self, name: str, context: Context, attributes: dict[str, Any]) -> Span:
+        """The span of a request arriving over HTTP, under the context `sample` gave."""
+        return Span(self, name, SERVER, context, attributes)
+
+    def child(self, parent: Span, name: str, kind: int = INTERNAL, attributes: dict[str, Any] | None = None) -> Span:
+        return Span(self, name, kind, parent.context, attributes)
 
     def continued(
-        self, headers: Mapping[str, str] | None, name: str, kind: str, attributes: dict[str, Any]
+        self, headers: Mapping[str, str] | None, name: str, kind: int, attributes: dict[str, Any]
     ) -> Span | None:
         """A span continuing the sampled trace whose context came in `headers` (a work item's); else None."""
         if not headers:
             return None
-        parent = headers.get("traceparent", "")
-        match = _TRACEPARENT.match(parent)
-        if match is None or not int(match[3], 16) & 1:
+        parent = headers.get("traceparent")
+        context = _parsed(parent, headers.get("tracestate", "")) if parent else None
+        if context is None or not context[0]:
             return None
-        assert self.tracer is not None
-        carrier = {"traceparent": parent, "tracestate": headers.get("tracestate", "")}
-        return self.tracer.start_span(
-            name, self._propagator.extract(carrier), self._api.SpanKind[kind.upper()], attributes
-        )
+        return Span(self, name, kind, context, attributes)
 
     # --- export -----------------------------------------------------------------------------------
 
-    def admitted(self) -> bool:
-        """Whether one more finished span fits the export queue; counts it as dropped if not."""
-        with self._lock:
-            if self.pending >= self._limit:
+    def finished(self, span: Span) -> None:
+        """A span ended: into the export buffer, or counted as dropped when the buffer is full."""
+        exporter = self._exporter
+        if exporter is None or len(exporter.buffer) + exporter.sending >= self._limit:
+            with self._lock:
                 self.dropped += 1
-                return False
-            self.pending += 1
-            return True
+            return
+        buffer = exporter.buffer
+        buffer.append(span)
+        if len(buffer) == BATCH_SPANS:
+            exporter.wake()
+
+    @property
+    def pending(self) -> int:
+        """Spans handed to the export and not yet exported or dropped."""
+        exporter = self._exporter
+        return len(exporter.buffer) + exporter.sending if exporter is not None else 0
 
     def exported_batch(self, count: int, ok: bool) -> None:
         with self._lock:
-            self.pending -= count
             if ok:
                 self.exported += count
             else:
@@ -215,38 +253,48 @@ class Tracing:
             self._logged_drops, self._logged_at = self.dropped, now
 
     def shutdown(self, timeout_s: float = 2.0) -> None:
-        """Export what is queued for up to `timeout_s`, then stop; what is left is dropped."""
-        provider, exporter = self._provider, self._exporter
-        if provider is None or exporter is None:
+        """Export what is buffered for up to `timeout_s`, then stop; what is left is dropped."""
+        exporter, self._exporter = self._exporter, None
+        if exporter is None:
             return
-        self._provider = None
-        done = threading.Thread(target=provider.shutdown, name="iop-trace-shutdown", daemon=True)
-        done.start()
-        done.join(timeout_s)
-        if done.is_alive():
-            exporter.abort()  # a collector that is down: stop the export's retries now
-            done.join(timeout_s)
+        exporter.shutdown(timeout_s)
+        left = len(exporter.buffer)
+        if left:
+            exporter.buffer.clear()
+            self.exported_batch(left, False)
+
+
+def _parsed(traceparent: str, tracestate: str) -> Context | None:
+    """A W3C `traceparent`'s context: None when invalid (W3C: ignore it), trace id 0 when not sampled."""
+    match = _TRACEPARENT.match(traceparent)
+    if match is None:
+        return None
+    trace, parent = int(match[1], 16), int(match[2], 16)
+    if not trace or not parent:
+        return None
+    if not int(match[3], 16) & 1:
+        return (0, 0, "")
+    state = tracestate.strip()
+    if len(state) > TRACESTATE_LIMIT or not (state.isascii() and state.isprintable()):
+        state = ""  # W3C lets a carrier drop what it cannot hold
+    return (trace, parent, state)
 
 
 def traceparent(span: Span) -> str:
-    ctx = span.get_span_context()
-    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+    return f"00-{span.trace_id:032x}-{span.span_id:016x}-01"
 
 
 def headers_of(span: Span) -> dict[str, str]:
     """The W3C trace context of `span` as message or HTTP headers."""
     out = {"traceparent": traceparent(span)}
-    state = span.get_span_context().trace_state
-    if state:
-        header = state.to_header()
-        if len(header) <= TRACESTATE_LIMIT:  # W3C lets a carrier drop what it cannot hold
-            out["tracestate"] = header
+    if span.trace_state:
+        out["tracestate"] = span.trace_state
     return out
 
 
 def trace_id(span: Span | None) -> str:
     """The 32 hex digits of a span's trace, "" for none."""
-    return f"{span.get_span_context().trace_id:032x}" if span is not None else ""
+    return f"{span.trace_id:032x}" if span is not None else ""
 
 
 def content(text: bytes | str) -> str:

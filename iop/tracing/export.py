@@ -1,76 +1,163 @@
-"""The SDK's export pipeline with iop's bound and counts around it; imported only when tracing is on."""
+"""The export of finished spans: a bounded buffer a background thread sends in batches over OTLP/HTTP.
+
+A request only appends its span to a list (or counts it dropped when the buffer is full); the
+thread wakes every `export_interval_ms`, or as soon as a batch is full, encodes the batch
+(iop/tracing/otlp.py) and POSTs it on one kept-alive connection. A failed export is retried while
+`export_timeout_s` allows (connection errors, 429, 502, 503, 504, as OTLP says), then its spans
+are dropped and counted.
+"""
 
 from __future__ import annotations
 
+import http.client
 import logging
-from collections.abc import Sequence
+import threading
+import time
+import urllib.parse
+from collections.abc import Mapping
 from typing import Protocol
 
-from opentelemetry.context import Context
-from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from iop.tracing import otlp
 
 log = logging.getLogger("iop.tracing")
 
+BATCH_SPANS = 512
+_RETRYABLE = frozenset({429, 502, 503, 504})
 
-class Tracing(Protocol):
-    """What the pipeline tells its owner (iop.tracing.Tracing): spans let in, spans sent or lost."""
 
-    def admitted(self) -> bool: ...
+class Counts(Protocol):
+    """What the export tells its owner (iop.tracing.Tracing): spans sent or lost."""
+
     def exported_batch(self, count: int, ok: bool) -> None: ...
 
 
-class Counting(SpanExporter):
-    """The OTLP exporter, with what it sent or failed to send counted on the Tracing."""
-
-    def __init__(self, inner: SpanExporter, tracing: Tracing) -> None:
-        self.inner = inner
-        self.tracing = tracing
-        self._closed = False
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        try:
-            result = self.inner.export(spans)
-        except Exception:  # the export thread's boundary: a bug below must cost spans, not the thread
-            log.exception("trace export failed")
-            result = SpanExportResult.FAILURE
-        self.tracing.exported_batch(len(spans), result is SpanExportResult.SUCCESS)
-        return result
-
-    def shutdown(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.inner.shutdown()
-
-    def abort(self) -> None:
-        """Stop an export's retries now (a collector that is down at shutdown): its spans are dropped."""
-        self.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
+def headers_of(env: Mapping[str, str]) -> dict[str, str]:
+    """The collector's headers from `OTEL_EXPORTER_OTLP_[TRACES_]HEADERS` (`k=v,k2=v2`, URL-encoded)."""
+    raw = env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS") or ""
+    out: dict[str, str] = {}
+    for pair in raw.split(","):
+        key, eq, value = pair.partition("=")
+        if eq and key.strip():
+            out[urllib.parse.unquote(key.strip()).lower()] = urllib.parse.unquote(value.strip())
+    return out
 
 
-class Bounded(SpanProcessor):
-    """The SDK's batch processor behind iop's bound: a span past `max_queue_spans` is dropped and counted.
+class Exporter:
+    """One process part's export thread and its connection to the collector."""
 
-    The SDK's own queue drops silently (and logs each span); this one counts, so the drops show in
-    `iop_trace_spans_dropped_total`.
-    """
+    def __init__(
+        self,
+        endpoint: str,
+        env: Mapping[str, str],
+        prefix: tuple[bytes, bytes],
+        counts: Counts,
+        timeout_s: float,
+        interval_ms: int,
+    ) -> None:
+        url = urllib.parse.urlsplit(endpoint)
+        self._https = url.scheme == "https"
+        self._host = url.hostname or "localhost"
+        self._port = url.port or (443 if self._https else 80)
+        self._path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+        self._headers = {"content-type": "application/x-protobuf", **headers_of(env)}
+        compression = env.get("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION") or env.get("OTEL_EXPORTER_OTLP_COMPRESSION")
+        self._gzip = (compression or "").strip().lower() == "gzip"
+        if self._gzip:
+            self._headers["content-encoding"] = "gzip"
+        self._cafile = env.get("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE") or env.get("OTEL_EXPORTER_OTLP_CERTIFICATE")
+        self._prefix = prefix
+        self._counts = counts
+        self._timeout_s = timeout_s
+        self._interval_s = interval_ms / 1000
+        self.buffer: list[otlp.Encodable] = []
+        """Finished spans not yet taken by the thread (appended by the owner, on its own thread)."""
+        self.sending = 0
+        """Spans taken from the buffer and not yet sent or dropped."""
+        self._wake = threading.Event()
+        self._stopping = False
+        self._aborted = threading.Event()
+        self._conn: http.client.HTTPConnection | None = None
+        self._thread = threading.Thread(target=self._run, name="iop-trace-export", daemon=True)
+        self._thread.start()
 
-    def __init__(self, batch: BatchSpanProcessor, tracing: Tracing) -> None:
-        self.batch = batch
-        self.tracing = tracing
+    def wake(self) -> None:
+        self._wake.set()
 
-    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        pass
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
+            while self.buffer:
+                batch = self.buffer[:BATCH_SPANS]
+                self.sending = len(batch)
+                del self.buffer[: len(batch)]
+                ok = not self._aborted.is_set() and self._send(otlp.request(self._prefix, batch))
+                self.sending = 0
+                self._counts.exported_batch(len(batch), ok)
+            if self._stopping:
+                break
+        self._close()
 
-    def on_end(self, span: ReadableSpan) -> None:
-        ctx = span.context
-        if ctx is not None and ctx.trace_flags.sampled and self.tracing.admitted():
-            self.batch.on_end(span)
+    def _send(self, body: bytes) -> bool:
+        if self._gzip:
+            import gzip
 
-    def shutdown(self) -> None:
-        self.batch.shutdown()  # type: ignore[no-untyped-call]
+            body = gzip.compress(body, 6)
+        deadline = time.monotonic() + self._timeout_s
+        backoff = 0.05
+        while True:
+            left = deadline - time.monotonic()
+            status = 0
+            if left > 0:
+                try:
+                    status = self._post(body, left)
+                except (OSError, http.client.HTTPException):
+                    self._close()
+            if 200 <= status < 300:
+                return True
+            if status and status not in _RETRYABLE:
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0 or self._aborted.wait(min(backoff, left)):
+                return False
+            backoff *= 2
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.batch.force_flush(timeout_millis)
+    def _post(self, body: bytes, timeout_s: float) -> int:
+        conn = self._conn
+        if conn is None:
+            conn = self._connect(timeout_s)
+        else:
+            conn.timeout = timeout_s
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout_s)
+        conn.request("POST", self._path, body, self._headers)
+        response = conn.getresponse()
+        response.read()
+        if response.will_close:
+            self._close()
+        return response.status
+
+    def _connect(self, timeout_s: float) -> http.client.HTTPConnection:
+        if self._https:
+            import ssl
+
+            context = ssl.create_default_context(cafile=self._cafile or None)
+            self._conn = http.client.HTTPSConnection(self._host, self._port, timeout=timeout_s, context=context)
+        else:
+            self._conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+        return self._conn
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Send what is buffered for up to `timeout_s`, then stop; what is left is dropped."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._aborted.set()  # a collector that is down: stop retrying now, drop the rest
+            self._close()
+            self._thread.join(timeout_s)
