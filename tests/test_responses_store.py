@@ -403,23 +403,3 @@ async def test_responses_store_unreachable_is_503_never_a_traceback(nats_server:
         with pytest.raises(Unavailable) as refused:
             await call
         assert (refused.value.status, refused.value.code) == (503, "response_store_unavailable")
-
-
-async def test_responses_store_background_of_a_stopping_edge_is_failed_for_every_edge(
-    nats_server: EmbeddedNats,
-) -> None:
-    gate = asyncio.Event()
-    async with fake_upstream(api="chat", gate=gate) as up:
-        dep = deployment(one_provider(up.url, "chat"))
-        try:
-            async with running_node(dep, "n", nats_server.url), running_edge(dep, nats_server.url) as other:
-                async with running_edge(dep, nats_server.url) as first, first.http() as http:
-                    await first.edge.registry.wait_connected(["n"], timeout_s=10)
-                    queued = (await create(http, input="hi", background=True)).json()
-                    await up.wait_for(lambda u: u.in_flight == 1)
-                # The first edge stopped with the work unfinished: any edge tells the client so.
-                async with other.http() as http:
-                    got = (await http.get(f"/v1/responses/{queued['id']}", headers=auth(KEY_A))).json()
-                assert got["status"] == "failed" and "send the request again" in got["error"]["message"]
-        finally:
-            gate.set()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -43,6 +43,7 @@ from iop.edge.tenants import Tenants
 from iop.errors import BadRequest, ErrorResponse, MethodNotAllowed, NotFound, RequestError, error_response
 from iop.responses import background
 from iop.responses.expand import Responses, Turn
+from iop.responses.takeover import Held
 from iop.responses.tap import KeepingSend
 from iop.tracing import Tracing
 
@@ -176,11 +177,30 @@ class ApiEndpoint:
         allowed = edge.tenants.get(out.trace.tenant).policy.allows(model)  # refused now, not after `queued`
         if not allowed or (model not in edge.catalog.pools and model not in edge.catalog.routes):
             raise NotFound(f"model '{model}' does not exist; GET /v1/models lists the models", param="model")
-        queued = await background.queue(edge.responses, owner, turn, turn.request, model)
+        key, tenant = out.trace.key, out.trace.tenant
+        queued = await background.queue(edge.responses, owner, turn, turn.request, model, key, tenant)
+        await self._run_background(head, scope, owner, turn, queued, key, tenant)
+        await out({"type": "http.response.start", "status": 200, "headers": JSON})
+        await out({"type": "http.response.body", "body": _encode_json(queued)})
+
+    async def resume(self, held: Held) -> None:
+        """Run again a background response whose edge is gone (iop/responses/takeover.py), as its key."""
+        resumed = await background.resumed(self.edge.responses, held)
+        if resumed is not None:
+            turn, stored, work = resumed
+            head = parse_head(self.api, _encode_json(turn.body))
+            scope: Scope = {"type": "http", "method": "POST", "path": "/v1/responses", "headers": []}
+            await self._run_background(head, scope, held.owner, turn, stored.response, work.key, work.tenant)
+
+    async def _run_background(
+        self, head: Head, scope: Scope, owner: str, turn: Turn, queued: dict[str, Any], key: str, tenant: str
+    ) -> None:
+        """Start the background response's work: streamed and recorded, so that a client on any edge
+        can follow it live (iop/responses/live.py); it leaves its own record."""
+        edge = self.edge
         trace = Trace(new_request_id(), self.api)
-        trace.key, trace.tenant = out.trace.key, out.trace.tenant
-        # Streamed and recorded, so that a client on any edge can follow it live (iop/responses/live.py).
-        recording = background.recording(edge.responses, owner, queued["id"])
+        trace.key, trace.tenant = key, tenant
+        recording = background.recording(edge.responses, owner, turn)
         keeper = KeepingSend(background.nowhere, edge.responses, owner, turn, True, recording)
         inner = TrackedSend(keeper, trace)
         body, head = _encode_json({**turn.body, "stream": True}), head._replace(stream=True)
@@ -193,20 +213,16 @@ class ApiEndpoint:
         async def work() -> None:
             try:
                 await self._serve(body, head, scope, no_client, inner)
-                if edge.responses.stopping and not keeper.kept:
-                    await background.abandoned(edge.responses, owner, turn, queued, recording)
             except RequestError as exc:
                 trace.error = exc.code
                 await background.failed(edge.responses, owner, turn, queued, exc, recording)
             finally:
                 if not recording.ended:
-                    await recording.abort()  # cancelled: its followers end too
+                    await recording.abort()  # cancelled (or stopped: another edge runs it): its followers end too
                 await recording.stop()
                 self._finished(trace, inner.started)
 
-        await recording.start(background.run(edge.responses, owner, queued["id"], work()))
-        await out({"type": "http.response.start", "status": 200, "headers": JSON})
-        await out({"type": "http.response.body", "body": _encode_json(queued)})
+        await recording.start(background.run(edge.responses, owner, turn, work()))
 
     def _error_response(self, exc: RequestError, request_id: str) -> ErrorResponse:
         """The error in the shape of the API called: Anthropic's for Messages, OpenAI's for the rest."""

@@ -20,6 +20,7 @@ from starlette.types import Scope
 from iop import config, wire
 from iop.contracts.refresh import RefreshResult
 from iop.edge import http as edge_http
+from iop.edge.api import ApiEndpoint
 from iop.edge.bodies import BURST_MIB as BODY_BURST_MIB
 from iop.edge.bodies import ReceivingBodies
 from iop.edge.current import CurrentDeployment
@@ -47,6 +48,7 @@ from iop.openai.compaction import Sealer
 from iop.responses.caps import ResponseCaps
 from iop.responses.expand import Responses
 from iop.responses.store import ResponseStore, owner_of
+from iop.responses.takeover import Takeover, new_runner
 from iop.tracing import Tracing
 
 
@@ -239,6 +241,11 @@ class Edge:
                 "the stored-responses bucket",
                 lambda: ResponseStore.open(self.nc, settings.responses, replicas=replicas),
             )
+            # Background responses of edges that are gone run here again (iop/responses/takeover.py).
+            self.responses.runner = new_runner(self.edge_id)
+            resume = ApiEndpoint(self, "responses").resume
+            self.responses.takeover = Takeover(self.responses.store, self.responses.runner, resume)
+            self.responses.takeover.start()
         for pid, capacity in self.current.capacities().items():
             await available(f"provider {pid}'s consumer", functools.partial(self._consumer, pid, capacity))
         await available("the catalog bucket", lambda: publish_catalog(self.nc, self.js, dep))

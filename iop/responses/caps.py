@@ -41,11 +41,11 @@ class PerKey:
         self.changed = asyncio.Event()
         """Set each time one is given back (what a waiter for a free place rechecks on)."""
 
-    def take(self, owner: str) -> None:
-        """Hold one more for `owner`; TooManyOpen when it holds its bound already."""
+    def take(self, owner: str, bounded: bool = True) -> None:
+        """Hold one more for `owner`; TooManyOpen when it holds its bound already (and `bounded`)."""
         n = self.held.get(owner, 0)
         limit = self.bound()
-        if n >= limit:
+        if bounded and n >= limit:
             self.refused += 1
             raise TooManyOpen(
                 f"this API key has {n} {self.what} open on this edge, the most it may ({self.setting} = {limit}); "

@@ -21,6 +21,7 @@ from iop.errors import BadRequest, NotFound
 from iop.openai import compaction
 from iop.responses.caps import ResponseCaps
 from iop.responses.store import ResponseStore, Stored
+from iop.responses.takeover import Held, Takeover, new_runner
 
 log = logging.getLogger("iop.responses")
 _encode = msgspec.json.Encoder().encode
@@ -64,6 +65,8 @@ class Turn:
     """The client's request as it came (a background response echoes it before any answer)."""
     size: int = 0
     """Bytes of the whole input (the earlier turns' items and this turn's), encoded."""
+    lease: Held | None = None
+    """A background response's lease: its answer is kept only while this edge holds it."""
 
 
 class Responses:
@@ -79,11 +82,19 @@ class Responses:
         """Opens the compaction items a stored conversation holds (a compaction answer's output)."""
         self.running: dict[str, asyncio.Task[None]] = {}
         """Background responses this edge is running, by id (iop/responses/background.py)."""
+        self.leases: dict[str, Held] = {}
+        """Their leases (iop/responses/takeover.py)."""
+        self.runner = new_runner("edge")
+        self.takeover: Takeover | None = None
+        """Takes over the background responses of edges that are gone (started with the store)."""
         self.stopping = False
 
     async def stop(self) -> None:
-        """End the background responses this edge runs (the edge stops): each is kept as failed."""
+        """Stop the background responses this edge runs (the edge stops): another edge takes them over."""
         self.stopping = True
+        if self.takeover is not None:
+            await self.takeover.stop()
+        await asyncio.gather(*(held.release() for held in list(self.leases.values())))
         tasks = list(self.running.values())
         for task in tasks:
             task.cancel()
@@ -143,6 +154,9 @@ class Responses:
             response["id"] = turn.response_id
             stored = await self.store.response(owner, turn.response_id)
             if stored is not None and stored.response.get("status") == "cancelled":
+                return
+            if turn.lease is not None and not await turn.lease.commit():
+                log.warning("background %s: taken over by another edge; this answer is not kept", turn.response_id)
                 return
         # Items with ids are indexed for item_reference: those the client sent (but not the ones
         # that came from a reference, already there) and every output item.

@@ -14,6 +14,11 @@ Before the answer is kept, the whole recording is kept beside it in the store, s
 ended replays the very events (and numbers) a follower saw live: `starting_after=N` means the same
 thing before and after the end. A follower subscribes first and then asks what it missed; when no
 edge answers (the response ended, or its edge is gone) it waits for the stored record to end.
+
+A response another edge took over (iop/responses/takeover.py) runs again: its events are another
+`run`, numbered from 0 (a header of each published event, a field of each reply and of the kept
+recording). A follower that heard part of one run gets of another only its final event, which
+holds the whole response.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import nats.errors
@@ -41,6 +46,13 @@ ASK_S = 2.0
 """How long a follower waits for the running edge to say what it missed."""
 QUIET_S = 15.0
 """A follower that heard nothing this long asks again (the running edge may be gone)."""
+_RUN = "Iop-Run"
+
+
+class Lease(Protocol):
+    """A background response's lease (iop/responses/takeover.py)."""
+
+    async def commit(self) -> bool: ...
 
 
 def subject(response_id: str, what: str) -> str:
@@ -50,8 +62,14 @@ def subject(response_id: str, what: str) -> str:
 class Recording:
     """The running edge's side: every event of one background response, published as it passes."""
 
-    def __init__(self, store: ResponseStore, owner: str, response_id: str) -> None:
+    def __init__(
+        self, store: ResponseStore, owner: str, response_id: str, run: int = 0, lease: Lease | None = None
+    ) -> None:
         self.store = store
+        self.run = run
+        """Which run of the response this is: how often it was taken over (iop/responses/takeover.py)."""
+        self.lease = lease
+        """Its end is kept only while this edge holds the response's lease."""
         self.nc = store.nc
         self.owner = owner
         self.response_id = response_id
@@ -116,8 +134,11 @@ class Recording:
             await self._publish(event)
             return
         self.ended = True
+        if self.lease is not None and not await self.lease.commit():
+            return  # another edge runs it now: its recording is the one kept
         try:
-            await self.store.keep_events(self.owner, self.response_id, _encode(self.events))
+            recorded = _encode({"run": self.run, "events": self.events})
+            await self.store.keep_events(self.owner, self.response_id, recorded)
         except Unavailable:
             # Its answer is still kept when the store comes back; its replay is then renumbered.
             log.warning("background %s: events not kept", self.response_id)
@@ -130,7 +151,7 @@ class Recording:
 
     async def _publish(self, event: dict[str, Any]) -> None:
         try:
-            await self.nc.publish(subject(self.response_id, "events"), _encode(event))
+            await self.nc.publish(subject(self.response_id, "events"), _encode(event), headers={_RUN: str(self.run)})
         except nats.errors.Error as exc:
             log.warning("background %s: event not published: %s", self.response_id, type(exc).__name__)
 
@@ -148,7 +169,7 @@ class Recording:
             if out and size > limit:
                 break
             out.append(event)
-        await msg.respond(_encode({"events": out, "more": len(out) < len(rest)}))
+        await msg.respond(_encode({"events": out, "more": len(out) < len(rest), "run": self.run}))
 
 
 async def stored_events(store: ResponseStore, owner: str, stored: Stored) -> list[dict[str, Any]]:
@@ -156,14 +177,16 @@ async def stored_events(store: ResponseStore, owner: str, stored: Stored) -> lis
     return (await _kept_events(store, owner, stored))[0]
 
 
-async def _kept_events(store: ResponseStore, owner: str, stored: Stored) -> tuple[list[dict[str, Any]], bool]:
+async def _kept_events(store: ResponseStore, owner: str, stored: Stored) -> tuple[list[dict[str, Any]], int | None]:
+    """The events and the run that recorded them (None: a replay of the stored response)."""
     response_id = str(stored.response.get("id"))
     raw = await store.events(owner, response_id) if stored.response.get("background") else None
     if raw is not None:
-        events = _decode(raw)
+        kept = _decode(raw)
+        run, events = (kept.get("run"), kept.get("events")) if isinstance(kept, dict) else (0, kept)
         if isinstance(events, list):
-            return [e for e in events if isinstance(e, dict)], True
-    return replay_events(stored.response), False
+            return [e for e in events if isinstance(e, dict)], run if isinstance(run, int) else 0
+    return replay_events(stored.response), None
 
 
 async def follow(
@@ -179,17 +202,23 @@ async def follow(
     heard: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def hear(msg: Msg) -> None:
-        heard.put_nowait(msg.data)
+        heard.put_nowait((msg.headers or {}).get(_RUN, "0").encode() + b" " + msg.data)
 
     sub = await nc.subscribe(subject(response_id, "events"), cb=hear)
     last = after
+    run: int | None = None
+    """The run this follower heard (it follows no other)."""
     deadline = asyncio.get_running_loop().time() + wait_s
     try:
         while True:
             asked = await _ask(nc, response_id, last)
             if asked is None:
                 break  # no edge runs it: what is stored says how it ended
-            missed, more = asked
+            missed, more, now_run = asked
+            if run is not None and now_run != run:
+                break  # taken over: the new run's end is what this follower gets
+            if missed:
+                run = now_run
             for event in missed:
                 last = event["sequence_number"]
                 yield sse([event])
@@ -205,8 +234,11 @@ async def follow(
                     data = await asyncio.wait_for(heard.get(), min(QUIET_S, left))
                 except TimeoutError:
                     break  # quiet: ask again (is it still running anywhere?)
+                heard_run, _, data = data.partition(b" ")
                 if not data:
                     break  # ended without a final event: what is stored says how
+                if run is not None and heard_run != str(run).encode():
+                    break  # taken over (see `_ask`)
                 event = _decode(data)
                 seq = event.get("sequence_number", -1) if isinstance(event, dict) else -1
                 if seq <= last:
@@ -224,15 +256,17 @@ async def follow(
             pass
     now = await finished(stored, max(0.0, deadline - asyncio.get_running_loop().time()))
     events, recorded = await _kept_events(store, owner, now)
-    if recorded or last < 0:
+    if run is not None and recorded != run:
+        yield sse([e for e in events if e.get("type") in _FINAL])  # another run's end: the whole response
+    elif recorded is not None or last < 0:
         # A replay of a response that was never recorded (cancelled) has its own numbers: only
         # a follower that heard nothing yet takes it.
         yield sse([e for e in events if e.get("sequence_number", -1) > last])
 
 
-async def _ask(nc: NATS, response_id: str, after: int) -> tuple[list[dict[str, Any]], bool] | None:
-    """The events after `after` from the edge running the response, and whether more wait behind
-    them; None when no edge answers."""
+async def _ask(nc: NATS, response_id: str, after: int) -> tuple[list[dict[str, Any]], bool, int] | None:
+    """The events after `after` from the edge running the response, whether more wait behind
+    them, and the run they are of; None when no edge answers."""
     try:
         reply = await nc.request(subject(response_id, "since"), str(after).encode(), timeout=ASK_S)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
@@ -240,8 +274,20 @@ async def _ask(nc: NATS, response_id: str, after: int) -> tuple[list[dict[str, A
     answer = _decode(reply.data)
     events = answer.get("events") if isinstance(answer, dict) else None
     if not isinstance(events, list):
-        return [], False
-    return [e for e in events if isinstance(e, dict)], answer.get("more") is True
+        return [], False, 0
+    run = answer.get("run", 0)
+    return [e for e in events if isinstance(e, dict)], answer.get("more") is True, run if isinstance(run, int) else 0
+
+
+async def answers(nc: NATS, response_id: str, timeout_s: float) -> bool | None:
+    """Whether an edge runs `response_id` (its `since` subject has a subscriber); None: no word in time."""
+    try:
+        await nc.request(subject(response_id, "since"), b"%d" % 2**62, timeout=timeout_s)
+    except nats.errors.NoRespondersError:
+        return False
+    except nats.errors.TimeoutError:
+        return None
+    return True
 
 
 async def cancel_elsewhere(nc: NATS, response_id: str) -> None:

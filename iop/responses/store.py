@@ -4,7 +4,9 @@ Every key starts with the owner's id (a digest of the client key, never the key 
 client's lookup can only ever reach its own keys: another key's response is simply not there (404).
 Keys: `r.<owner>.<response id>` (the response object, this turn's input items, the previous
 response's id), `i.<owner>.<item id>` (one item, for `item_reference`) and `e.<owner>.<response
-id>` (a background response's events as they were streamed, iop/responses/live.py). A value larger than one
+id>` (a background response's events as they were streamed, iop/responses/live.py), and while a
+background response runs `w.<owner>.<id>` and `l.<owner>.<id>` (its work and its lease,
+iop/responses/takeover.py). A value larger than one
 NATS message is kept in parts (`<key>.1`, `<key>.2`, …) written before the key that names them.
 The bucket's age and byte limits bound it; NATS drops the oldest first.
 """
@@ -157,6 +159,19 @@ class ResponseStore:
     @_reachable
     async def events(self, owner: str, response_id: str) -> bytes | None:
         return await self._get(f"e.{owner}.{response_id}") if valid_id(response_id) else None
+
+    @_reachable
+    async def keep_work(self, owner: str, response_id: str, work: bytes) -> None:
+        """What another edge needs to run a background response again (iop/responses/takeover.py)."""
+        await self._put(f"w.{owner}.{response_id}", work)
+
+    @_reachable
+    async def work(self, owner: str, response_id: str) -> bytes | None:
+        return await self._get(f"w.{owner}.{response_id}") if valid_id(response_id) else None
+
+    @_reachable
+    async def forget_work(self, owner: str, response_id: str) -> None:
+        await self._delete(f"w.{owner}.{response_id}")
 
     @_reachable
     async def delete(self, owner: str, response_id: str) -> bool:

@@ -1,0 +1,146 @@
+"""A background response outlives its edge: when the edge that runs it stops, or dies (SIGKILL), or
+dies and starts again, another edge runs it again and the store keeps its one answer, for the key
+that asked (iop/responses/takeover.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from iop.nats.server import EmbeddedNats
+from tests.fakes import fake_upstream
+from tests.harness import deployment, edge_process, eventually, running_edge, running_node, sse_events
+
+KEY_A = "sk-client-a-0123456789"
+KEY_B = "sk-client-b-0123456789"
+DEPLOYMENT = """
+edge: {{api_keys_env: IOP_TEST_KEYS}}
+models: [{{alias: m, pool: [p]}}]
+nodes:
+  - id: n
+    adapters: [{{id: up, type: openai, base_url: "{url}", api: chat}}]
+    providers: [{{id: p, adapter: up, model: served-model, capacity: 2}}]
+"""
+
+
+@pytest.fixture(autouse=True)
+def keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IOP_TEST_KEYS", f"a:{KEY_A}, b:{KEY_B}")
+
+
+def auth(key: str = KEY_A) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+async def start(http: httpx.AsyncClient) -> dict[str, Any]:
+    r = await http.post("/v1/responses", json={"model": "m", "input": "hi", "background": True}, headers=auth())
+    assert r.status_code == 200, r.text
+    queued: dict[str, Any] = r.json()
+    assert queued["status"] == "queued"
+    return queued
+
+
+async def completed(http: httpx.AsyncClient, response_id: str, timeout_s: float = 60) -> dict[str, Any]:
+    """The response once an edge polled through `http` says it completed."""
+    got: dict[str, Any] = {}
+
+    async def done() -> bool:
+        nonlocal got
+        got = (await http.get(f"/v1/responses/{response_id}", headers=auth())).json()
+        return got.get("status") not in ("queued", "in_progress")
+
+    await eventually(done, timeout_s=timeout_s, every_s=0.2)
+    return got
+
+
+def text_of(response: dict[str, Any]) -> str:
+    return str(response["output"][0]["content"][0]["text"])
+
+
+async def test_background_takeover_of_a_stopping_edge_completes_on_another(nats_server: EmbeddedNats) -> None:
+    gate = asyncio.Event()
+    async with fake_upstream(api="chat", gate=gate) as up:
+        dep = deployment(DEPLOYMENT.format(url=up.url))
+        try:
+            async with running_node(dep, "n", nats_server.url), running_edge(dep, nats_server.url) as other:
+                async with running_edge(dep, nats_server.url) as first, first.http() as http:
+                    await first.edge.registry.wait_connected(["n"], timeout_s=10)
+                    queued = await start(http)
+                    await up.wait_for(lambda u: u.in_flight == 1)
+                # The first edge released it when it stopped: the other runs it again at once.
+                await up.wait_for(lambda u: u.total == 2, timeout_s=30)
+                gate.set()
+                async with other.http() as http:
+                    final = await completed(http, queued["id"])
+                    assert (final["status"], final["id"], text_of(final)) == ("completed", queued["id"], "w0 w1 w2")
+                    assert (await http.get(f"/v1/responses/{queued['id']}", headers=auth(KEY_B))).status_code == 404
+                    await eventually(lambda: _no_lease(other.edge), timeout_s=10)
+        finally:
+            gate.set()
+
+
+async def _no_lease(edge: Any) -> bool:
+    """Nothing is left of the run but its answer: no lease, no work record."""
+    return not edge.responses.takeover.leases and not edge.responses.running
+
+
+async def test_background_takeover_after_its_edge_is_killed(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    async with fake_upstream(api="chat", gate=gate) as up:
+        path = tmp_path / "deployment.yaml"
+        path.write_text(DEPLOYMENT.format(url=up.url))
+        dep = deployment(path.read_text())
+        try:
+            async with (
+                running_node(dep, "n", nats_server.url),
+                running_edge(dep, nats_server.url) as survivor,
+                survivor.http() as http_b,
+            ):
+                async with (
+                    edge_process(path, nats_server.url) as (doomed, url),
+                    httpx.AsyncClient(base_url=url) as a,
+                ):
+                    queued = await start(a)
+                    await up.wait_for(lambda u: u.in_flight == 1, timeout_s=30)
+                    # A follower on the other edge, from before the death to the end.
+                    follower = asyncio.create_task(
+                        http_b.get(f"/v1/responses/{queued['id']}?stream=true", headers=auth(), timeout=90)
+                    )
+                    doomed.kill()
+                    await doomed.proc.wait()
+                await up.wait_for(lambda u: u.total == 2, timeout_s=30)  # run again by the survivor
+                gate.set()
+                final = await completed(http_b, queued["id"])
+                assert (final["status"], final["id"], text_of(final)) == ("completed", queued["id"], "w0 w1 w2")
+                events = sse_events((await follower).text)
+                assert events[-1]["type"] == "response.completed" and events[-1]["response"] == final
+                await eventually(lambda: _no_lease(survivor.edge), timeout_s=10)
+        finally:
+            gate.set()
+    assert up.total == 2  # one run per edge that ran it; the answer kept once
+
+
+async def test_background_takeover_by_the_same_edge_started_again(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    async with fake_upstream(api="chat", gate=gate) as up:
+        path = tmp_path / "deployment.yaml"
+        path.write_text(DEPLOYMENT.format(url=up.url))
+        dep = deployment(path.read_text())
+        try:
+            async with running_node(dep, "n", nats_server.url):
+                async with edge_process(path, nats_server.url) as (edge, url), httpx.AsyncClient(base_url=url) as http:
+                    queued = await start(http)
+                    await up.wait_for(lambda u: u.in_flight == 1, timeout_s=30)
+                    edge.kill()
+                    await edge.proc.wait()
+                async with edge_process(path, nats_server.url) as (_, url), httpx.AsyncClient(base_url=url) as http:
+                    await up.wait_for(lambda u: u.total == 2, timeout_s=30)
+                    gate.set()
+                    final = await completed(http, queued["id"])
+                    assert (final["status"], text_of(final)) == ("completed", "w0 w1 w2")
+        finally:
+            gate.set()
