@@ -309,10 +309,12 @@ async def node_process(config_file: Path, node_id: str, nats_url: str) -> AsyncI
 
 
 @asynccontextmanager
-async def edge_process(config_file: Path, nats_url: str) -> AsyncIterator[tuple[IopProcess, str]]:
+async def edge_process(
+    config_file: Path, nats_url: str, env: Mapping[str, str] | None = None
+) -> AsyncIterator[tuple[IopProcess, str]]:
     """An edge as its own process on a free port; yields it and its base URL; SIGKILLed on exit."""
     args = ("edge", "--config", str(config_file), "--listen", "127.0.0.1:0", "--nats", nats_url)
-    async with iop_process(*args, stop_grace_s=0) as p:
+    async with iop_process(*args, env=env, stop_grace_s=0) as p:
         m = await p.wait_line(r"iop edge listening on (http://\S+)")
         yield p, m.group(1)
 

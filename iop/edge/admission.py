@@ -15,7 +15,8 @@ from functools import partial
 from time import monotonic
 
 from iop.edge.affinity import Sessions
-from iop.edge.fairqueue import NOBODY, TenantQueue, Waiter, Who
+from iop.edge.fairqueue import NOBODY, PRIORITIES, TenantQueue, Waiter, Who
+from iop.edge.leases import TenantLeases
 from iop.edge.routing import Ask, Router
 from iop.edge.slots import Grant, PinnedQueue, PoolQueue, ProviderSlots
 from iop.errors import QueueFull, Unavailable
@@ -49,6 +50,9 @@ class Admission:
         """Called when a provider's `in_flight` changed (iop/edge/share.py tells the other edges)."""
         self.router = Router()
         """Which free provider a request gets (iop/edge/routing.py), and what it knows of each one's speed."""
+        self.leases: TenantLeases | None = None
+        """Tenants' max_concurrent shared with the other edges (iop/edge/leases.py): a limited tenant's
+        bound in the fair queue is the units this edge holds; None: the policy's bound, per edge."""
 
     async def acquire_grant(
         self,
@@ -107,11 +111,14 @@ class Admission:
         ask: Ask | None = None,
     ) -> Grant:
         alias = pool.alias
+        if self.leases is not None and tracked and who[3] is not None:
+            who = (*who[:3], self.leases.bound(alias, who[0], who[3]))
         hold = prefer_wait_s > 0 and self._holdable(pool, prefer, exclude)
         queue = pool.waiters
         known = queue.tenants.get(who[0])
+        may_run = known.eligible if known is not None else who[3] is None or who[3] > 0
         # Anyone who may take a slot before it waits already: a free slot is theirs, not this one's.
-        if not queue.eligible_waiting and (not tracked or known is None or known.eligible):
+        if not queue.eligible_waiting and (not tracked or may_run):
             slot = self._choice(pool, exclude, prefer, hold, ask)
             if slot is not None:
                 pool.waits_s.append(0.0)
@@ -142,7 +149,8 @@ class Admission:
         waiter = Waiter(loop.create_future(), next(self._order), exclude, size, prefer, hold)
         waiter.tracked, waiter.ask = tracked, ask
         queued_at = loop.time()
-        pool.waiters.add(waiter, queue.tenant(*who))  # after the last await: the entry is current
+        pool.waiters.add(waiter, t := queue.tenant(*who))  # after the last await: the entry is current
+        self._tenant_changed(pool, t)
         self.waiting_bytes += size
         self.changed.set()
         hold_over = loop.call_later(prefer_wait_s, self._hold_over, pool, waiter) if hold else None
@@ -166,6 +174,7 @@ class Admission:
                 if waiter.queued:
                     pool.waiters.remove(waiter)
                     self._left(waiter)
+                    self._tenant_changed(pool, waiter.tenant)
                     self.changed.set()
             if isinstance(exc, TimeoutError):
                 raise Unavailable(
@@ -184,7 +193,25 @@ class Admission:
             return Grant(slot, pool)
         charge = pool.waiters.start(tenant, tracked)
         pool.waiters.granted_class(tenant.rank)
+        self._tenant_changed(pool, tenant)
         return Grant(slot, pool, tenant if tracked else None, charge)
+
+    def _tenant_changed(self, pool: PoolQueue, t: TenantQueue | None) -> None:
+        """A tenant's running or waiting count on `pool` changed: its lease follows (iop/edge/leases.py)."""
+        if self.leases is None or t is None or t.max_concurrent is None:
+            return
+        bound = self.leases.changed(pool.alias, t.name, t.running, len(t.waiters))
+        if bound is not None and bound != t.max_concurrent and pool.waiters.tenants.get(t.name) is t:
+            pool.waiters.tenant(t.name, PRIORITIES[t.rank], t.weight, bound)
+
+    def lease_bound(self, alias: str, tenant: str, bound: int) -> None:
+        """The units this edge holds of `tenant`'s bound on `alias` changed (another edge's want, a grant)."""
+        pool = self.pools.get(alias)
+        t = pool.waiters.tenants.get(tenant) if pool is not None else None
+        if pool is None or t is None or t.max_concurrent == bound:
+            return
+        pool.waiters.tenant(t.name, PRIORITIES[t.rank], t.weight, bound)
+        self._pump([pool])
 
     def _holdable(self, pool: PoolQueue, prefer: str | None, exclude: frozenset[str]) -> bool:
         """Whether `prefer` is a provider of the pool worth waiting for: in rotation and connected."""
@@ -227,7 +254,7 @@ class Admission:
             for pool in pools:
                 if not pool.waiters or pool.best() is None:
                     continue  # nobody waits, or nothing is free for anyone of this pool
-                found = pool.waiters.candidate(partial(self._choose, pool), self._gone)
+                found = pool.waiters.candidate(partial(self._choose, pool), partial(self._gone, pool))
                 if found is not None and (chosen is None or found[0].turn < chosen[1].turn):
                     chosen = (pool, *found)
             if chosen is None:
@@ -242,9 +269,10 @@ class Admission:
     def _choose(self, pool: PoolQueue, w: Waiter) -> ProviderSlots | None:
         return self._choice(pool, w.exclude, w.prefer, w.holding, w.ask)
 
-    def _gone(self, waiter: Waiter) -> None:
+    def _gone(self, pool: PoolQueue, waiter: Waiter) -> None:
         """A waiter the pump found cancelled (its own handler has not run yet): out of the count."""
         self._left(waiter)
+        self._tenant_changed(pool, waiter.tenant)
         self.changed.set()  # one fewer waits: observers (the burst trim) count again
 
     def _left(self, waiter: Waiter) -> None:
@@ -287,6 +315,7 @@ class Admission:
             self.changed.set()
         if grant is not None and grant.tenant is not None:
             grant.pool.waiters.end(grant.tenant, monotonic() - grant.at, grant.charge)
+            self._tenant_changed(grant.pool, grant.tenant)
             grant.tenant = None  # given back once, whoever calls again
         self._pump(slot.pools)
 
@@ -330,6 +359,7 @@ class Admission:
                 if retry_s is not None:
                     pool.waiters.remove(waiter)
                     self._left(waiter)
+                    self._tenant_changed(pool, waiter.tenant)
                     waiter.future.set_exception(_pool_unavailable(pool.alias, retry_s))
                     self.changed.set()
 

@@ -25,6 +25,7 @@ from iop.edge.bodies import BURST_MIB as BODY_BURST_MIB
 from iop.edge.bodies import ReceivingBodies
 from iop.edge.current import CurrentDeployment
 from iop.edge.keys import EdgeKeys
+from iop.edge.leases import TenantLeases
 from iop.edge.ledger import LedgerWriter, ensure_ledger_stream
 from iop.edge.lifecycle import Lifecycle
 from iop.edge.limits import Limiter
@@ -139,6 +140,10 @@ class Edge:
         self.limits = Limiter()
         """Tenants' rpm, tpm and budgets, shared with the other edges in the KV bucket iop_limits."""
         self.limits.on_refusal = self.metrics.refused
+        self.leases = TenantLeases(self.edge_id)
+        """Tenants' max_concurrent, each edge's share of it held in the KV bucket iop_leases."""
+        self.scheduler.leases = self.leases
+        self.leases.on_bound = self.scheduler.lease_bound
         self.scheduler.router.server_of = self._server_of
         self.lifecycle = Lifecycle(self.scheduler, lambda: self.current.catalog, self.js, self.edge_id)
         """Drains by policy, by an operator, by a failed qualification; shared with the other edges."""
@@ -233,6 +238,7 @@ class Edge:
             )
             self.ledger.start()
         await available("the limits bucket", lambda: self.limits.open(self.js, settings.nats.replicas))
+        await available("the leases bucket", lambda: self.leases.open(self.js, settings.nats.replicas))
         await available("the keys bucket", lambda: self.managed_keys.open(self.js, settings.nats.replicas))
         await available("the work stream", lambda: streams.ensure_work_stream(self.js, replicas=settings.nats.replicas))
         if settings.responses.enabled:
@@ -302,6 +308,7 @@ class Edge:
         await self.lifecycle.stop()
         await self.registry.stop()
         await self.limits.drain()
+        await self.leases.stop()
         await self.managed_keys.stop()
         if self.ledger is not None:
             await self.ledger.stop()
