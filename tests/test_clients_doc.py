@@ -114,6 +114,39 @@ async def test_clients_doc_openai_sdk_snippet_answers(nats_server: EmbeddedNats,
     assert out.splitlines() == [ANSWER] * out.count(ANSWER) and out.count(ANSWER) >= 1
 
 
+async def test_clients_doc_langchain_chat_and_a_second_responses_turn(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    if importlib.util.find_spec("langchain_openai") is None:
+        pytest.skip("LangChain is not installed (the [test] extra installs langchain-openai)")
+    seen: list[dict[str, Any]] = []
+
+    def answer(body: dict[str, Any]) -> Turn:
+        seen.append(body)
+        return Turn(text=ANSWER)
+
+    keys = EdgeKeys(clients=[Key("doc", DOC_KEY)], admins=[])
+    async with (
+        scripted_chat(answer) as up,
+        deployment_running(deployment(POOL.format(url=up.url)), nats_server.url, keys) as h,
+    ):
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)}
+        rc, out = await run(
+            [sys.executable, "-c", block("langchain", "python").replace(DOC_EDGE, h.url)], env, tmp_path
+        )
+        store = h.edge.responses.store
+        assert store is not None
+        kept = [await store.response(owner, rid) for owner, rid in (await store.listing(10))[0]]
+    assert rc == 0, out
+    assert out.splitlines() == [ANSWER] * 3
+    # The second Responses turn sent only its new message and the first answer's id: the model
+    # still read the whole conversation, put back from the store.
+    conversation = [(m["role"], m.get("content")) for m in seen[2]["messages"]]
+    assert conversation == [("user", "say hi"), ("assistant", ANSWER), ("user", "and again")]
+    second = [k for k in kept if k is not None and k.previous is not None]
+    assert len(second) == 1 and [i.get("content") for i in second[0].input] == ["and again"]
+
+
 async def test_clients_doc_claude_code_command_answers(nats_server: EmbeddedNats, tmp_path: Path) -> None:
     if not (CODEX_BIN / "claude").exists():
         pytest.skip("Claude Code is not installed (.ci/run installs it into .ci/npm when npm exists)")
