@@ -147,6 +147,20 @@ async def test_clients_doc_langchain_chat_and_a_second_responses_turn(
     assert len(second) == 1 and [i.get("content") for i in second[0].input] == ["and again"]
 
 
+async def test_clients_doc_opencode_config_and_command_answer(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    if not (CODEX_BIN / "opencode").exists():
+        pytest.skip("opencode is not installed (.ci/run installs opencode-ai into .ci/npm when npm exists)")
+    async with doc_edge(nats_server) as h:
+        (tmp_path / "opencode.json").write_text(block("opencode", "json").replace(DOC_EDGE, h.url))
+        # Nothing but the edge: no model list, update, plugin or language server fetched from elsewhere.
+        offline = ("MODELS_FETCH", "AUTOUPDATE", "DEFAULT_PLUGINS", "LSP_DOWNLOAD", "SHARE")
+        env = {"PATH": f"{CODEX_BIN}:{os.environ.get('PATH', '')}", "HOME": str(tmp_path)}
+        env |= {f"OPENCODE_DISABLE_{what}": "1" for what in offline}
+        rc, out = await run(["/bin/sh", "-c", block("opencode", "sh")], env, tmp_path, timeout_s=120)
+    assert rc == 0, out[-3000:]
+    assert ANSWER in out
+
+
 async def test_clients_doc_claude_code_command_answers(nats_server: EmbeddedNats, tmp_path: Path) -> None:
     if not (CODEX_BIN / "claude").exists():
         pytest.skip("Claude Code is not installed (.ci/run installs it into .ci/npm when npm exists)")
