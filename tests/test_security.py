@@ -29,7 +29,7 @@ from iop.edge.app import build_app
 from iop.edge.keys import EdgeKeys, parse_keys
 from iop.edge.ledger import LEDGER_STREAM, RequestRecord
 from iop.edge.usage_query import read_records
-from iop.errors import BusError, ConfigError
+from iop.errors import BusError, ConfigError, Unauthorized
 from iop.nats import connection
 from iop.nats.access import SECRET_FILE, Credentials, NatsAccess
 from iop.nats.bundle import nats_server_path
@@ -286,6 +286,21 @@ def test_keys_are_named_entries_and_a_named_variable_without_keys_fails_closed()
         assert len(info.value.problems) == 1 and info.value.problems[0].startswith(line), info.value.problems
     both = EdgeKeys.from_settings(settings, {"IOP_K": KEY, "IOP_A": f"root:{OTHER_KEY}"})
     assert [k.name for k in both.clients] == ["client-1"] and [k.name for k in both.admins] == ["root"]
+
+
+def test_a_thousand_client_keys_each_find_their_own_name_and_near_misses_are_refused() -> None:
+    keys = parse_keys(",".join(f"t{i}:sk-{i:04d}-{'x' * 24}" for i in range(1000)) + ",again:sk-0007-" + "x" * 24, "c")
+    edge = EdgeKeys(clients=keys, admins=[])
+
+    def bearer(secret: str) -> dict[str, object]:
+        return {"headers": [(b"authorization", f"Bearer {secret}".encode())]}
+
+    for i in (0, 7, 999):
+        key = edge.client(bearer(f"sk-{i:04d}-{'x' * 24}"))
+        assert key is not None and key.name == f"t{i}"  # t7, not "again": the first of equal secrets
+    for wrong in (f"sk-0007-{'x' * 23}y", f"sk-0007-{'x' * 23}", ""):
+        with pytest.raises(Unauthorized):
+            edge.client(bearer(wrong))
 
 
 def test_nats_access_reads_secrets_from_the_named_variables_only() -> None:

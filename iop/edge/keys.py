@@ -6,10 +6,12 @@ each `key` or `name:key`. The name is what logs show; a key itself is never logg
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import os
 import re
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -68,6 +70,12 @@ class EdgeKeys:
     admins: list[Key]
     lookups: list[Callable[[bytes], Key | None]] = field(default_factory=list)
     """Further client keys beside the environment's, asked in order (the managed keys)."""
+    _clients: dict[bytes, Key] = field(init=False, repr=False, compare=False)
+    _admins: dict[bytes, Key] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_clients", _index(self.clients))
+        object.__setattr__(self, "_admins", _index(self.admins))
 
     @classmethod
     def from_settings(cls, edge: config.EdgeSettings, environ: Mapping[str, str] | None = None) -> EdgeKeys:
@@ -81,7 +89,7 @@ class EdgeKeys:
         if not self.clients:
             return None
         given = _bearer(scope)
-        key = _match(given, self.clients)
+        key = _match(given, self._clients)
         if key is None and given:
             for lookup in self.lookups:
                 if (key := lookup(given)) is not None:
@@ -92,7 +100,7 @@ class EdgeKeys:
 
     def holds_admin_key(self, scope: Scope) -> bool:
         """The request carries one of the admin keys (never true without admin keys: no loopback rule)."""
-        return bool(self.admins) and _match(_bearer(scope), self.admins) is not None
+        return bool(self.admins) and _match(_bearer(scope), self._admins) is not None
 
     def admin(self, scope: Scope) -> str:
         """Who is asking for an admin action, as logs may say it; Forbidden/Unauthorized otherwise.
@@ -113,10 +121,10 @@ class EdgeKeys:
                     code="admin_only_loopback",
                 )
             return f"local ({peer})"
-        key = _match(given, self.admins)
+        key = _match(given, self._admins)
         if key is not None:
             return f"{key.name} ({peer})"
-        if given and _match(given, self.clients) is not None:
+        if given and _match(given, self._clients) is not None:
             raise Forbidden("a client key cannot use admin endpoints (send an admin key)", code="not_admin")
         raise Unauthorized("missing or invalid admin key (send Authorization: Bearer <admin key>)")
 
@@ -132,13 +140,30 @@ def _bearer(scope: Scope) -> bytes:
     return api_key
 
 
-def _match(given: bytes, keys: list[Key]) -> Key | None:
-    # Every key is compared (constant time each): timing tells nothing about which one is close.
-    found = None
+_INDEX_KEY = secrets.token_bytes(32)
+"""This process's key for the keys' index: nobody outside knows where a given key would land."""
+
+
+def _tag(secret: bytes) -> bytes:
+    return hashlib.blake2b(secret, key=_INDEX_KEY, digest_size=16).digest()
+
+
+def _index(keys: list[Key]) -> dict[bytes, Key]:
+    """Keys by a keyed digest of their secret (the first of equal secrets wins, as a scan in order)."""
+    index: dict[bytes, Key] = {}
     for key in keys:
-        if hmac.compare_digest(given, key.secret) and found is None:
-            found = key
-    return found if given else None
+        index.setdefault(_tag(key.secret), key)
+    return index
+
+
+def _match(given: bytes, index: dict[bytes, Key]) -> Key | None:
+    # One lookup whatever the number of keys (1,000 keys scanned cost ~60 us a request). The
+    # lookup's timing depends on a digest under a key only this process has, so it tells a caller
+    # nothing about any secret; the secret itself is compared in constant time.
+    if not given:
+        return None
+    key = index.get(_tag(given))
+    return key if key is not None and hmac.compare_digest(given, key.secret) else None
 
 
 def _peer(scope: Scope) -> str:
