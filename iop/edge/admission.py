@@ -157,20 +157,21 @@ class Admission:
         # The first in the order may hold out for its preferred provider, not take one it failed on,
         # or be at its max_concurrent while another is free: one behind may take that slot now.
         self._pump([pool])
+        # The queue timeout as one timer that fails the future (asyncio.timeout costs twice as much).
+        expiry = loop.call_at(deadline, _expire, waiter.future)
         try:
-            async with asyncio.timeout_at(deadline):
-                grant: Grant = await waiter.future
+            grant: Grant = await waiter.future
         except BaseException as exc:
-            if waiter.future.done() and not waiter.future.cancelled():
-                if waiter.future.exception() is None:
-                    # Granted in the same instant as the timeout or the client leaving: give it back.
-                    granted: Grant = waiter.future.result()
-                    self.trial_over(granted.slot)
-                    self.release(granted.slot, granted)
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                # Granted in the same instant as the client leaving: give it back.
+                granted: Grant = future.result()
+                self.trial_over(granted.slot)
+                self.release(granted.slot, granted)
             else:
-                waiter.future.cancel()
-                # A release between the cancel and this handler may have dropped it off the queue
-                # already (_pump clears finished waiters): remove it only if it is still in.
+                future.cancel()
+                # Expired, cancelled, or failed by the pool: still in the queue only if nobody took it out
+                # (_pump clears finished waiters, a refusal removes its own).
                 if waiter.queued:
                     pool.waiters.remove(waiter)
                     self._left(waiter)
@@ -182,6 +183,7 @@ class Admission:
                 ) from None
             raise
         finally:
+            expiry.cancel()
             if hold_over is not None:
                 hold_over.cancel()
         pool.waits_s.append(loop.time() - queued_at)
@@ -365,6 +367,12 @@ class Admission:
 
     def waiting(self, alias: str) -> int:
         return len(self.pools[alias].waiters)
+
+
+def _expire(future: asyncio.Future[Grant]) -> None:
+    """A waiter's queue timeout: its wait ends in TimeoutError unless it was granted already."""
+    if not future.done():
+        future.set_exception(TimeoutError())
 
 
 def _pool_unavailable(alias: str, retry_s: float) -> Unavailable:
