@@ -52,7 +52,7 @@ FIRST_HOLD_S = 1.0
 """The charge before the pool's first release measured one."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Waiter:
     future: asyncio.Future[Any]
     """Resolves to its `slots.Grant` (typed there: this module sits below the slots)."""
@@ -80,7 +80,7 @@ class Waiter:
     free slot of a provider too slow for it, so the waiters behind it are asked too."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TenantQueue:
     """One tenant's requests in one pool: those waiting (oldest first) and the count holding slots."""
 

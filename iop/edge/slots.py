@@ -100,7 +100,7 @@ class ProviderSlots:
         return "open" if now < self.open_until else "half_open"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Grant:
     """A slot granted to one request: released with it, so its tenant's share is given back."""
 
