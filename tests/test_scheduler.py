@@ -174,6 +174,40 @@ async def test_scheduler_gives_up_at_the_deadline_and_leaves_the_queue() -> None
     assert s.providers["p"].in_flight == 0
 
 
+async def test_scheduler_waiters_time_out_in_deadline_order_whatever_their_arrival() -> None:
+    # One timer serves every waiter: a later arrival with a sooner deadline re-arms it, a waiter
+    # granted before its deadline is not failed by it, and each expires at its own deadline.
+    s = scheduler({"p": 1}, {"m": ["p"]})
+    loop = asyncio.get_running_loop()
+    held = await s.acquire_grant("m", soon())
+    ended: list[str] = []
+
+    async def wait(name: str, after_s: float) -> Grant | None:
+        try:
+            return await s.acquire_grant("m", loop.time() + after_s)
+        except Unavailable as exc:
+            assert exc.code == "queue_timeout"
+            return None
+        finally:
+            ended.append(name)
+
+    late = asyncio.create_task(wait("late", 3.0))
+    await waiting(s, "m", 1)
+    first = asyncio.create_task(wait("first", 30))  # granted below, long before its deadline
+    await waiting(s, "m", 2)
+    soonest = asyncio.create_task(wait("soonest", 0.1))
+    await waiting(s, "m", 3)
+    assert await asyncio.wait_for(soonest, 5) is None and ended == ["soonest"]
+    free(s, held)  # "late" is older than "first": it takes the slot ...
+    got = await asyncio.wait_for(late, 5)
+    assert got is not None and ended == ["soonest", "late"]
+    free(s, got)  # ... and "first" the next one, its deadline far off
+    got = await asyncio.wait_for(first, 5)
+    assert got is not None and ended == ["soonest", "late", "first"]
+    free(s, got)
+    assert (s.waiting("m"), s.providers["p"].in_flight) == (0, 0)
+
+
 async def test_scheduler_bounds_the_bytes_waiting_requests_hold() -> None:
     s = scheduler({"p": 1}, {"m": ["p"], "n": ["p"]})
     s.max_waiting_bytes = 1000

@@ -8,6 +8,7 @@ whether they are usable (catalog, connections, breakers) is iop/edge/scheduler.p
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import math
 from collections.abc import Callable
@@ -41,6 +42,12 @@ class Admission:
         self.providers: dict[str, ProviderSlots] = {}
         self.pools: dict[str, PoolQueue] = {}
         self._order = itertools.count()
+        self._deadlines: list[tuple[float, int, asyncio.Future[Grant]]] = []
+        """(deadline, order, future) of the waiters, soonest first: one loop timer for them all
+        (`_expire`); an entry whose waiter left already goes when it surfaces, or at a compaction."""
+        self._expiry: asyncio.TimerHandle | None = None
+        self._expiry_at = math.inf
+        self._compact_at = 64
         self._connected = asyncio.Event()
         self.changed = asyncio.Event()
         """Set whenever a request starts or stops waiting (observers clear it, then wait)."""
@@ -156,9 +163,9 @@ class Admission:
         hold_over = loop.call_later(prefer_wait_s, self._hold_over, pool, waiter) if hold else None
         # The first in the order may hold out for its preferred provider, not take one it failed on,
         # or be at its max_concurrent while another is free: one behind may take that slot now.
-        self._pump([pool])
-        # The queue timeout as one timer that fails the future (asyncio.timeout costs twice as much).
-        expiry = loop.call_at(deadline, _expire, waiter.future)
+        if pool.best() is not None:
+            self._pump([pool])
+        self._watch(loop, deadline, waiter)
         try:
             grant: Grant = await waiter.future
         except BaseException as exc:
@@ -183,11 +190,43 @@ class Admission:
                 ) from None
             raise
         finally:
-            expiry.cancel()
             if hold_over is not None:
                 hold_over.cancel()
         pool.waits_s.append(loop.time() - queued_at)
         return grant
+
+    def _watch(self, loop: asyncio.AbstractEventLoop, deadline: float, waiter: Waiter) -> None:
+        """Fail `waiter` with TimeoutError at `deadline` (the loop's clock) unless it is done by then.
+
+        One timer for every waiter instead of one each (asyncio.timeout, or a call_at per waiter):
+        a timer costs an allocation, a push on the loop's heap and a cancel on every admission."""
+        heap = self._deadlines
+        while heap and heap[0][2].done():
+            heapq.heappop(heap)  # granted or gone: the usual case, as deadlines follow arrivals
+        heapq.heappush(heap, (deadline, waiter.order, waiter.future))
+        if len(heap) >= self._compact_at:
+            heap[:] = [e for e in heap if not e[2].done()]
+            heapq.heapify(heap)
+            self._compact_at = max(64, 2 * len(heap))
+        if deadline < self._expiry_at:
+            if self._expiry is not None:
+                self._expiry.cancel()
+            self._expiry, self._expiry_at = loop.call_at(deadline, self._expire), deadline
+
+    def _expire(self) -> None:
+        """The soonest deadline came: its waiters (and any other one due) end in TimeoutError."""
+        loop = asyncio.get_running_loop()
+        # The loop's timers may fire a hair early (uvloop's are whole milliseconds), as asyncio.timeout's.
+        due = loop.time() + 0.001
+        heap = self._deadlines
+        while heap and (heap[0][0] <= due or heap[0][2].done()):
+            future = heapq.heappop(heap)[2]
+            if not future.done():
+                future.set_exception(TimeoutError())
+        self._expiry, self._expiry_at = None, math.inf
+        if heap:
+            self._expiry_at = heap[0][0]
+            self._expiry = loop.call_at(self._expiry_at, self._expire)
 
     def _grant(self, slot: ProviderSlots, pool: PoolQueue, tenant: TenantQueue | None, tracked: bool) -> Grant:
         self._take(slot, pool)
@@ -367,12 +406,6 @@ class Admission:
 
     def waiting(self, alias: str) -> int:
         return len(self.pools[alias].waiters)
-
-
-def _expire(future: asyncio.Future[Grant]) -> None:
-    """A waiter's queue timeout: its wait ends in TimeoutError unless it was granted already."""
-    if not future.done():
-        future.set_exception(TimeoutError())
 
 
 def _pool_unavailable(alias: str, retry_s: float) -> Unavailable:
