@@ -5,14 +5,20 @@ that asked (iop/responses/takeover.py)."""
 from __future__ import annotations
 
 import asyncio
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from iop import config
+from iop.nats import connection
+from iop.nats.access import SECRET_FILE, Credentials
 from iop.nats.server import EmbeddedNats
-from tests.fakes import fake_upstream
+from tests.fakes import bound_socket, fake_upstream
 from tests.harness import deployment, edge_process, eventually, running_edge, running_node, sse_events
 
 KEY_A = "sk-client-a-0123456789"
@@ -25,6 +31,46 @@ nodes:
     adapters: [{{id: up, type: openai, base_url: "{url}", api: chat}}]
     providers: [{{id: p, adapter: up, model: served-model, capacity: 2}}]
 """
+
+
+CLUSTER = """
+edge: {{api_keys_env: IOP_TEST_KEYS, nats: {{url: "{nats}", replicas: 3}}}}
+models: [{{alias: m, pool: [p]}}]
+nodes:
+  - id: n
+    adapters: [{{id: up, type: openai, base_url: "{url}", api: chat}}]
+    providers: [{{id: p, adapter: up, model: served-model, capacity: 2}}]
+"""
+
+
+@asynccontextmanager
+async def three_servers(base: Path) -> AsyncIterator[list[EmbeddedNats]]:
+    """A 3-server NATS cluster (JetStream R3), ready for streams."""
+    socks = [bound_socket() for _ in range(3)]
+    routes = [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    for sock in socks:
+        sock.close()
+    servers = []
+    for i, listen in enumerate(routes):
+        store = base / f"s{i}"
+        store.mkdir(parents=True)
+        if i == 0:
+            Credentials.load(store)  # the members share one secret
+        else:
+            shutil.copy(base / "s0" / SECRET_FILE, store / SECRET_FILE)
+        cluster = config.ClusterSettings(name="takeover", listen=listen, routes=routes, server_name=f"s{i}")
+        servers.append(EmbeddedNats("127.0.0.1:0", store, cluster=cluster))
+    try:
+        await asyncio.gather(*(s.start() for s in servers))
+        nc = await connection.connect(",".join(s.url for s in servers), "test-cluster", wait_s=10)
+        try:
+            await connection.wait_jetstream(nc, 30)
+        finally:
+            await nc.close()
+        yield servers
+    finally:
+        for s in servers:
+            await s.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -88,29 +134,31 @@ async def _no_lease(edge: Any) -> bool:
     return not edge.responses.takeover.leases and not edge.responses.running
 
 
-async def test_background_takeover_after_its_edge_is_killed(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+async def test_background_takeover_after_its_edge_is_killed_on_a_cluster(tmp_path: Path) -> None:
+    """Each edge and the node on its own server of an R3 cluster: the lease's compare-and-set and
+    the probe of the dead edge's subscriptions cross servers."""
     gate = asyncio.Event()
-    async with fake_upstream(api="chat", gate=gate) as up:
+    async with fake_upstream(api="chat", gate=gate) as up, three_servers(tmp_path / "nats") as (s0, s1, s2):
         path = tmp_path / "deployment.yaml"
-        path.write_text(DEPLOYMENT.format(url=up.url))
+        path.write_text(CLUSTER.format(url=up.url, nats=",".join(s.address for s in (s0, s1, s2))))
         dep = deployment(path.read_text())
         try:
             async with (
-                running_node(dep, "n", nats_server.url),
-                running_edge(dep, nats_server.url) as survivor,
+                running_node(dep, "n", s2.url),
+                running_edge(dep, s1.url) as survivor,
                 survivor.http() as http_b,
             ):
                 async with (
-                    edge_process(path, nats_server.url) as (doomed, url),
-                    httpx.AsyncClient(base_url=url) as a,
+                    edge_process(path, s0.url) as (doomed, url),
+                    httpx.AsyncClient(base_url=url) as http_a,
                 ):
-                    queued = await start(a)
+                    queued = await start(http_a)
                     await up.wait_for(lambda u: u.in_flight == 1, timeout_s=30)
                     # A follower on the other edge, from before the death to the end.
                     follower = asyncio.create_task(
                         http_b.get(f"/v1/responses/{queued['id']}?stream=true", headers=auth(), timeout=90)
                     )
-                    doomed.kill()
+                    doomed.kill()  # SIGKILL, by PID, a process this test started
                     await doomed.proc.wait()
                 await up.wait_for(lambda u: u.total == 2, timeout_s=30)  # run again by the survivor
                 gate.set()
