@@ -471,6 +471,9 @@ class EdgeSlots(msgspec.Struct, array_like=True):
     edge: str
     full: bool
     held: dict[str, int]
+    waiting: dict[str, list[tuple[str, int, float, int, int]]] = {}
+    """Per pool alias this edge has requests waiting for (an empty list: no more): each tenant's (name,
+    class, weight, requests waiting that it may run, running) — fair shares across edges, iop/edge/fairshare.py."""
 
 
 # Encoders and decoders are built once (msgspec's guidance) and shared.

@@ -57,6 +57,10 @@ class Admission:
         """Called when a provider's `in_flight` changed (iop/edge/share.py tells the other edges)."""
         self.router = Router()
         """Which free provider a request gets (iop/edge/routing.py), and what it knows of each one's speed."""
+        self.owed: Callable[[PoolQueue], bool] | None = None
+        """Whether a pool's free slots wait for another edge's waiter (iop/edge/fairshare.py)."""
+        self.on_queue: Callable[[PoolQueue], None] | None = None
+        """Called when a tenant's waiting or running count on a pool changed (iop/edge/share.py tells)."""
         self.leases: TenantLeases | None = None
         """Tenants' max_concurrent shared with the other edges (iop/edge/leases.py): a limited tenant's
         bound in the fair queue is the units this edge holds; None: the policy's bound, per edge."""
@@ -239,6 +243,8 @@ class Admission:
 
     def _tenant_changed(self, pool: PoolQueue, t: TenantQueue | None) -> None:
         """A tenant's running or waiting count on `pool` changed: its lease follows (iop/edge/leases.py)."""
+        if self.on_queue is not None:
+            self.on_queue(pool)
         if self.leases is None or t is None or t.max_concurrent is None:
             return
         bound = self.leases.changed(pool.alias, t.name, t.running, len(t.waiters))
@@ -295,6 +301,8 @@ class Admission:
             for pool in pools:
                 if not pool.waiters or pool.best() is None:
                     continue  # nobody waits, or nothing is free for anyone of this pool
+                if self.owed is not None and self.owed(pool):
+                    continue  # a tenant waiting on another edge is ahead: that edge takes the slot
                 found = pool.waiters.candidate(partial(self._choose, pool), partial(self._gone, pool))
                 if found is not None and (chosen is None or found[0].turn < chosen[1].turn):
                     chosen = (pool, *found)
@@ -306,6 +314,12 @@ class Admission:
             assert waiter.tenant is not None
             waiter.future.set_result(self._grant(slot, pool, waiter.tenant, waiter.tracked))
             self.changed.set()
+
+    def serve(self, alias: str) -> None:
+        """Hand the free slots of pool `alias` to its waiters (something another edge said changed)."""
+        pool = self.pools.get(alias)
+        if pool is not None:
+            self._pump([pool])
 
     def _choose(self, pool: PoolQueue, w: Waiter) -> ProviderSlots | None:
         return self._choice(pool, w.exclude, w.prefer, w.holding, w.ask)

@@ -23,8 +23,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from iop import wire
+from iop.edge.fairshare import FairShare, Load, loads
 from iop.edge.scheduler import Scheduler
-from iop.edge.slots import ProviderSlots
+from iop.edge.slots import PinnedQueue, PoolQueue, ProviderSlots
 
 log = logging.getLogger("iop.edge")
 
@@ -47,10 +48,17 @@ class SlotShare:
         self.sent = 0
         self.received = 0
         self._dirty: set[str] = set()
+        self._dirty_pools: set[str] = set()
+        self._waiting_sent: set[str] = set()
+        """Pools whose tenants this edge last announced as waiting (a later 'none' is owed for them)."""
         self._wake = asyncio.Event()
         self._nc: NATS | None = None
         self._task: asyncio.Task[None] | None = None
+        self.fair = FairShare(scheduler.serve)
+        """The other edges' waiting tenants: a slot freed here may be owed to one of them."""
         scheduler.on_count = self._count_changed
+        scheduler.on_queue = self._queue_changed
+        scheduler.owed = self.fair.owed
 
     async def start(self, nc: NATS) -> None:
         self._nc = nc
@@ -66,11 +74,12 @@ class SlotShare:
         held = {p.id: p.in_flight for p in self.scheduler.providers.values() if p.in_flight}
         await self._publish(True, held)
 
-    async def _publish(self, full: bool, held: dict[str, int]) -> None:
+    async def _publish(self, full: bool, held: dict[str, int], waiting: dict[str, list[Load]] | None = None) -> None:
         if self._nc is None or not self._nc.is_connected:
             return
         try:
-            await self._nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(wire.EdgeSlots(self.edge_id, full, held)))
+            message = wire.EdgeSlots(self.edge_id, full, held, waiting or {})
+            await self._nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(message))
             self.sent += 1
         except Exception as exc:  # a closed or reconnecting connection: the next full one repairs it
             log.debug("edge slots announcement not sent: %s", exc)
@@ -80,6 +89,25 @@ class SlotShare:
     def _count_changed(self, slot: ProviderSlots) -> None:
         self._dirty.add(slot.id)
         self._wake.set()
+
+    def _queue_changed(self, pool: PoolQueue) -> None:
+        if not isinstance(pool, PinnedQueue):
+            self._dirty_pools.add(pool.alias)
+            self._wake.set()
+
+    def _waiting(self, aliases: set[str] | None) -> dict[str, list[Load]]:
+        """The tenants of the pools in `aliases` (None: every pool) that have requests waiting here,
+        and an empty list for those that had in the last announcement and have none now."""
+        pools = self.scheduler.pools
+        names = set(pools) if aliases is None else aliases
+        out: dict[str, list[Load]] = {}
+        for alias in names:
+            pool = pools.get(alias)
+            rows = loads(pool) if pool is not None else []
+            if rows or alias in self._waiting_sent:
+                out[alias] = rows
+        self._waiting_sent = {a for a in self._waiting_sent if a not in names} | {a for a, r in out.items() if r}
+        return out
 
     def _listened(self, now: float) -> bool:
         """Whether another edge announced lately: alone, an edge sends only its full announcements."""
@@ -100,17 +128,21 @@ class SlotShare:
             self._wake.clear()
             providers = self.scheduler.providers
             full = loop.time() >= next_full
+            waiting: dict[str, list[Load]] = {}
             if full:
                 next_full = loop.time() + wire.EDGE_SLOTS_FULL_S
                 held = {p.id: p.in_flight for p in providers.values() if p.in_flight}
+                waiting = {a: r for a, r in self._waiting(None).items() if r}
                 self._forget_silent()
             elif self._listened(monotonic()):
                 held = {pid: p.in_flight if (p := providers.get(pid)) else 0 for pid in self._dirty}
+                waiting = self._waiting(self._dirty_pools)
             else:
                 held = {}
             self._dirty.clear()
-            if full or held:
-                await self._publish(full, held)
+            self._dirty_pools.clear()
+            if full or held or waiting:
+                await self._publish(full, held, waiting)
 
     # --- in -------------------------------------------------------------------------------------
 
@@ -123,6 +155,8 @@ class SlotShare:
         if m.edge == self.edge_id:
             return
         self.received += 1
+        if m.full or m.waiting:
+            self.fair.heard(m.edge, m.full, m.waiting)
         known = self.announced.get(m.edge)
         if m.full:
             # From now on this edge's own word counts, not the heartbeats' (also for what it no longer holds).
@@ -178,6 +212,7 @@ class SlotShare:
         for edge in [e for e in self.announced if not self._live(e, now)]:
             log.info("edge %s stopped announcing its slots: counting them from the nodes' heartbeats", edge)
             del self.announced[edge]
+            self.fair.forget(edge)
         for edge in [e for e, t in self.heard.items() if now - t >= wire.EDGE_SLOTS_SILENT_S]:
             del self.heard[edge]
         for provider in list(self.scheduler.providers):
