@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from iop import config
 from iop.nats import connection
 from iop.nats.access import SECRET_FILE, Credentials
 from iop.nats.server import EmbeddedNats
+from iop.responses import takeover
+from iop.responses.store import Stored, owner_of
 from tests.fakes import bound_socket, fake_upstream
 from tests.harness import deployment, edge_process, eventually, running_edge, running_node, sse_events
 
@@ -159,8 +163,10 @@ async def test_background_takeover_after_its_edge_is_killed_on_a_cluster(tmp_pat
                         http_b.get(f"/v1/responses/{queued['id']}?stream=true", headers=auth(), timeout=90)
                     )
                     doomed.kill()  # SIGKILL, by PID, a process this test started
+                    killed = time.monotonic()
                     await doomed.proc.wait()
                 await up.wait_for(lambda u: u.total == 2, timeout_s=30)  # run again by the survivor
+                print(f"\nbackground response run again {time.monotonic() - killed:.1f} s after its edge was killed")
                 gate.set()
                 final = await completed(http_b, queued["id"])
                 assert (final["status"], final["id"], text_of(final)) == ("completed", queued["id"], "w0 w1 w2")
@@ -192,3 +198,24 @@ async def test_background_takeover_by_the_same_edge_started_again(nats_server: E
                     assert (final["status"], text_of(final)) == ("completed", "w0 w1 w2")
         finally:
             gate.set()
+
+
+async def test_background_takeover_gives_up_after_three_and_keeps_it_failed(nats_server: EmbeddedNats) -> None:
+    """A response whose runs keep dying with their edges (here: its lease says so) is kept failed."""
+    async with fake_upstream(api="chat") as up:
+        dep = deployment(DEPLOYMENT.format(url=up.url))
+        async with running_edge(dep, nats_server.url) as h, h.http() as http:
+            store = h.edge.responses.store
+            assert store is not None
+            owner, rid = owner_of(KEY_A.encode()), "resp_doomed0123456789"
+            queued = {"id": rid, "object": "response", "status": "queued", "background": True, "output": []}
+            request = {"model": "m", "input": "hi", "background": True}
+            held = await takeover.hold(store, owner, rid, "gone-edge", takeover.Work(request, "a"))
+            await store.keep(owner, Stored(queued, []), [])
+            last = takeover.Lease("", takeovers=takeover.MAX_TAKEOVERS)  # released after its third takeover
+            await store.kv.update(held.key, msgspec.json.encode(last), last=held.revision)
+            final = await completed(http, rid, timeout_s=30)
+            assert final["status"] == "failed" and "run 4 times" in final["error"]["message"]
+            await eventually(lambda: _no_lease(h.edge), timeout_s=10)
+            assert await store.work(owner, rid) is None
+    assert up.total == 0

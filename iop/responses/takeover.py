@@ -46,6 +46,7 @@ STALE_S = 3.0
 MAX_TAKEOVERS = 3
 """Runs after the first one; then the response is kept as failed (a request that kills its edges)."""
 _PROBE_S = 1.0
+_REWATCH_S = 60.0
 
 
 class Lease(msgspec.Struct):
@@ -190,12 +191,15 @@ class Takeover:
                 log.warning("background leases not watched: %s", type(exc).__name__)
                 await asyncio.sleep(SWEEP_S)  # the store is out of reach: try again
                 continue
+            # Each watch starts from every lease there is: one deleted meanwhile is not kept.
+            self.watching.clear()
+            self.leases = {}
             try:
                 while True:
                     try:
-                        entry = await watcher.updates(timeout=60)
+                        entry = await watcher.updates(timeout=_REWATCH_S)
                     except nats.errors.TimeoutError:
-                        continue
+                        break  # quiet: watch anew (a watch can end unseen, with its server)
                     if entry is None:
                         self.watching.set()
                         continue
@@ -219,8 +223,8 @@ class Takeover:
         self.suspects.pop(key, None)  # a lease that changed has a runner that just wrote it
 
     async def _sweeps(self) -> None:
-        await self.watching.wait()
         while True:
+            await self.watching.wait()
             try:
                 await self.sweep()
             except (nats.errors.Error, TimeoutError, Unavailable) as exc:
