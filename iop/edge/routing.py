@@ -14,10 +14,19 @@ each figure at the concurrency the provider would run at with this request added
 - a cold server's start time (`cold_start_s`: a server the node runs itself that is stopped or
   still starting, from its heartbeat; 0 while its state is unknown: treated as ready).
 
-A cheap step, O(free providers of the pool), no model. Providers within `TIE_FRACTION` of the
+A cheap step, O(providers of the pool), no model. Providers within `TIE_FRACTION` of the
 best are equally good: among them the most free slots wins (the free-slot order), so identical
 providers still share the load. A provider without figures is tried first (it gets measured).
 Affinity (a warm prefix cache) is decided before this, by the scheduler.
+
+A full provider is a candidate too: its expected finish is the wait for one of its slots, given
+the requests queued ahead of this one that wait for it as well (`Scan`), plus its time at full
+concurrency. When that beats every free provider, the request holds out for it — a fast GPU box
+that frees a slot every 0.1 s is worth waiting for rather than taking a free slot of a Mac that
+needs 2 s — for at most what waiting can gain (the free one's estimate less the busy one's own
+time; `Router.wake` has the queue looked at again then, slot freed or not). Only the
+first `MAX_HELD` waiters of a queue hold out: the rest take free slots, so a deep queue still uses
+every provider and the pool's throughput stays what free-slot ranking gives.
 
 With a deadline (`x-iop-deadline-ms`), a provider whose estimate passes it is skipped while one
 that meets it is free; `best_case_s` says whether anyone could meet it at all.
@@ -25,9 +34,10 @@ that meets it is free; `best_case_s` says whether anyone could meet it at all.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from time import monotonic
 from typing import NamedTuple, Protocol, TypeVar
@@ -36,7 +46,7 @@ from iop import config, wire
 from iop.errors import Unavailable
 from iop.policy import Routing
 
-__all__ = ["Ask", "Curve", "Figures", "PoolRules", "Router", "Routing", "unmeetable"]
+__all__ = ["Ask", "Curve", "Figures", "PoolRules", "Router", "Routing", "Scan", "unmeetable"]
 
 
 class PoolRules(NamedTuple):
@@ -67,6 +77,9 @@ CORRECTION_BOUNDS = (0.25, 4.0)
 """How far live figures may scale a qualification curve (one odd sample must not swamp it)."""
 BYTES_PER_TOKEN = 4
 """A rough input-token estimate from the body's size, for the TTFT term only."""
+MAX_HELD = 64
+"""Waiters of one queue that may hold out for a busy provider at once (bounds a pass over the queue)."""
+WAKE_SLACK_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -110,6 +123,9 @@ class Figures:
     """EWMA of the concurrency the samples ran at (to read the curve at the same point)."""
     samples: int = 0
     curve: Curve | None = None
+    held_s: float | None = None
+    """EWMA of how long its answered requests held their slot at this edge (grant to end): how
+    fast its slots turn over, as a request waiting for one sees it."""
 
     def learn(self, ttft_s: float | None, decode_tok_s: float | None, input_tokens: int, load: int) -> None:
         a = ALPHA if self.samples else 1.0
@@ -167,6 +183,29 @@ class Ask:
     """Why the provider it got was chosen (the ledger's `route_reason`)."""
     late: float | None = None
     """Monotonic time after which no provider could answer it in time, even idle (`Router.bound`)."""
+    passed: bool = False
+    """The router's last answer passed over the free slots it was offered (too slow for its deadline,
+    or a busy provider expected to finish sooner): the waiters behind it are asked too."""
+    held_since: float | None = None
+    """Monotonic time it first held out for a busy provider; None: it never did."""
+    hold_until: float = 0.0
+    """Monotonic time after which it holds out no longer (waiting longer cannot pay)."""
+    scan: Scan | None = None
+    """The pass over its pool's queue it is being asked in (`Scan.asking`); None: it queues behind nobody."""
+
+
+@dataclass(eq=False)
+class Scan:
+    """One pass over a pool's queue in its order (the scheduler's pump): the waiters asked so far
+    that hold out for a busy provider, all ahead of the next one asked."""
+
+    held: int = 0
+
+    def asking(self, ask: Ask | None) -> Ask | None:
+        """`ask`, marked as asked in this pass (the router reads the mark once)."""
+        if ask is not None:
+            ask.scan = self
+        return ask
 
 
 class Candidate(Protocol):
@@ -180,6 +219,8 @@ class Candidate(Protocol):
     def elsewhere(self) -> int: ...
     @property
     def free(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
 
 
 C = TypeVar("C", bound=Candidate)
@@ -196,16 +237,30 @@ class Router:
     """Called when a pool request ended on a provider, answered or failed by it (its lifecycle policy)."""
     server_of: Callable[[str], wire.ServerLive | None] = field(default=lambda _: None)
     """The model server a provider's node runs for it, from the node's last heartbeat (iop/edge/root.py)."""
+    wake: Callable[[str], None] | None = None
+    """Called with a pool's alias when a hold of one of its requests ends: look at its queue again,
+    slot freed or not (the scheduler's pump)."""
 
     def ended(
-        self, provider: str, alias: str, ok: bool, report: wire.Done | wire.Failure | None, input_tokens: int, load: int
+        self,
+        provider: str,
+        alias: str,
+        ok: bool,
+        report: wire.Done | wire.Failure | None,
+        input_tokens: int,
+        load: int,
+        held_s: float | None = None,
     ) -> None:
-        """A pool request on `provider` ended, answered (`ok`) or failed by the provider: the node's
-        timings of a good answer teach the figures; the outcome goes to the lifecycle policy."""
+        """A pool request on `provider` ended, answered (`ok`) or failed by the provider, after
+        holding its slot `held_s`: the node's timings of a good answer teach the figures; the
+        outcome goes to the lifecycle policy."""
         done = report if isinstance(report, wire.Done) else None
         if ok and done is not None and done.run_ms > 0:
             out = done.usage.output_tokens if done.usage is not None else None
             self.learn(alias, provider, done.ttfb_ms, done.run_ms, out, input_tokens, load)
+            if held_s is not None:
+                f = self.of(provider)
+                f.held_s = held_s if f.held_s is None else f.held_s + ALPHA * (held_s - f.held_s)
         if self.on_outcome is not None:
             self.on_outcome(provider, ok, done)
 
@@ -280,21 +335,38 @@ class Router:
             raise unmeetable(alias, ask, best_s)
         return min(deadline, loop_now + left)
 
-    def choose(self, alias: str, by_finish: bool, free: list[C], ask: Ask) -> C | None:
-        """Which of a pool's `free` providers to take now (None: none, or none meets the deadline).
+    def choose(
+        self,
+        alias: str,
+        by_finish: bool,
+        free: list[C],
+        ask: Ask,
+        busy: Sequence[C] = (),
+    ) -> C | None:
+        """Which of a pool's `free` providers to take now (None: none, none meets the deadline, or
+        the request holds out for one of `busy`, the pool's full providers).
 
         `by_finish`: the pool routes by expected finish; otherwise (a deadline only) by free slots
-        among those that meet the deadline."""
+        among those that meet the deadline. `ask.scan`: the pass over the queue this is part of
+        (the waiters ahead that hold out)."""
+        scan, ask.scan, ask.passed = ask.scan, None, False
         if not free:
             return None
-        if len(free) == 1 and ask.finish_by is None:
+        ahead = scan.held if scan is not None else 0
+        waiting = self._waiting(alias, busy, ask, ahead) if by_finish and busy and ahead < MAX_HELD else None
+        if len(free) == 1 and ask.finish_by is None and waiting is None:
             ask.reason = "only_free"
             return free[0]
         scored = [(self.estimate(p, alias, ask), p) for p in free]
+        left = None
         if ask.finish_by is not None:
             left = ask.finish_by - monotonic()
             scored = [(est, p) for est, p in scored if est is None or est <= left]
             if not scored:
+                # It waits for a busy provider quick enough: one ahead of those asked after it.
+                ask.passed = True
+                if scan is not None:
+                    scan.held += 1
                 return None
         unmeasured = [p for est, p in scored if est is None]
         if unmeasured:
@@ -305,6 +377,11 @@ class Router:
             ask.reason = "free_slots"
             return max((p for _, p in known), key=lambda p: p.free)
         first = known[0][0]
+        if waiting is not None and self._holds(alias, ask, waiting, first, left):
+            ask.passed = True
+            if scan is not None:
+                scan.held += 1
+            return None
         near = [p for est, p in known if est <= first * (1 + TIE_FRACTION)]
         chosen = max(near, key=lambda p: p.free) if len(near) > 1 else known[0][1]
         mine = next(est for est, p in known if p is chosen)
@@ -312,7 +389,44 @@ class Router:
         ask.reason = f"expected_finish {mine:.2f}s" + (
             f" vs {runner_up:.2f}s" if runner_up is not None else f" (tie of {len(near)})" if len(near) > 1 else ""
         )
+        if ask.held_since is not None:
+            ask.reason += f" after holding {monotonic() - ask.held_since:.2f}s for a busy provider"
         return chosen
+
+    def _waiting(self, alias: str, busy: Sequence[Candidate], ask: Ask, ahead: int) -> tuple[float, float] | None:
+        """(expected finish, own time) on the best of the full providers `busy`, for a request with
+        `ahead` requests queued before it for them: the wait for its slot, as the slots free at
+        the rate they turn over at this edge (`held_s`; the node's time until one was seen), then
+        its time at full concurrency."""
+        best: tuple[float, float] | None = None
+        out = self.expected_output(alias, ask)
+        now = time.time()
+        for p in busy:
+            f = self.figures.get(p.id)
+            if f is None or p.capacity <= 0:
+                continue
+            own = f.expected_s(p.capacity, ask.input_tokens, out, cold_start_s(self.server_of(p.id), now))
+            if own is None:
+                continue
+            total = (ahead + 1) * max(own, f.held_s or 0.0) / p.capacity + own
+            if best is None or total < best[0]:
+                best = (total, own)
+        return best
+
+    def _holds(self, alias: str, ask: Ask, waiting: tuple[float, float], first: float, left: float | None) -> bool:
+        """Whether the request holds out for the busy provider of `waiting` rather than take the best
+        free one (expected `first`): clearly sooner, in time for its deadline, and for at most
+        what waiting can gain over taking the free one at its first hold."""
+        total, own = waiting
+        if total * (1 + TIE_FRACTION) >= first or (left is not None and total > left):
+            return False
+        now = monotonic()
+        if ask.held_since is None:
+            ask.held_since, ask.hold_until = now, now + (first - own)
+            if self.wake is not None:
+                # A hair late: a loop's timer may fire just before the hold's end on this clock.
+                asyncio.get_running_loop().call_later(first - own + WAKE_SLACK_S, self.wake, alias)
+        return now < ask.hold_until
 
 
 COLD_START_GUESS_S = 30.0

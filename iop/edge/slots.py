@@ -159,8 +159,9 @@ class PoolQueue:
         self.running -= 1
 
     def routed(self, router: Router, exclude: frozenset[str], ask: Ask | None) -> ProviderSlots | None:
-        """The free provider the router picks for `ask`; the most free slots without one (a pinned
-        request) or when the pool opted out (`routing: free_slots`) and the request has no deadline."""
+        """The free provider the router picks for `ask` (None: it holds out for a full one); the most
+        free slots without one (a pinned request) or when the pool opted out (`routing: free_slots`)
+        and the request has no deadline."""
         by_finish = self.rules.routing == "expected_finish"
         if ask is None or (not by_finish and ask.finish_by is None):
             slot = self.best(exclude)
@@ -175,6 +176,15 @@ class PoolQueue:
         free = [p for p in self.ranking if p.id not in exclude]
         free.extend(p for p in self.broken if p.usable(now) and p.id not in exclude)
         return free
+
+    def full_providers(self, exclude: frozenset[str]) -> list[ProviderSlots]:
+        """Its providers in rotation with a closed breaker and no free slot now, none of `exclude`."""
+        return [
+            p
+            for p in self.providers
+            if p.connected and not p.removed and not p.drained and not p.open_until and p.free <= 0
+            if p.id not in exclude
+        ]
 
     def in_rotation(self) -> list[ProviderSlots]:
         """Its providers that may take work once free: connected, neither removed nor drained."""
