@@ -18,7 +18,7 @@ from time import monotonic
 from iop.edge.affinity import Sessions
 from iop.edge.fairqueue import NOBODY, PRIORITIES, TenantQueue, Waiter, Who
 from iop.edge.leases import TenantLeases
-from iop.edge.routing import Ask, Router
+from iop.edge.routing import Ask, Router, Scan
 from iop.edge.slots import Grant, PinnedQueue, PoolQueue, ProviderSlots
 from iop.errors import QueueFull, Unavailable
 from iop.tenancy import Priority
@@ -57,6 +57,7 @@ class Admission:
         """Called when a provider's `in_flight` changed (iop/edge/share.py tells the other edges)."""
         self.router = Router()
         """Which free provider a request gets (iop/edge/routing.py), and what it knows of each one's speed."""
+        self.router.wake = self.serve
         self.owed: Callable[[PoolQueue], bool] | None = None
         """Whether a pool's free slots wait for another edge's waiter (iop/edge/fairshare.py)."""
         self.on_queue: Callable[[PoolQueue], None] | None = None
@@ -303,7 +304,7 @@ class Admission:
                     continue  # nobody waits, or nothing is free for anyone of this pool
                 if self.owed is not None and self.owed(pool):
                     continue  # a tenant waiting on another edge is ahead: that edge takes the slot
-                found = pool.waiters.candidate(partial(self._choose, pool), partial(self._gone, pool))
+                found = pool.waiters.candidate(partial(self._choose, pool, Scan()), partial(self._gone, pool))
                 if found is not None and (chosen is None or found[0].turn < chosen[1].turn):
                     chosen = (pool, *found)
             if chosen is None:
@@ -316,13 +317,14 @@ class Admission:
             self.changed.set()
 
     def serve(self, alias: str) -> None:
-        """Hand the free slots of pool `alias` to its waiters (something another edge said changed)."""
+        """Hand the free slots of pool `alias` to its waiters (something another edge said changed,
+        or a routing hold ended)."""
         pool = self.pools.get(alias)
         if pool is not None:
             self._pump([pool])
 
-    def _choose(self, pool: PoolQueue, w: Waiter) -> ProviderSlots | None:
-        return self._choice(pool, w.exclude, w.prefer, w.holding, w.ask)
+    def _choose(self, pool: PoolQueue, scan: Scan, w: Waiter) -> ProviderSlots | None:
+        return self._choice(pool, w.exclude, w.prefer, w.holding, scan.asking(w.ask))
 
     def _gone(self, pool: PoolQueue, waiter: Waiter) -> None:
         """A waiter the pump found cancelled (its own handler has not run yet): out of the count."""

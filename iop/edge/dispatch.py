@@ -297,14 +297,16 @@ class PoolDispatch(_Dispatch):
             self.done = True
             return False  # a measurement: it teaches the breaker nothing, and is never moved
         size = self.ask.input_tokens if self.ask is not None else 0
+        held_s = time.monotonic() - attempt.grant.at if attempt.grant is not None else None
         if exc is None:
             sched.succeeded(slot)
             # A stream that failed after its 200 ended the try well for the breaker, not for the policy.
-            sched.router.ended(slot.id, self.alias, not self.record.error, attempt.channel.outcome, size, _load(slot))
+            ok = not self.record.error
+            sched.router.ended(slot.id, self.alias, ok, attempt.channel.outcome, size, _load(slot), held_s)
             self.done = True
             return False
         if isinstance(exc, RequestError) and exc.status >= 500 and not self.record.cancelled:
-            sched.router.ended(slot.id, self.alias, False, attempt.channel.outcome, size, _load(slot))
+            sched.router.ended(slot.id, self.alias, False, attempt.channel.outcome, size, _load(slot), held_s)
         if not isinstance(exc, RequestError) or not exc.retryable or exc.status < 500:
             # A 4xx is about the request (an upstream's 422 arrives as an UpstreamError with its
             # status): another provider would refuse it too, and it says nothing of this provider's

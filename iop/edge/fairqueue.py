@@ -76,8 +76,8 @@ class Waiter:
         return (self.tenant.rank if self.tenant is not None else 1, self.order)
 
     ask: Ask | None = None
-    """Its size and deadline for the router (iop/edge/routing.py): with a deadline it may refuse a
-    free slot of a provider too slow for it, so the waiters behind it are asked too."""
+    """Its size and deadline for the router (iop/edge/routing.py): it may pass over a free slot (too
+    slow for its deadline, or a busy provider is worth waiting for), so the waiters behind it are asked too."""
 
 
 @dataclass(eq=False, slots=True)
@@ -287,7 +287,7 @@ class FairQueue:
                     slot = choose(w)
                     if slot is not None:
                         return w, slot
-                    if not w.exclude and not w.holding and (w.ask is None or w.ask.finish_by is None):
+                    if not w.exclude and not w.holding and (w.ask is None or not w.ask.passed):
                         return None  # nothing free for anyone: later waiters can't do better
                 popped.append(heapq.heappop(heap))
             return False
