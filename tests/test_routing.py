@@ -70,14 +70,58 @@ async def test_routing_free_slots_opt_out_ranks_by_free_slots() -> None:
     assert ask.reason == "free_slots"
 
 
-async def test_routing_overflows_to_the_slower_provider_once_the_faster_is_full() -> None:
+async def waiting(s: Scheduler, n: int) -> None:
+    async with asyncio.timeout(5):
+        while s.waiting("m") != n:
+            s.changed.clear()
+            await s.changed.wait()
+
+
+async def test_routing_holds_out_for_a_busy_faster_provider_rather_than_take_a_slow_free_one() -> None:
     s = scheduler({"fast": 1, "slow": 1})
+    teach(s, "fast", 50, 200)  # 100 tokens: 0.55 s; its one slot frees within that
+    teach(s, "slow", 400, 20)  # 5.4 s
+    assert (await s.acquire_grant("m", soon(), ask=Ask())).slot.id == "fast"
+    second = Ask()
+    got = asyncio.ensure_future(s.acquire_grant("m", soon(), ask=second))
+    await waiting(s, 1)
+    assert s.providers["slow"].in_flight == 0  # free, and passed over
+    s.release(s.providers["fast"])
+    assert (await asyncio.wait_for(got, 5)).slot.id == "fast"
+    assert second.reason.startswith("expected_finish ") and "after holding" in second.reason
+
+
+async def test_routing_sends_the_queue_the_busy_provider_cannot_clear_in_time_to_the_free_one() -> None:
+    s = scheduler({"fast": 1, "slow": 1})
+    teach(s, "fast", 50, 200)  # 0.55 s
+    teach(s, "slow", 400, 100)  # 1.4 s: worth it for the second in line for "fast" (1.65 s), not the first (1.1 s)
+    assert (await s.acquire_grant("m", soon(), ask=Ask())).slot.id == "fast"
+    first = asyncio.ensure_future(s.acquire_grant("m", soon(), ask=Ask()))
+    await waiting(s, 1)
+    second = Ask()
+    assert (await asyncio.wait_for(s.acquire_grant("m", soon(), ask=second), 5)).slot.id == "slow"
+    assert second.reason.startswith("expected_finish ") and s.waiting("m") == 1
+    s.release(s.providers["fast"])
+    assert (await asyncio.wait_for(first, 5)).slot.id == "fast"
+
+
+async def test_routing_stops_holding_out_once_waiting_longer_cannot_pay() -> None:
+    s = scheduler({"fast": 1, "slow": 1})
+    teach(s, "fast", 50, 200)  # 0.55 s
+    teach(s, "slow", 400, 100)  # 1.4 s: waiting more than 0.85 s for "fast" is worse than this
+    await s.acquire_grant("m", soon(), ask=Ask())  # and it never ends
+    ask = Ask()
+    t0 = monotonic()
+    assert (await asyncio.wait_for(s.acquire_grant("m", soon(), ask=ask), 5)).slot.id == "slow"
+    assert monotonic() - t0 >= 0.85 - 0.01 and "after holding" in ask.reason
+
+
+async def test_routing_never_holds_out_in_a_free_slots_pool() -> None:
+    s = scheduler({"fast": 1, "slow": 1}, routing="free_slots")
     teach(s, "fast", 50, 200)
     teach(s, "slow", 400, 20)
-    first, second = Ask(), Ask()
-    assert (await s.acquire_grant("m", soon(), ask=first)).slot.id == "fast"
-    assert (await s.acquire_grant("m", soon(), ask=second)).slot.id == "slow"  # never waits while a slot is free
-    assert second.reason == "only_free"
+    assert (await s.acquire_grant("m", soon(), ask=Ask())).slot.id == "fast"
+    assert (await asyncio.wait_for(s.acquire_grant("m", soon(), ask=Ask()), 5)).slot.id == "slow"
 
 
 async def test_routing_tries_an_unmeasured_provider_first() -> None:
@@ -128,16 +172,14 @@ async def test_deadline_nobody_can_meet_is_refused_at_once() -> None:
 
 async def test_deadline_skips_a_free_provider_too_slow_for_it_while_a_quick_one_is_free() -> None:
     s = scheduler({"fast": 1, "slow": 8})
-    teach(s, "fast", 50, 200)
-    teach(s, "slow", 400, 20)
+    teach(s, "fast", 50, 100)  # 100 tokens: 1.05 s
+    teach(s, "slow", 400, 40)  # 2.9 s
     assert await in_time(s, Ask(max_tokens=100, finish_by=monotonic() + 2.0)) == "fast"
     # The quick one is busy now: the request waits for it rather than taking the free slow one ...
     waiter = asyncio.ensure_future(in_time(s, Ask(max_tokens=100, finish_by=monotonic() + 2.0)))
-    async with asyncio.timeout(5):
-        while s.waiting("m") != 1:
-            s.changed.clear()
-            await s.changed.wait()
-    # ... while a request without a deadline behind it takes the slow one at once.
+    await waiting(s, 1)
+    # ... while a request without a deadline behind it takes the slow one at once (second in line
+    # for the quick one, it would finish there in about 3.2 s).
     assert (await asyncio.wait_for(s.acquire_grant("m", soon(), ask=Ask()), 5)).slot.id == "slow"
     s.release(s.providers["fast"])
     assert await asyncio.wait_for(waiter, 5) == "fast"

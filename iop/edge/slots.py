@@ -168,7 +168,8 @@ class PoolQueue:
             if ask is not None and slot is not None:
                 ask.reason = "free_slots"
             return slot
-        return router.choose(self.alias, by_finish, self.free_providers(exclude), ask)
+        busy = self.full_providers(exclude) if by_finish else []
+        return router.choose(self.alias, by_finish, self.free_providers(exclude), ask, busy)
 
     def free_providers(self, exclude: frozenset[str]) -> list[ProviderSlots]:
         """Its providers that can take a request now, none of `exclude` (the router scores them)."""
