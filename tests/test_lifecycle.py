@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import re
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -42,10 +44,12 @@ from tests.harness import (
     deployment,
     eventually,
     free_port,
+    node_process,
     pid_gone,
     running_edge,
     running_node,
     until,
+    wait_gone,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -114,6 +118,8 @@ class Life:
     nats_url: str
     events: Path
     """One file per server: the `start` and `exit` lines of each of its processes."""
+    text: str
+    """The deployment file."""
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -122,13 +128,14 @@ async def life(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Life]:
     nats = EmbeddedNats("127.0.0.1:0", tmp_path_factory.mktemp("nats"))
     await nats.start()
     events = tmp_path_factory.mktemp("events")
-    dep = deployment(lifecycle_yaml(events))
+    text = lifecycle_yaml(events)
+    dep = deployment(text)
     keys = EdgeKeys(clients=[Key("c", CLIENT_KEY.encode())], admins=[Key("ops", ADMIN_KEY.encode())])
     try:
         async with running_edge(dep, nats.url, keys) as h, running_node(dep, "life", nats.url) as node:
             await h.edge.registry.wait_connected(["life"], timeout_s=10)
             h.client(api_key=CLIENT_KEY)
-            yield Life(h, node, dep, nats.url, events)
+            yield Life(h, node, dep, nats.url, events, text)
     finally:
         await nats.stop()
 
@@ -338,6 +345,33 @@ async def test_a_stopping_node_ends_its_servers(life: Life) -> None:
         assert server.proc is not None
         pid = server.proc.pid
     # What the node does on SIGTERM (iop/node/main.py): its stop ends the server's process group.
+    assert pid_gone(pid)
+
+
+def started_pids(events: Path) -> list[int]:
+    if not events.exists():
+        return []
+    return [int(line.split()[2]) for line in events.read_text().splitlines() if line.startswith("start ")]
+
+
+async def test_a_node_killed_by_sigkill_takes_its_servers_with_it(life: Life, tmp_path: Path) -> None:
+    cfg = tmp_path / "iop.yaml"
+    cfg.write_text(life.text)
+    before = started_pids(life.events / "last")
+    async with node_process(cfg, "short", life.nats_url) as short:
+
+        async def server_started() -> bool:
+            return len(started_pids(life.events / "last")) > len(before)
+
+        await eventually(server_started, timeout_s=10)
+        (pid,) = started_pids(life.events / "last")[len(before) :]
+        assert not pid_gone(pid)
+        short.kill()  # no stop of its own runs: the kernel ends the server (PR_SET_PDEATHSIG)
+        try:
+            await wait_gone(pid, timeout_s=5)
+        finally:
+            if not pid_gone(pid):
+                os.kill(pid, signal.SIGKILL)  # the test's own leftover: not left to outlive the run
     assert pid_gone(pid)
 
 

@@ -1,13 +1,24 @@
-"""One model server process: started in its own process group, its output logged, its readiness probed, ended."""
+"""One model server process: started in its own process group, its output logged, its readiness probed, ended.
+
+A server must not outlive its node, however the node ends: a stop ends its process group; the
+node's normal exit ends every group still running (`end_all`, also at interpreter exit); on Linux
+the kernel kills the server itself when the node dies by SIGKILL (PR_SET_PDEATHSIG). What a server
+started in turn dies with it only if it passes the signal on (most stay in its group: a stop or
+the node's exit reaches them).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import ctypes
 import logging
 import os
 import re
 import signal
+import sys
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from iop.serverconf import ServerSettings
@@ -21,6 +32,31 @@ LOG_LINE_CHARS = 2000
 READY_POLL_S = 0.1
 """How often ready_url is asked while the server loads."""
 PROBE_TIMEOUT_S = 2.0
+PR_SET_PDEATHSIG = 1
+
+_running: set[int] = set()
+"""Process groups of servers started and not yet seen stopped (what `end_all` ends)."""
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """In the child before exec: SIGKILL when the node's thread that started it ends (the node died)."""
+
+    def prepare() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() != parent:
+            os._exit(1)  # the node died between the fork and the prctl: do not run orphaned
+
+    return prepare
+
+
+def end_all() -> None:
+    """SIGKILL every server process group still running (the node is exiting)."""
+    for pgid in list(_running):
+        _signal_group(pgid, signal.SIGKILL)
+    _running.clear()
+
+
+atexit.register(end_all)
 
 
 class ServerProcess:
@@ -45,7 +81,9 @@ class ServerProcess:
             stderr=asyncio.subprocess.STDOUT,
             env=env,
             start_new_session=True,  # its own process group: a stop reaches every child it starts
+            preexec_fn=_die_with(os.getpid()) if sys.platform == "linux" else None,
         )
+        _running.add(proc.pid)
         return cls(name, cfg, proc)
 
     @property
@@ -99,6 +137,7 @@ class ServerProcess:
         # Children it left behind go with it (the group outlives its leader).
         _signal_group(self.proc.pid, signal.SIGKILL)
         await self.proc.wait()
+        _running.discard(self.proc.pid)
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(self._logger, 2.0)
 
