@@ -70,6 +70,11 @@ async def test_routing_free_slots_opt_out_ranks_by_free_slots() -> None:
     assert ask.reason == "free_slots"
 
 
+def arrivals_every(s: Scheduler, gap_s: float) -> None:
+    """The pool's requests have come `gap_s` apart so far (what the router learns from their arrivals)."""
+    s.router.gaps["m"] = (monotonic(), gap_s)
+
+
 async def waiting(s: Scheduler, n: int) -> None:
     async with asyncio.timeout(5):
         while s.waiting("m") != n:
@@ -81,6 +86,7 @@ async def test_routing_holds_out_for_a_busy_faster_provider_rather_than_take_a_s
     s = scheduler({"fast": 1, "slow": 1})
     teach(s, "fast", 50, 200)  # 100 tokens: 0.55 s; its one slot frees within that
     teach(s, "slow", 400, 20)  # 5.4 s
+    arrivals_every(s, 30.0)  # a quiet pool: a request waiting for "fast" delays hardly anyone after it
     assert (await s.acquire_grant("m", soon(), ask=Ask())).slot.id == "fast"
     second = Ask()
     got = asyncio.ensure_future(s.acquire_grant("m", soon(), ask=second))
@@ -95,6 +101,7 @@ async def test_routing_sends_the_queue_the_busy_provider_cannot_clear_in_time_to
     s = scheduler({"fast": 1, "slow": 1})
     teach(s, "fast", 50, 200)  # 0.55 s
     teach(s, "slow", 400, 100)  # 1.4 s: worth it for the second in line for "fast" (1.65 s), not the first (1.1 s)
+    arrivals_every(s, 30.0)  # a quiet pool: a request waiting for "fast" delays hardly anyone after it
     assert (await s.acquire_grant("m", soon(), ask=Ask())).slot.id == "fast"
     first = asyncio.ensure_future(s.acquire_grant("m", soon(), ask=Ask()))
     await waiting(s, 1)
@@ -109,11 +116,21 @@ async def test_routing_stops_holding_out_once_waiting_longer_cannot_pay() -> Non
     s = scheduler({"fast": 1, "slow": 1})
     teach(s, "fast", 50, 200)  # 0.55 s
     teach(s, "slow", 400, 100)  # 1.4 s: waiting more than 0.85 s for "fast" is worse than this
+    arrivals_every(s, 30.0)  # a quiet pool: a request waiting for "fast" delays hardly anyone after it
     await s.acquire_grant("m", soon(), ask=Ask())  # and it never ends
     ask = Ask()
     t0 = monotonic()
     assert (await asyncio.wait_for(s.acquire_grant("m", soon(), ask=ask), 5)).slot.id == "slow"
     assert monotonic() - t0 >= 0.85 - 0.01 and "after holding" in ask.reason
+
+
+async def test_routing_holds_out_for_none_when_the_busy_provider_alone_cannot_take_the_pools_load() -> None:
+    s = scheduler({"fast": 1, "slow": 1})
+    teach(s, "fast", 50, 200)  # 0.55 s a request, one at a time: under 2 a second
+    teach(s, "slow", 400, 20)
+    arrivals_every(s, 0.25)  # 4 a second
+    assert (await s.acquire_grant("m", soon(), ask=Ask())).slot.id == "fast"
+    assert (await asyncio.wait_for(s.acquire_grant("m", soon(), ask=Ask()), 5)).slot.id == "slow"
 
 
 async def test_routing_never_holds_out_in_a_free_slots_pool() -> None:

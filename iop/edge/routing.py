@@ -24,9 +24,11 @@ the requests queued ahead of this one that wait for it as well (`Scan`), plus it
 concurrency. When that beats every free provider, the request holds out for it — a fast GPU box
 that frees a slot every 0.1 s is worth waiting for rather than taking a free slot of a Mac that
 needs 2 s — for at most what waiting can gain (the free one's estimate less the busy one's own
-time; `Router.wake` has the queue looked at again then, slot freed or not). Only the
-first `MAX_HELD` waiters of a queue hold out: the rest take free slots, so a deep queue still uses
-every provider and the pool's throughput stays what free-slot ranking gives.
+time; `Router.wake` has the queue looked at again then, slot freed or not). Its wait is charged
+with what it costs the requests arriving after it (each waits one more turn while the busy
+provider's backlog lasts, from the pool's arrival rate), so a pool whose load nears the busy
+provider's capacity overflows sooner, and one past it never waits. Only the first `MAX_HELD`
+waiters of a queue hold out: a deep queue still uses every provider.
 
 With a deadline (`x-iop-deadline-ms`), a provider whose estimate passes it is skipped while one
 that meets it is free; `best_case_s` says whether anyone could meet it at all.
@@ -80,6 +82,8 @@ BYTES_PER_TOKEN = 4
 MAX_HELD = 64
 """Waiters of one queue that may hold out for a busy provider at once (bounds a pass over the queue)."""
 WAKE_SLACK_S = 0.005
+ARRIVAL_ALPHA = 0.05
+"""EWMA weight of the newest gap between a pool's requests (its arrival rate, over about 40 of them)."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,8 @@ class Ask:
     """Monotonic time after which it holds out no longer (waiting longer cannot pay)."""
     scan: Scan | None = None
     """The pass over its pool's queue it is being asked in (`Scan.asking`); None: it queues behind nobody."""
+    counted: bool = False
+    """Its arrival counts in its pool's arrival rate (the router's first look at it)."""
 
 
 @dataclass(eq=False)
@@ -237,6 +243,8 @@ class Router:
     """Called when a pool request ended on a provider, answered or failed by it (its lifecycle policy)."""
     server_of: Callable[[str], wire.ServerLive | None] = field(default=lambda _: None)
     """The model server a provider's node runs for it, from the node's last heartbeat (iop/edge/root.py)."""
+    gaps: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Pool alias → (its latest request's arrival, EWMA of the gaps between its requests), monotonic s."""
     wake: Callable[[str], None] | None = None
     """Called with a pool's alias when a hold of one of its requests ends: look at its queue again,
     slot freed or not (the scheduler's pump)."""
@@ -350,6 +358,9 @@ class Router:
         among those that meet the deadline. `ask.scan`: the pass over the queue this is part of
         (the waiters ahead that hold out)."""
         scan, ask.scan, ask.passed = ask.scan, None, False
+        if not ask.counted:
+            ask.counted = True
+            self._arrived(alias)
         if not free:
             return None
         ahead = scan.held if scan is not None else 0
@@ -393,14 +404,26 @@ class Router:
             ask.reason += f" after holding {monotonic() - ask.held_since:.2f}s for a busy provider"
         return chosen
 
-    def _waiting(self, alias: str, busy: Sequence[Candidate], ask: Ask, ahead: int) -> tuple[float, float] | None:
-        """(expected finish, own time) on the best of the full providers `busy`, for a request with
-        `ahead` requests queued before it for them: the wait for its slot, as the slots free at
-        the rate they turn over at this edge (`held_s`; the node's time until one was seen), then
-        its time at full concurrency."""
-        best: tuple[float, float] | None = None
+    def _arrived(self, alias: str) -> None:
+        now = monotonic()
+        last, gap = self.gaps.get(alias, (now, 0.0))
+        self.gaps[alias] = (now, now - last if not gap else gap + ARRIVAL_ALPHA * (now - last - gap))
+
+    def _waiting(
+        self, alias: str, busy: Sequence[Candidate], ask: Ask, ahead: int
+    ) -> tuple[float, float, float] | None:
+        """(expected finish, own time, cost to the others) on the best of the full providers `busy`,
+        for a request with `ahead` requests queued before it for them.
+
+        The finish: the wait for its slot, as the slots free at the rate they turn over at this
+        edge (`held_s`; the node's time until one was seen), then its time at full concurrency.
+        The cost: what its taking a slot there delays the requests that arrive after it while the
+        provider's backlog lasts (a turn each, over a busy period of an M/M/1 at the pool's
+        arrival rate); infinite when the provider alone cannot take the pool's load."""
+        best: tuple[float, float, float] | None = None
         out = self.expected_output(alias, ask)
         now = time.time()
+        gap = self.gaps.get(alias, (0.0, 0.0))[1]
         for p in busy:
             f = self.figures.get(p.id)
             if f is None or p.capacity <= 0:
@@ -408,17 +431,23 @@ class Router:
             own = f.expected_s(p.capacity, ask.input_tokens, out, cold_start_s(self.server_of(p.id), now))
             if own is None:
                 continue
-            total = (ahead + 1) * max(own, f.held_s or 0.0) / p.capacity + own
-            if best is None or total < best[0]:
-                best = (total, own)
+            turn = max(own, f.held_s or 0.0) / p.capacity
+            wait = (ahead + 1) * turn
+            load = turn / gap if gap > 0 else 0.0
+            cost = load * wait / (1 - load) if load < 1 else float("inf")
+            if best is None or wait + own + cost < best[0] + best[2]:
+                best = (wait + own, own, cost)
         return best
 
-    def _holds(self, alias: str, ask: Ask, waiting: tuple[float, float], first: float, left: float | None) -> bool:
+    def _holds(
+        self, alias: str, ask: Ask, waiting: tuple[float, float, float], first: float, left: float | None
+    ) -> bool:
         """Whether the request holds out for the busy provider of `waiting` rather than take the best
-        free one (expected `first`): clearly sooner, in time for its deadline, and for at most
-        what waiting can gain over taking the free one at its first hold."""
-        total, own = waiting
-        if total * (1 + TIE_FRACTION) >= first or (left is not None and total > left):
+        free one (expected `first`): clearly sooner once its cost to the others is counted, in
+        time for its deadline, and for at most what waiting can gain over taking the free one at
+        its first hold."""
+        total, own, cost = waiting
+        if total * (1 + TIE_FRACTION) + cost >= first or (left is not None and total > left):
             return False
         now = monotonic()
         if ask.held_since is None:
