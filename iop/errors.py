@@ -24,7 +24,8 @@
         ├── HeadersTooLarge      431
         ├── Unavailable          503 (queue wait timed out, no provider connected, NATS failed)
         │   ├── Cancelled        503 retryable: the node stopped the work (cancelled, node stopping)
-        │   └── BodyUnavailable  503 retryable: the node could not fetch a large request body
+        │   ├── BodyUnavailable  503 retryable: the node could not fetch a large request body
+        │   └── ServerNotReady   503 retryable: the provider's model server did not start (iop/node/servers.py)
         └── UpstreamError        502 retryable: the provider or its node failed
             ├── NodeLost         502 retryable: the node stopped answering while it ran the request
             ├── RelayGap         502 part of the answer was lost between node and edge
@@ -242,6 +243,14 @@ class BodyUnavailable(Unavailable):
     """The node could not fetch a request body too large to travel inline from the edge."""
 
     code = "body_unavailable"
+    retryable = True
+
+
+class ServerNotReady(Unavailable):
+    """The model server the node runs for the provider was not ready within its start timeout, or
+    exited first (iop/node/servers.py): another provider of the pool may answer."""
+
+    code = "server_not_ready"
     retryable = True
 
 

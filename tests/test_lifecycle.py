@@ -67,6 +67,10 @@ SERVERS: dict[str, dict[str, object]] = {
     "rst": {},
     "slow": {"idle_stop_s": 30, "load_s": 30},
     "burst": {"idle_stop_s": 30, "load_s": 1.0},
+    "never": {"idle_stop_s": 30, "load_s": 30, "start_timeout_s": 0.5},
+    "duoa": {"idle_stop_s": 30, "group": "duo", "group_size": 2},
+    "duob": {"idle_stop_s": 30, "group": "duo", "group_size": 2},
+    "duoc": {"idle_stop_s": 30, "group": "duo", "group_size": 2},
 }
 """The servers of node `life`, one or two per test."""
 
@@ -346,6 +350,55 @@ async def test_a_stopping_node_ends_its_servers(life: Life) -> None:
         pid = server.proc.pid
     # What the node does on SIGTERM (iop/node/main.py): its stop ends the server's process group.
     assert pid_gone(pid)
+
+
+async def test_a_server_not_ready_within_start_timeout_fails_its_request_with_503_and_holds_nothing(
+    life: Life,
+) -> None:
+    h, node = life.h, life.node
+    server = server_of(node, "never")  # loads for 30 s; start_timeout_s 0.5
+    with pytest.raises(openai.APIStatusError) as failed:
+        await ask(h, "never")
+    assert failed.value.status_code == 503
+    error = failed.value.response.json()["error"]
+    assert error["code"] == "server_not_ready" and error["type"] == "server_error"
+    assert error["message"] == "the model server of never was not ready within its start_timeout_s (0.5 s)"
+    # Nothing held: the edge's slot, the broker's message, the node's wait, the server process.
+    assert h.edge.scheduler.providers["never"].in_flight == 0 and h.edge.scheduler.waiting("never") == 0
+
+    async def let_go() -> bool:
+        return server.waiting == 0 and await broker_counts(h.edge.js, "never") == (0, 0)
+
+    await eventually(let_go, timeout_s=5)
+    ((_, _, ended),) = runs(life.events / "never")
+    assert ended < float("inf")
+    # Nobody waits for it any more: after its back-off it stays stopped until a request comes.
+    await until(lambda: server.state == "stopped", node.changed, timeout_s=5)
+    assert server.proc is None and node.requests() == []
+
+
+async def test_a_group_of_two_runs_two_servers_at_most_and_a_third_swaps_out_the_least_recently_used(
+    life: Life,
+) -> None:
+    h, node = life.h, life.node
+    a, b, c = (server_of(node, n) for n in ("duoa", "duob", "duoc"))
+    assert await ask(h, "duoa") == "hello from duoa"
+    assert await ask(h, "duob") == "hello from duob"
+    assert (a.state, b.state, c.state) == ("ready", "ready", "stopped")  # room for two: no swap yet
+    assert await ask(h, "duoa") == "hello from duoa"  # duob is now the least recently used
+    assert await ask(h, "duoc") == "hello from duoc"
+    assert (a.state, c.state) == ("ready", "ready") and b.state in ("draining", "stopped")
+    assert c.swaps == 1 and a.swaps == 0 and b.swaps == 0
+    # Requests for all three at once: each is served, and never more than two ran at a time.
+    order = ["duob", "duoa", "duoc", "duob", "duoa", "duoc"]
+    assert await asyncio.gather(*(ask(h, n) for n in order)) == [f"hello from {n}" for n in order]
+    events = [life.events / n for n in ("duoa", "duob", "duoc")]
+    edges = sorted((t, d) for _, start, end in runs(*events) for t, d in ((start, 1), (end, -1)))
+    running = peak = 0
+    for _, d in edges:
+        running += d
+        peak = max(peak, running)
+    assert peak == 2, runs(*events)
 
 
 def started_pids(events: Path) -> list[int]:

@@ -127,8 +127,8 @@ async def _take(running: RunningRequests, r: Resource, msg: Msg) -> None:
     cold_ms = 0.0
     if server is not None:
         waited = await _wait_for_server(running, server, item, msg)
-        if waited is None:
-            await _not_run(running, r, item, msg)
+        if not isinstance(waited, float):
+            await _not_run(running, r, item, msg, waited)
             return
         cold_ms = round(waited * 1000, 3)
     try:
@@ -147,12 +147,12 @@ async def _take(running: RunningRequests, r: Resource, msg: Msg) -> None:
 
 async def _wait_for_server(
     running: RunningRequests, server: ManagedServer, item: wire.WorkItem, msg: Msg
-) -> float | None:
+) -> float | Unavailable | None:
     """Wait for the item's model server to be ready (a cold start, a swap); the seconds it took.
 
     The message stays taken meanwhile, kept from redelivery with progress acks: the slot it holds
     is the one it runs in, so capacity stays exact. None: the client left, the deadline passed, or
-    the node is stopping.
+    the node is stopping; Unavailable: the server's start failed.
     """
     acquiring = asyncio.create_task(server.acquire())
     while not acquiring.done():
@@ -167,23 +167,28 @@ async def _wait_for_server(
             await msg.in_progress()
         except (nats.errors.Error, OSError) as exc:
             log.debug("progress of %s not sent: %s", item.id, exc)
-    if acquiring.cancelled() or acquiring.exception() is not None:
+    if acquiring.cancelled():
         return None
+    if (error := acquiring.exception()) is not None:
+        return error if isinstance(error, Unavailable) else None
     return acquiring.result()  # granted even if it was given up at the same instant: released by the caller
 
 
-async def _not_run(running: RunningRequests, r: Resource, item: wire.WorkItem, msg: Msg) -> None:
-    """An item given up while its model server started: say why, and leave the message to whom it belongs."""
+async def _not_run(
+    running: RunningRequests, r: Resource, item: wire.WorkItem, msg: Msg, failed: Unavailable | None
+) -> None:
+    """An item given up while its model server started (or whose start `failed`): say why, and
+    leave the message to whom it belongs."""
     if running.stopping:
         await msg.nak()  # the node's next instance, or another node's provider, takes it
     elif running.was_cancelled(item.id):
         await msg.term()
     else:
         await msg.term()
-        late = Unavailable(
+        why = failed or Unavailable(
             f"the model server of {r.cfg.id} was not ready before the queue timeout", code="queue_timeout"
         )
-        await running.publish(item, failure_of(late, item.id, 0))
+        await running.publish(item, failure_of(why, item.id, 0))
 
 
 async def _claim(running: RunningRequests, item: wire.WorkItem) -> bool:

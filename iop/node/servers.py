@@ -17,6 +17,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Literal
 
 from iop import wire
+from iop.errors import ServerNotReady
 from iop.node.serverproc import ServerProcess
 from iop.serverconf import ServerSettings
 
@@ -83,6 +84,8 @@ class ManagedServer:
         self._stopping = False
         self._backoff_s = cfg.restart_backoff_s
         self._ready_at = 0.0
+        self._start_failed: tuple[float, str] = (0.0, "")
+        """When its latest start failed (monotonic) and why: the requests waiting for that start fail."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     # --- what requests do ------------------------------------------------------------------------
@@ -91,7 +94,9 @@ class ManagedServer:
         """Wait until the server is ready and count one request on it; the seconds it waited (0: warm).
 
         Starts the server (draining another of its group first when the group is full). Cancel it
-        to give up waiting; `release` must follow every acquire that returned.
+        to give up waiting; `release` must follow every acquire that returned. Raises ServerNotReady
+        (503) when a start it waited for failed: not ready within `start_timeout_s`, or the process
+        exited first (the server is restarted after its back-off for whoever asks next).
         """
         began = time.monotonic()
         cold = False
@@ -108,6 +113,9 @@ class ManagedServer:
                         self.group.notify()  # a server waiting to swap it out may now
                     return time.monotonic() - began if cold else 0.0
                 cold = True
+                failed_at, why = self._start_failed
+                if failed_at >= began:
+                    raise ServerNotReady(f"the model server of {self.name} {why}")
                 if self.state == "stopped":
                     await self._start_when_room()
                     continue
@@ -190,9 +198,11 @@ class ManagedServer:
         if self._stopping or self.closed:
             return
         if proc.proc.returncode is None:
-            log.error("[%s] server not ready within %gs: stopped", self.name, self.cfg.start_timeout_s)
+            why = f"was not ready within its start_timeout_s ({self.cfg.start_timeout_s:g} s)"
         else:
-            log.error("[%s] server exited with %s before it was ready", self.name, proc.proc.returncode)
+            why = f"exited with {proc.proc.returncode} before it was ready"
+        log.error("[%s] server %s: stopped", self.name, why)
+        self._start_failed = (time.monotonic(), why)
         await proc.stop(self.cfg.stop_grace_s)  # its group too, whatever the leader did
         self._spawned.discard(proc)
         self._failed()
