@@ -4,11 +4,11 @@ Two fake upstreams of known speed, as a GPU box beside a Mac running MLX: `gpu` 
 token 40 ms, 5 ms per token) and `mac` (250 ms, 25 ms per token), capacity 4 each, one pool
 served under two aliases of one stack: `mixed` (routing: expected_finish, the default) and
 `mixed-free` (routing: free_slots). The same open-loop load on each (Poisson arrivals at a fixed
-rate, seeded; streamed answers of 64 tokens), the two runs alternating per round, at two rates:
-one the fast provider alone can nearly always take, one where it is full often enough that
-requests overflow to the slow one (a request never waits while a slot is free). Per rate and routing: the
-client's end-to-end latency over every round's requests (mean, p50, p99), the throughput, and
-the share each provider got.
+rate, seeded; streamed answers of 64 tokens), the two runs alternating per round, at rates from
+one the fast provider alone nearly always has a free slot for up to the pool's saturation on a
+loaded 2-core machine (about 9 req/s: free-slot ranking's throughput stops following the offered
+load past it). Per rate and routing: the client's end-to-end latency over every round's requests
+(mean, p50, p99), the throughput, and the share each provider got.
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ PROVIDERS = (("gpu", 40.0, 5.0), ("mac", 250.0, 25.0))
 
 @dataclass
 class RoutingOptions:
-    rates_per_s: tuple[float, ...] = (1.0, 4.0)
-    """Offered loads, both below the fast provider's capacity alone (4 / ~0.36 s, about 11 req/s): at
-    1/s it is full for under 1 % of the arrivals, at 4/s for several percent (those overflow)."""
+    rates_per_s: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
+    """Offered loads: at 1/s the fast provider is full for under 1 % of the arrivals, at 4/s for
+    several percent, at 8/s (its capacity alone, 4 / ~0.45 s on a loaded machine) often."""
     requests: int = 60
-    """Per run (its length is requests / rate)."""
+    """Per run, at least (its length is requests / rate) ..."""
+    min_seconds: float = 15.0
+    """... and at least this long (more requests at the higher rates)."""
     tokens: int = 64
     capacity: int = 4
     rounds: int = 2
@@ -87,7 +89,7 @@ def run_routing(owned: Owned, workdir: Path, opts: RoutingOptions) -> dict[str, 
                 order = ("free_slots", "expected_finish") if r % 2 == 0 else ("expected_finish", "free_slots")
                 for name in order:
                     alias = "mixed" if name == "expected_finish" else "mixed-free"
-                    seconds = opts.requests / rate
+                    seconds = max(opts.requests / rate, opts.min_seconds)
                     got = asyncio.run(_load(stack.url, alias, rate, seconds, opts.tokens, opts.seed + r))
                     at_rate[name].append(got)
                     lat = got["latency_ms"] or {}

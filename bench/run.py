@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         "--body-sizes", default=None, help="bodies: comma-separated body bytes (default 1000,100000,800000,3000000)"
     )
     ap.add_argument("--body-pairs", type=int, default=None, help="bodies: direct/iop pairs per cell (20, quick 10)")
+    ap.add_argument("--routing-rates", default=None, help="routing: offered loads, req/s (default 1,2,4,8)")
+    ap.add_argument("--routing-requests", type=int, default=None, help="routing: least requests per run (60)")
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/<date>.json)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs)")
     ap.add_argument("--render", type=Path, default=None, metavar="JSON", help="only print the tables of a saved run")
@@ -215,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         if "routing" in only:
             ro = RoutingOptions(storage=a.storage, archive=a.archive)
             if a.quick:
-                ro.requests, ro.rounds = 20, 1
+                ro.requests, ro.rounds, ro.min_seconds = 20, 1, 0.0
+            if a.routing_rates:
+                ro.rates_per_s = tuple(float(x) for x in a.routing_rates.split(",") if x.strip())
+            if a.routing_requests:
+                ro.requests = a.routing_requests
             attempt("routing", lambda: run_routing(owned, workdir, ro))
     except KeyboardInterrupt:
         log("interrupted: stopping our processes")
