@@ -138,8 +138,12 @@ async def _take(running: RunningRequests, r: Resource, msg: Msg) -> None:
             await running.publish(item, failure_of(late, item.id, 0))
             return
         run = running.start(r, item, msg, cold_start_ms=cold_ms, trace=msg.headers)
-        assert run.task is not None
-        await asyncio.wait({run.task})
+        assert run.freed is not None
+        # Until the upstream has answered and the work is acked, not until the Done is out: the
+        # next pull then reaches the broker before the edge's next publish does, and the broker's
+        # max_ack_pending still holds the provider to its capacity. (Awaited directly, one loop
+        # turn: the run yields one turn for it. Cancelled here, the run goes on by itself.)
+        await run.freed
     finally:
         if server is not None:
             server.release()

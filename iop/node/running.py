@@ -51,6 +51,10 @@ class Running:
     """How long it waited for its model server to start (servers.py) before it ran."""
     trace: Mapping[str, str] | None = None
     """The headers the work came with: its try's trace context, when the request is traced."""
+    freed: asyncio.Future[None] | None = None
+    """Pool work: resolved once the run no longer holds its slot, its work acked (the upstream's
+    answer read whole) or the run over. The slot's fetch loop pulls the next item then, not after the Done."""
+    holds_slot: bool = False
 
 
 class RunningRequests:
@@ -92,6 +96,8 @@ class RunningRequests:
         # Registered before the task runs, so a Credit or Cancel arriving at once finds it.
         run = Running(item, msg, FlowWindow(self.changed), time.monotonic(), cold_start_ms=cold_start_ms, trace=trace)
         self.by_id[item.id] = run
+        if msg is not None:  # pool work: its slot's fetch loop waits for the slot
+            run.freed = asyncio.get_running_loop().create_future()
         run.task = asyncio.create_task(self._run(r, run))
         self.changed.set()
         return run
@@ -110,6 +116,7 @@ class RunningRequests:
     async def _run(self, r: Resource, run: Running) -> None:
         item, window = run.item, run.window
         r.in_flight += 1
+        run.holds_slot = True
         if r.in_flight > r.peak_in_flight:
             r.peak_in_flight = r.in_flight
         edge = wire.edge_of(item.reply_to)
@@ -178,6 +185,11 @@ class RunningRequests:
             run.answered = True
             if run.msg is not None:
                 await run.msg.ack()  # before Done: the slot is free by the time the edge hears of it
+            if _free(r, run):
+                # One loop turn for the slot's fetch loop (woken by `freed`): its next pull goes
+                # out after the ack and before the Done, so it waits in the broker by the time the
+                # edge, told by the Done, publishes the next request.
+                await asyncio.sleep(0)
             done = wire.Done(
                 item.id,
                 window.sent_chunks,
@@ -225,7 +237,7 @@ class RunningRequests:
             if work is not None:
                 ttfb_ms = round((first_byte - began) * 1000, 3) if first_byte else 0.0
                 spans.ended(work, call, outcome, usage, error, ttfb_ms)
-            r.in_flight -= 1
+            _free(r, run)
             if r.by_edge.get(edge, 0) <= 1:
                 r.by_edge.pop(edge, None)
             else:
@@ -422,6 +434,18 @@ class _Outbox:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+
+
+def _free(r: Resource, run: Running) -> bool:
+    """The run's slot is free: the upstream has answered (or the run is over). Whether a fetch loop was told."""
+    if not run.holds_slot:
+        return False
+    run.holds_slot = False
+    r.in_flight -= 1
+    if run.freed is None or run.freed.done():
+        return False
+    run.freed.set_result(None)
+    return True
 
 
 def _delivery(msg: Msg | None) -> tuple[int, float | None]:
