@@ -30,6 +30,8 @@ from iop.errors import NodeLost, RelayGap, Unavailable, error_of, failure_of
 
 log = logging.getLogger("iop.edge")
 
+Answer = wire.Started | wire.Chunk | wire.Done | wire.Failure
+
 
 class Relay:
     """One wildcard subscription receives every reply for this edge; a dict routes it to its request."""
@@ -108,13 +110,21 @@ class Relay:
         if isinstance(reply, wire.Accepted):
             return
         if isinstance(reply, wire.Replies):
+            # The reader hears of the batch only after all of it is taken in: a Done in it frees
+            # the slot first, so the next waiter's work goes out before this answer's relay and
+            # its record run (measured: 0.5 ms of a handover's 2 under load).
+            woken: list[tuple[Channel, Answer]] = []
             for item in reply.items:
-                self._on_answer(item, msg.subject)
+                self._on_answer(item, msg.subject, woken)
+            for ch, r in woken:
+                ch.queue.put_nowait(r)
         else:
             self._on_answer(reply, msg.subject)
 
-    def _on_answer(self, reply: wire.Started | wire.Chunk | wire.Done | wire.Failure, subject: str) -> None:
-        """One piece of a request's answer, from the node it was sent to (checked for each piece)."""
+    def _on_answer(self, reply: Answer, subject: str, woken: list[tuple[Channel, Answer]] | None = None) -> None:
+        """One piece of a request's answer, from the node it was sent to (checked for each piece).
+
+        `woken`: where the pieces go that the reader is to have, when the caller hands them over itself."""
         ch = self._channel(reply.id, subject)
         if ch is None:
             if isinstance(reply, wire.Started) and reply.id not in self.channels:
@@ -124,18 +134,23 @@ class Relay:
                 self._spawn(self.publish.withdraw(Channel(reply.id, node)))
             return
         ch.last_heard = time.monotonic()
-        self._answer(ch, reply)
+        self._answer(ch, reply, woken)
 
-    def _answer(self, ch: Channel, reply: wire.Started | wire.Chunk | wire.Done | wire.Failure) -> None:
+    def _answer(self, ch: Channel, reply: Answer, woken: list[tuple[Channel, Answer]] | None = None) -> None:
         """One reply of the node about `ch`: handed to the reader in order, or held until a gap fills."""
         duplicates = ch.order.duplicates
         for r in ch.order.take(reply):
             self._deliver(ch, r)
+            if woken is None:
+                ch.queue.put_nowait(r)
+            else:
+                woken.append((ch, r))
         self.duplicates += ch.order.duplicates - duplicates
         if ch.order.missing:
             self.recovery.missing(ch)
 
-    def _deliver(self, ch: Channel, reply: wire.Started | wire.Chunk | wire.Done | wire.Failure) -> None:
+    def _deliver(self, ch: Channel, reply: Answer) -> None:
+        """What a reply tells of the request (its start, its bytes waiting, its end), before its reader has it."""
         now = time.monotonic()
         if isinstance(reply, wire.Chunk):
             if not ch.first_chunk_mono:
@@ -157,7 +172,6 @@ class Relay:
             ch.outcome = reply
             ch.end()
             self.recovery.received(ch)
-        ch.queue.put_nowait(reply)
 
     def _credit_of(self, rid: str, subject: str) -> wire.Credit:
         ch = self._channel(rid, subject)
