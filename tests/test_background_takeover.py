@@ -219,3 +219,31 @@ async def test_background_takeover_gives_up_after_three_and_keeps_it_failed(nats
             await eventually(lambda: _no_lease(h.edge), timeout_s=10)
             assert await store.work(owner, rid) is None
     assert up.total == 0
+
+
+async def test_background_takeover_an_edge_that_lost_the_lease_stops_its_run(nats_server: EmbeddedNats) -> None:
+    """Another runner took the lease (this edge was cut off, as far as the others could tell): the
+    edge stops its own run rather than finish an answer it may not keep; here that runner is gone
+    too, so the edge takes the response back and completes it."""
+    gate = asyncio.Event()
+    async with fake_upstream(api="chat", gate=gate) as up:
+        dep = deployment(DEPLOYMENT.format(url=up.url))
+        try:
+            async with running_node(dep, "n", nats_server.url), running_edge(dep, nats_server.url) as h:
+                await h.edge.registry.wait_connected(["n"], timeout_s=10)
+                async with h.http() as http:
+                    queued = await start(http)
+                    await up.wait_for(lambda u: u.in_flight == 1)
+                    store = h.edge.responses.store
+                    assert store is not None
+                    key = f"l.{owner_of(KEY_A.encode())}.{queued['id']}"
+                    entry = await store.kv.get(key)
+                    other = takeover.Lease("elsewhere-0000", takeovers=1)
+                    await store.kv.update(key, msgspec.json.encode(other), last=entry.revision)
+                    await up.wait_for(lambda u: u.total == 2, timeout_s=30)  # its own run stopped; run again
+                    gate.set()
+                    final = await completed(http, queued["id"])
+                    assert (final["status"], text_of(final)) == ("completed", "w0 w1 w2")
+        finally:
+            gate.set()
+    assert up.total == 2

@@ -250,7 +250,7 @@ class Edge:
             # Background responses of edges that are gone run here again (iop/responses/takeover.py).
             self.responses.runner = new_runner(self.edge_id)
             resume = ApiEndpoint(self, "responses").resume
-            self.responses.takeover = Takeover(self.responses.store, self.responses.runner, resume)
+            self.responses.takeover = Takeover(self.responses.store, self.responses.runner, resume, self.responses.lost)
             self.responses.takeover.start()
         for pid, capacity in self.current.capacities().items():
             await available(f"provider {pid}'s consumer", functools.partial(self._consumer, pid, capacity))

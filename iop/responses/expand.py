@@ -89,6 +89,14 @@ class Responses:
         """Takes over the background responses of edges that are gone (started with the store)."""
         self.stopping = False
 
+    def lost(self, response_id: str) -> None:
+        """Another edge took over a background response this edge runs: its run here stops, unkept."""
+        held = self.leases.get(response_id)
+        task = self.running.get(response_id)
+        if held is not None and task is not None:
+            held.lost = True
+            task.cancel()
+
     async def stop(self) -> None:
         """Stop the background responses this edge runs (the edge stops): another edge takes them over."""
         self.stopping = True

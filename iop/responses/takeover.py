@@ -14,7 +14,8 @@ subscriptions), or that a stopping edge released (runner ""), is claimed by a co
 the lease's revision: one edge wins and runs the request again, as the same key, through its
 pool's queue like any request. The answer is kept only after its runner moved the lease to
 `keeping`, a compare-and-set on the revision it wrote last: a runner that lost its lease (cut off
-while another edge took over) learns so there and drops its answer. A claimer finds the record of
+while another edge took over) learns so there and drops its answer, or sooner, when it sees the
+lease change, and stops its run. A claimer finds the record of
 a runner that died while keeping either finished (the lease is cleaned) or not (it runs again).
 After MAX_TAKEOVERS runs a response is kept as failed.
 """
@@ -163,10 +164,14 @@ Resume = Callable[[Held], Coroutine[Any, Any, None]]
 class Takeover:
     """Watches every lease; claims those whose runner is gone and hands them to `resume`."""
 
-    def __init__(self, store: ResponseStore, runner: str, resume: Resume) -> None:
+    def __init__(
+        self, store: ResponseStore, runner: str, resume: Resume, lost: Callable[[str], None] | None = None
+    ) -> None:
         self.store = store
         self.runner = runner
         self.resume = resume
+        self.lost = lost
+        """Told the id of a response this edge ran that another edge took over (this one was cut off)."""
         self.leases: dict[str, tuple[int, Lease]] = {}
         self.suspects: dict[str, float] = {}
         """Leases whose runner did not answer, since when (monotonic)."""
@@ -217,9 +222,14 @@ class Takeover:
             self.suspects.pop(key, None)
             return
         try:
-            self.leases[key] = (int(entry.revision), _lease(entry.value))
+            lease = _lease(entry.value)
         except msgspec.DecodeError:
             return
+        before = self.leases.get(key)
+        self.leases[key] = (int(entry.revision), lease)
+        taken = before is not None and before[1].runner == self.runner and lease.runner not in ("", self.runner)
+        if taken and self.lost is not None:
+            self.lost(key.split(".")[2])  # its run here stops: the other edge's answer is kept
         self.suspects.pop(key, None)  # a lease that changed has a runner that just wrote it
 
     async def _sweeps(self) -> None:
