@@ -18,6 +18,10 @@ table with medians [min..max] and every target with PASS/MISS and its gap, and w
                 take a known time to load (docs/lifecycle.md)
     fairness    a pool of capacity 4 (200 ms answers), a tenant flooding at 10x its rate and a quiet
                 one: the quiet tenant's queue wait alone, with fair queueing and with FIFO
+    fairedges   a flooder on one edge, a quiet tenant on another (capacity 4, 200 ms): the quiet
+                tenant's queue wait alone and beside the flooder's backlog on the other edge
+    limits      10,000 requests through three edges on one NATS: a tenant's max_concurrent, rpm and tpm
+                never exceeded (counts at the upstream and of the answers)
     routing     a mixed pool (a fast and a slow provider): routing by expected finish time against
                 free-slot ranking at the same offered load; mean and p99 latency, throughput
     bodies      agent-sized bodies (1 KB .. 3 MB), chat and Responses, against direct and the floor
@@ -44,8 +48,10 @@ from bench.abtest import AbOptions, run_ab
 from bench.affinity import AffinityOptions, run_affinity
 from bench.bodies import BodiesOptions, run_bodies
 from bench.capacity import CapacityOptions, run_capacity
+from bench.fairedges import FairEdgesOptions, run_fairedges
 from bench.fairness import FairnessOptions, run_fairness
 from bench.lifecycle import LifecycleOptions, run_lifecycle
+from bench.limits import LimitsOptions, run_limits
 from bench.procs import REPO, Owned, git_state, install_signal_handlers, loadavg, log, machine
 from bench.report import judge, render
 from bench.routing import RoutingOptions, run_routing
@@ -65,6 +71,8 @@ SCENARIOS = (
     "bodies",
     "lifecycle",
     "fairness",
+    "fairedges",
+    "limits",
     "routing",
     "tracing",
 )
@@ -199,6 +207,16 @@ def main(argv: list[str] | None = None) -> int:
             if a.quick:
                 fq.flood_requests, fq.alone_requests = 200, 10
             attempt("fairness", lambda: run_fairness(owned, workdir, fq))
+        if "fairedges" in only:
+            fe = FairEdgesOptions(archive=a.archive)
+            if a.quick:
+                fe.flood_requests, fe.alone_requests = 100, 5
+            attempt("fairedges", lambda: run_fairedges(owned, workdir, fe))
+        if "limits" in only:
+            li = LimitsOptions(archive=a.archive)
+            if a.quick:
+                li.requests = 1_000
+            attempt("limits", lambda: run_limits(owned, workdir, li))
         if "bodies" in only:
             bo = BodiesOptions(storage=a.storage, archive=a.archive)
             if a.quick:
