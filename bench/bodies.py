@@ -194,22 +194,10 @@ async def _one(port: int, request: bytes) -> float:
 
 def _floor(owned: Owned, workdir: Path, opts: BodiesOptions) -> dict[str, Any]:
     """The floor on a nats-server of its own, configured and stored as the edge's."""
-    from iop.nats.bundle import nats_server_path
-    from iop.nats.server import MAX_PAYLOAD
-
-    port = free_port()
-    conf = workdir / "floor-nats.conf"
-    store = workdir / "floor-nats"
-    conf.write_text(
-        f'host: "127.0.0.1"\nport: {port}\nmax_payload: {MAX_PAYLOAD}\njetstream {{ store_dir: "{store}" }}\n'
-    )
-    proc = owned.start("floor-nats", [nats_server_path(), "-c", str(conf)])
+    proc, url = floor.start_server(owned, workdir)
     try:
-        wait_until("floor nats-server", lambda: _listening(port), 15, [proc])
         bodies = {str(s): fixtures.body("chat", "fake-model", s, False) for s in opts.sizes}
-        got = floor.run(
-            f"nats://127.0.0.1:{port}", bodies, opts.requests, memory=opts.storage == "memory", server_cpu=proc.cpu_s
-        )
+        got = floor.run(url, bodies, opts.requests, memory=opts.storage == "memory", server_cpu=proc.cpu_s)
     finally:
         owned.stop(proc)
     for name, f in got.items():
@@ -219,13 +207,6 @@ def _floor(owned: Owned, workdir: Path, opts: BodiesOptions) -> dict[str, Any]:
             f"  CPU-ms client+worker {cpu['client+worker']:.2f} nats {cpu.get('nats', 0):.2f}"
         )
     return got
-
-
-def _listening(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _waiting(stack: Stack, edge_port: int, size: int, n: int) -> dict[str, Any]:
