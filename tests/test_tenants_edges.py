@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 from contextlib import AsyncExitStack
 
+from iop.edge.fairshare import DEFER_S, FairShare
 from iop.edge.keys import EdgeKeys, Key
+from iop.edge.scheduler import Scheduler
+from iop.edge.slots import Grant
 from iop.nats.server import EmbeddedNats
 from tests.fakes import fake_upstream
 from tests.harness import deployment, eventually, running_edge, running_node, until
@@ -80,3 +83,47 @@ async def test_a_quiet_tenant_on_one_edge_takes_the_next_slot_a_flooders_edge_fr
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_freed_slot_waits_for_another_edges_tenant_only_while_it_is_ahead_and_not_for_long() -> None:
+    """The scheduler alone: another edge's waiting tenant (as its announcement says) against this edge's."""
+    s = Scheduler(100)
+    s.add_provider("p", "node-p", 2)
+    s.set_connected("p", True)
+    s.add_pool("m", ["p"])
+    share = FairShare(s.serve)
+    s.owed = share.owed
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+
+    async def queued() -> asyncio.Task[Grant]:
+        task = asyncio.create_task(s.acquire_grant("m", deadline, tenant="flood"))
+        await until(lambda: s.waiting("m") == 1, s.changed)
+        return task
+
+    g1, g2 = [await s.acquire_grant("m", deadline, tenant="flood") for _ in range(2)]
+    w1 = await queued()
+    # Elsewhere a tenant waits with nothing running: ahead of `flood`, which runs 2 here.
+    share.heard("b", True, {"m": [("quiet", 1, 1.0, 1, 0)]})
+    s.release(g1.slot, g1)
+    assert not w1.done() and s.providers["p"].free == 1 and share.deferred == 1
+    # The other edge takes it (its counts and its tenants say so): this edge's waiter has the next slot.
+    s.set_elsewhere("p", 1)
+    share.heard("b", False, {"m": [("quiet", 1, 1.0, 0, 1)]})
+    s.release(g2.slot, g2)
+    g3 = await w1
+    # A tenant of a lower class waiting elsewhere is not ahead, even with nothing running.
+    share.heard("b", False, {"m": [("batch", 2, 1.0, 3, 0)]})
+    w2 = await queued()
+    s.set_elsewhere("p", 0)  # the other edge's request ended
+    g4 = await w2
+    # Left free for another edge that does not take it: after DEFER_S the slot is this edge's again.
+    share.heard("b", False, {"m": [("quiet", 1, 1.0, 1, 0)]})
+    w3 = await queued()
+    t0 = loop.time()
+    s.release(g3.slot, g3)
+    assert not w3.done() and share.deferred == 2
+    g5 = await w3
+    assert loop.time() - t0 >= DEFER_S * 0.9
+    for g in (g4, g5):
+        s.release(g.slot, g)

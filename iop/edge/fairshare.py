@@ -52,20 +52,19 @@ class FairShare:
         """Pool → when its current deferral began (monotonic)."""
 
     def heard(self, edge: str, full: bool, waiting: dict[str, list[Load]]) -> None:
-        pools = self.elsewhere.get(edge)
-        if full or pools is None:
-            changed = set(waiting) | set(pools or ())
-            pools = self.elsewhere[edge] = {}
-        else:
-            changed = set(waiting)
+        before = self.elsewhere.get(edge) or {}
+        pools = {} if full else dict(before)
         for alias, rows in waiting.items():
             if rows:
                 pools[alias] = rows
             else:
                 pools.pop(alias, None)
-        for alias in changed:
-            self._since.pop(alias, None)  # news: a deferral may begin (or end) afresh
-            self.pump(alias)
+        self.elsewhere[edge] = pools
+        for alias in set(pools) | set(before):
+            if pools.get(alias) != before.get(alias):
+                # News (not a full announcement repeating itself): a deferral may begin or end afresh.
+                self._since.pop(alias, None)
+                self.pump(alias)
 
     def forget(self, edge: str) -> None:
         """`edge` is silent (gone): its waiters no longer count."""
