@@ -43,12 +43,21 @@ async def in_time(s: Scheduler, ask: Ask) -> str:
         raise
 
 
-def teach(s: Scheduler, provider: str, ttfb_ms: float, tok_s: float, tokens: int = 100, times: int = 3) -> None:
-    """`times` streamed answers of `tokens` tokens: TTFT `ttfb_ms`, then `tok_s` tokens per second."""
+def teach(
+    s: Scheduler,
+    provider: str,
+    ttfb_ms: float,
+    tok_s: float,
+    tokens: int = 100,
+    times: int = 3,
+    held_s: float | None = None,
+) -> None:
+    """`times` streamed answers of `tokens` tokens: TTFT `ttfb_ms`, then `tok_s` tokens per second;
+    each held its slot at the edge for `held_s`."""
     run_ms = ttfb_ms + (tokens - 1) / tok_s * 1000
     done = wire.Done("x", tokens, wire.Usage(10, tokens), 200, None, run_ms, ttfb_ms)
     for _ in range(times):
-        s.router.ended(provider, "m", True, done, 10, 1)
+        s.router.ended(provider, "m", True, done, 10, 1, held_s)
 
 
 async def test_routing_prefers_the_provider_expected_to_finish_first() -> None:
@@ -122,6 +131,20 @@ async def test_routing_stops_holding_out_once_waiting_longer_cannot_pay() -> Non
     t0 = monotonic()
     assert (await asyncio.wait_for(s.acquire_grant("m", soon(), ask=ask), 5)).slot.id == "slow"
     assert monotonic() - t0 >= 0.85 - 0.01 and "after holding" in ask.reason
+
+
+async def test_routing_reads_the_wait_for_a_busy_provider_from_how_long_its_slots_are_held_here() -> None:
+    s = scheduler({"fast": 1, "slow": 1})
+    teach(s, "fast", 50, 200, held_s=3.0)  # 0.55 s at the node, but its slot turns over every 3 s here
+    teach(s, "slow", 400, 20)  # 5.4 s
+    arrivals_every(s, 30.0)
+    assert (await s.acquire_grant("m", soon(), ask=Ask())).slot.id == "fast"
+    first = asyncio.ensure_future(s.acquire_grant("m", soon(), ask=Ask()))
+    await waiting(s, 1)  # 3.55 s: worth waiting for
+    assert (await asyncio.wait_for(s.acquire_grant("m", soon(), ask=Ask()), 5)).slot.id == "slow"  # 6.55 s: not
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
 
 
 async def test_routing_holds_out_for_none_when_the_busy_provider_alone_cannot_take_the_pools_load() -> None:
