@@ -270,6 +270,9 @@ class TenantLeases:
             lease.task = None
             if lease.dirty:
                 self._dirty(lease)
+            elif lease.spare_since is not None and lease.timer is None and lease.held > lease.want:
+                # Kept through its linger by this write: given back once that is over.
+                lease.timer = asyncio.get_running_loop().call_later(self.linger_s, self._lingered, lease)
             elif not lease.held and not lease.wanted and not lease.running and not lease.waiting:
                 if lease.timer is not None:
                     lease.timer.cancel()
