@@ -185,7 +185,7 @@ class RunningRequests:
             run.answered = True
             if run.msg is not None:
                 await run.msg.ack()  # before Done: the slot is free by the time the edge hears of it
-            if _free(r, run):
+            if _free(r, run, edge):
                 # One loop turn for the slot's fetch loop (woken by `freed`): its next pull goes
                 # out after the ack and before the Done, so it waits in the broker by the time the
                 # edge, told by the Done, publishes the next request.
@@ -237,11 +237,7 @@ class RunningRequests:
             if work is not None:
                 ttfb_ms = round((first_byte - began) * 1000, 3) if first_byte else 0.0
                 spans.ended(work, call, outcome, usage, error, ttfb_ms)
-            _free(r, run)
-            if r.by_edge.get(edge, 0) <= 1:
-                r.by_edge.pop(edge, None)
-            else:
-                r.by_edge[edge] -= 1
+            _free(r, run, edge)
             self.by_id.pop(item.id, None)
             self.changed.set()
 
@@ -436,12 +432,19 @@ class _Outbox:
             self.timer = None
 
 
-def _free(r: Resource, run: Running) -> bool:
-    """The run's slot is free: the upstream has answered (or the run is over). Whether a fetch loop was told."""
+def _free(r: Resource, run: Running, edge: str) -> bool:
+    """The run's slot is free: the upstream has answered (or the run is over). Whether a fetch loop was told.
+
+    The counts the node reports (in flight, and by edge for the edges' shares) drop with it: the
+    next item may start before this run has sent its Done, and never counts twice."""
     if not run.holds_slot:
         return False
     run.holds_slot = False
     r.in_flight -= 1
+    if r.by_edge.get(edge, 0) <= 1:
+        r.by_edge.pop(edge, None)
+    else:
+        r.by_edge[edge] -= 1
     if run.freed is None or run.freed.done():
         return False
     run.freed.set_result(None)
