@@ -17,6 +17,16 @@ Per run: the quiet tenant's queue wait (the edge's `x-iop-queue-ms`: arrival at 
 node starting it) and time to first token at the client, p50/p99; the flooder's throughput;
 slot utilisation over the time work waited (the upstream's timeline, as bench/capacity.py); and
 the CPU of everything else on the machine beside it.
+
+Beside the runs, in this process: the edge's CPU per admission with 1 and 1,000 tenants (issue
+30's figure), the parts a pool request goes through before it holds a slot:
+
+    key         the client key found among one per tenant, and its tenant's policy
+    queued      a saturated pool (capacity 4) with two requests of every tenant waiting: one
+                request queues, one release grants the next in the fair order, that waiter
+                resumes; what the same loop costs with a bare future in the scheduler's place
+                (the asyncio floor, measured in the same run) subtracted
+    free        a slot free: taken at once and given back
 """
 
 from __future__ import annotations
@@ -24,8 +34,10 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import statistics
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +46,11 @@ from bench.abtest import start_upstream
 from bench.capacity import utilisation
 from bench.procs import Owned, busy_cores, free_port, http_json, log, machine_ticks
 from bench.stack import openai_pool_node, start_stack
+from iop import config
+from iop.edge.keys import EdgeKeys, parse_keys
+from iop.edge.scheduler import Scheduler
+from iop.edge.slots import Grant
+from iop.edge.tenants import Tenants
 
 KEYS = {"flood": "sk-bench-flood", "quiet": "sk-bench-quiet"}
 KEYS_ENV = "IOP_BENCH_FAIRNESS_KEYS"
@@ -49,6 +66,9 @@ class FairnessOptions:
     """At 10x a 20/s pool: 3 s of arrivals, a backlog of about 540 that takes ~30 s to drain."""
     alone_requests: int = 30
     max_seconds: float = 90.0
+    admission_tenants: list[int] = field(default_factory=lambda: [1, 1000])
+    admission_rounds: int = 3
+    admissions: int = 10_000
     storage: str = "file"
     archive: Path | None = None
 
@@ -113,7 +133,145 @@ def run_fairness(owned: Owned, workdir: Path, opts: FairnessOptions) -> dict[str
         "flood_rate_per_s": round(_flood_rate(opts), 1),
         "flood_requests": opts.flood_requests,
         "runs": runs,
+        "admission": admission_cpu(opts),
     }
+
+
+def admission_cpu(opts: FairnessOptions) -> dict[str, Any]:
+    """CPU per admission in this process (µs), by the number of tenants: medians of the rounds."""
+    out: dict[str, Any] = {}
+    for n in opts.admission_tenants:
+        rows: list[dict[str, float]] = []
+        ticks0 = machine_ticks()
+        t0 = time.monotonic()
+        cpu0 = _own_cpu_s()
+        for _ in range(opts.admission_rounds):
+            floor = asyncio.run(_floor_us(n, opts.admissions))
+            whole, grant = asyncio.run(_queued_us(n, opts.admissions))
+            rows.append(
+                {
+                    "key_us": _key_us(n, opts.admissions),
+                    "queued_us": whole - floor,
+                    "grant_us": grant,
+                    "floor_us": floor,
+                    "free_us": asyncio.run(_free_us(n, opts.admissions)),
+                }
+            )
+        wall = max(1e-9, time.monotonic() - t0)
+        other = max(0.0, busy_cores(ticks0, machine_ticks()) - (_own_cpu_s() - cpu0) / wall)
+        fig = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
+        fig["admission_us"] = round(fig["key_us"] + fig["queued_us"], 2)
+        fig["other_cores"] = round(other, 3)
+        out[str(n)] = fig
+        log(f"admission, {n} tenants: {fig}")
+    return out
+
+
+def _key_us(tenants: int, n: int) -> float:
+    """The client key of a request among `tenants` keys, its tenant and whether it may use the model."""
+    raw = ",".join(f"t{i}:sk-bench-{i:05d}-{'k' * 24}" for i in range(tenants))
+    keys = EdgeKeys(clients=parse_keys(raw, "client"), admins=[])
+    catalog = Tenants(config.EdgeSettings())
+    scopes = [
+        {"headers": [(b"host", b"edge"), (b"authorization", f"Bearer sk-bench-{i:05d}-{'k' * 24}".encode())]}
+        for i in range(min(tenants, 1000))
+    ]
+    t0 = time.process_time()
+    for k in range(n):
+        key = keys.client(scopes[k % len(scopes)])
+        assert key is not None
+        catalog.of_key(key.name).policy.allows("shared")
+    return (time.process_time() - t0) / n * 1e6
+
+
+def _saturated(tenants: int, fair: bool = True) -> Scheduler:
+    sched = Scheduler(max_waiting=10 * tenants + 100, fair=fair)
+    sched.add_provider("p", "node", 4)
+    sched.set_connected("p", True)
+    sched.add_pool("pool", ["p"])
+    return sched
+
+
+async def _queued_us(tenants: int, n: int) -> tuple[float, float]:
+    """Per admission on a saturated pool: (the whole loop, the release that grants within it)."""
+    sched = _saturated(tenants)
+    deadline = asyncio.get_running_loop().time() + 600
+    held: deque[Grant] = deque([await sched.acquire_grant("pool", deadline, tenant="t0") for _ in range(4)])
+    tasks: set[asyncio.Task[None]] = set()
+
+    def ask(tenant: str) -> None:
+        async def one() -> None:
+            held.append(await sched.acquire_grant("pool", deadline, tenant=tenant))
+
+        task = asyncio.create_task(one())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    for i in range(2 * tenants):
+        ask(f"t{i % tenants}")
+    await asyncio.sleep(0)  # every task queues in its first step
+    assert sched.waiting("pool") == 2 * tenants
+    granting = 0.0
+    t0 = time.process_time()
+    for k in range(n):
+        g = held.popleft()
+        r0 = time.process_time()
+        sched.release(g.slot, g)
+        granting += time.process_time() - r0
+        ask(f"t{k % tenants}")
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+    us = (time.process_time() - t0) / n * 1e6
+    for t in list(tasks):
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return us, granting / n * 1e6
+
+
+async def _floor_us(tenants: int, n: int) -> float:
+    """`_queued_us`'s loop with a bare future handed over in place of the scheduler."""
+    loop = asyncio.get_running_loop()
+    waiting: deque[asyncio.Future[int]] = deque()
+    held: deque[int] = deque([0] * 4)
+    tasks: set[asyncio.Task[None]] = set()
+
+    def ask(tenant: str) -> None:
+        async def one() -> None:
+            future: asyncio.Future[int] = loop.create_future()
+            waiting.append(future)
+            held.append(await future)
+
+        task = asyncio.create_task(one())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    for i in range(2 * tenants):
+        ask(f"t{i % tenants}")
+    await asyncio.sleep(0)
+    t0 = time.process_time()
+    for k in range(n):
+        held.popleft()
+        waiting.popleft().set_result(1)
+        ask(f"t{k % tenants}")
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+    us = (time.process_time() - t0) / n * 1e6
+    for t in list(tasks):
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return us
+
+
+async def _free_us(tenants: int, n: int) -> float:
+    """A slot free when the request comes: taken at once, given back (tenants in turn)."""
+    sched = _saturated(tenants)
+    deadline = asyncio.get_running_loop().time() + 600
+    names = [f"t{i}" for i in range(tenants)]
+    t0 = time.process_time()
+    for k in range(n):
+        g = await sched.acquire_grant("pool", deadline, tenant=names[k % tenants])
+        sched.release(g.slot, g)
+    return (time.process_time() - t0) / n * 1e6
 
 
 def _flood_rate(opts: FairnessOptions) -> float:
