@@ -11,9 +11,9 @@ import asyncio
 import heapq
 import itertools
 import math
-from collections.abc import Callable
-from functools import partial
+from collections.abc import Callable, Coroutine
 from time import monotonic
+from typing import Any
 
 from iop.edge.affinity import Sessions
 from iop.edge.fairqueue import NOBODY, PRIORITIES, TenantQueue, Waiter, Who
@@ -66,7 +66,7 @@ class Admission:
         """Tenants' max_concurrent shared with the other edges (iop/edge/leases.py): a limited tenant's
         bound in the fair queue is the units this edge holds; None: the policy's bound, per edge."""
 
-    async def acquire_grant(
+    def acquire_grant(
         self,
         alias: str,
         deadline: float,
@@ -80,7 +80,7 @@ class Admission:
         weight: float = 1.0,
         max_concurrent: int | None = None,
         ask: Ask | None = None,
-    ) -> Grant:
+    ) -> Coroutine[Any, Any, Grant]:
         """A slot of a provider of `alias` (none of `exclude`), counted for its tenant until
         `release(grant.slot, grant)`; `deadline` is on the loop's clock.
 
@@ -97,7 +97,8 @@ class Admission:
         Unavailable when no provider of the pool can take it or the wait outlasts the deadline.
         """
         who = (tenant, priority, weight, max_concurrent)
-        return await self._acquire(self.pools[alias], deadline, exclude, size, prefer, prefer_wait_s, who, True, ask)
+        # The wait itself, not a coroutine around it: one frame fewer per waiting request.
+        return self._acquire(self.pools[alias], deadline, exclude, size, prefer, prefer_wait_s, who, True, ask)
 
     async def acquire_pinned(self, provider: str, deadline: float) -> ProviderSlots:
         """A slot of `provider` itself, whatever pool it is in (qualification; admin only)."""
@@ -137,7 +138,7 @@ class Admission:
                 # A tenant with nothing here and nothing to give back later needs no entry.
                 t = queue.tenant(*who) if tracked or known is not None else None
                 return self._grant(slot, pool, t, tracked)
-        if not any(p.seen for p in pool.providers):
+        if not _seen(pool):
             await self._await_connected(pool, deadline)
             return await self._acquire(pool, deadline, exclude, size, prefer, prefer_wait_s, who, tracked, ask)
         # A pinned request waits for its provider whatever its breaker says: it measures it.
@@ -304,7 +305,7 @@ class Admission:
                     continue  # nobody waits, or nothing is free for anyone of this pool
                 if self.owed is not None and self.owed(pool):
                     continue  # a tenant waiting on another edge is ahead: that edge takes the slot
-                found = pool.waiters.candidate(partial(self._choose, pool, Scan()), partial(self._gone, pool))
+                found = pool.waiters.candidate(self._choose, self._gone, (pool, Scan()))
                 if found is not None and (chosen is None or found[0].turn < chosen[1].turn):
                     chosen = (pool, *found)
             if chosen is None:
@@ -323,11 +324,13 @@ class Admission:
         if pool is not None:
             self._pump([pool])
 
-    def _choose(self, pool: PoolQueue, scan: Scan, w: Waiter) -> ProviderSlots | None:
+    def _choose(self, ctx: tuple[PoolQueue, Scan], w: Waiter) -> ProviderSlots | None:
+        pool, scan = ctx
         return self._choice(pool, w.exclude, w.prefer, w.holding, scan.asking(w.ask))
 
-    def _gone(self, pool: PoolQueue, waiter: Waiter) -> None:
+    def _gone(self, ctx: tuple[PoolQueue, Scan], waiter: Waiter) -> None:
         """A waiter the pump found cancelled (its own handler has not run yet): out of the count."""
+        pool = ctx[0]
         self._left(waiter)
         self._tenant_changed(pool, waiter.tenant)
         self.changed.set()  # one fewer waits: observers (the burst trim) count again
@@ -407,7 +410,7 @@ class Admission:
         for pool in pools:
             if isinstance(pool, PinnedQueue):
                 continue  # its provider's breaker does not stop a qualification
-            if not any(p.seen for p in pool.providers):
+            if not _seen(pool):
                 continue  # none connected yet (edge start, a refresh's new providers): they wait a grace
             for waiter in list(pool.waiters):
                 if waiter.future.done():
@@ -422,6 +425,14 @@ class Admission:
 
     def waiting(self, alias: str) -> int:
         return len(self.pools[alias].waiters)
+
+
+def _seen(pool: PoolQueue) -> bool:
+    """Whether a provider of the pool ever connected (a loop, not any(): no generator per request)."""
+    for p in pool.providers:  # noqa: SIM110
+        if p.seen:
+            return True
+    return False
 
 
 def _pool_unavailable(alias: str, retry_s: float) -> Unavailable:

@@ -41,6 +41,8 @@ NOBODY: Who = ("", "standard", 1.0, None)
 
 S = TypeVar("S")
 """What a waiter may take (a provider's slots): this module sits below iop/edge/slots.py."""
+C = TypeVar("C")
+"""What `candidate` hands its callbacks beside the waiter (the pool): no closure made per call."""
 
 PRIORITIES = ("interactive", "standard", "batch")
 """The classes, first served first."""
@@ -248,10 +250,10 @@ class FairQueue:
         self._forget_idle(t)
 
     def candidate(
-        self, choose: Callable[[Waiter], S | None], gone: Callable[[Waiter], None]
+        self, choose: Callable[[C, Waiter], S | None], gone: Callable[[C, Waiter], None], ctx: C
     ) -> tuple[Waiter, S] | None:
-        """The waiter the next free slot goes to and that slot (`choose` says which it may take),
-        or None. Waiters found already done (cancelled) are taken out and handed to `gone`."""
+        """The waiter the next free slot goes to and that slot (`choose(ctx, waiter)` says which it
+        may take), or None. Waiters found already done (cancelled) are taken out and handed to `gone`."""
         if not self._count:
             return None
         dead: list[Waiter] = []
@@ -259,7 +261,7 @@ class FairQueue:
             for rank in self._class_order():
                 if not self._heaps[rank]:
                     continue
-                found = self._scan(self._heaps[rank], choose, dead)
+                found = self._scan(self._heaps[rank], choose, ctx, dead)
                 if found is None or isinstance(found, tuple):
                     return found
             return None
@@ -267,10 +269,10 @@ class FairQueue:
             for w in dead:
                 if w.queued:
                     self.remove(w)
-                    gone(w)
+                    gone(ctx, w)
 
     def _scan(
-        self, heap: list[_Entry], choose: Callable[[Waiter], S | None], dead: list[Waiter]
+        self, heap: list[_Entry], choose: Callable[[C, Waiter], S | None], ctx: C, dead: list[Waiter]
     ) -> tuple[Waiter, S] | bool | None:
         """One class in its order: the pick, None when nothing is free for anyone, False when this
         class has nobody who can take a free slot (the next class may)."""
@@ -284,7 +286,7 @@ class FairQueue:
                     if w.future.done():
                         dead.append(w)
                         continue
-                    slot = choose(w)
+                    slot = choose(ctx, w)
                     if slot is not None:
                         return w, slot
                     if not w.exclude and not w.holding and (w.ask is None or not w.ask.passed):
