@@ -360,7 +360,3 @@ class TenantLeases:
                 if (lease.held or lease.wanted) and now - lease.written_at >= every_s:
                     lease.renew = True
                     self._dirty(lease)
-
-    def state(self) -> list[tuple[str, str, int, int, int]]:
-        """(alias, tenant, limit, bound, running) of every lease this edge holds or wants."""
-        return [(lz.alias, lz.tenant, lz.limit, lz.bound, lz.running) for lz in self.leases.values()]
