@@ -7,6 +7,7 @@ span that a real collector could not read fails here too.
 from __future__ import annotations
 
 import asyncio
+import gzip
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ class Collector:
     spans: list[SeenSpan] = field(default_factory=list)
     posts: int = 0
     raw: list[bytes] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    """Each post's HTTP headers (lower-case names), in order."""
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     url: str = ""
 
@@ -65,6 +68,9 @@ class Collector:
 
     async def _traces(self, request: Request) -> Response:
         body = await request.body()
+        self.headers.append(dict(request.headers))
+        if request.headers.get("content-encoding") == "gzip":
+            body = gzip.decompress(body)
         export = ExportTraceServiceRequest()
         export.ParseFromString(body)
         self.raw.append(body)

@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 
 from iop.nats.server import EmbeddedNats
-from iop.tracing import Tracing
+from iop.tracing import NEW, Tracing
 from iop.tracingconf import TracingSettings
 from iop.usageview import record_line
 from tests.fakes import FakeUpstream, fake_upstream
@@ -348,3 +348,23 @@ async def test_tracing_settings_follow_the_otel_variables() -> None:
     t = Tracing(file, "iop-edge", env={**env, "OTEL_TRACES_SAMPLER_ARG": "2"})
     assert (t.endpoint, t.ratio, t.service) == ("http://sig:1/x", 0.5, "mine")
     t.shutdown()
+
+
+async def test_tracing_export_sends_the_collectors_headers_gzipped_as_the_otel_variables_say() -> None:
+    env = {
+        "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer%20tok,x-team=a",
+        "OTEL_EXPORTER_OTLP_COMPRESSION": "gzip",
+    }
+    async with otlp_collector() as collector:
+        t = Tracing(TracingSettings(endpoint=collector.url, export_interval_ms=20), "iop-edge", env=env)
+        root = t.server_span("POST /v1/chat/completions", NEW, {"iop.request_id": "req_1"})
+        t.child(root, "iop.queue").end()
+        root.end()
+        await collector.wait_for(lambda c: len(c.spans) == 2)
+        await asyncio.to_thread(t.shutdown)
+    sent = collector.headers[0]
+    assert sent["authorization"] == "Bearer tok" and sent["x-team"] == "a"
+    assert sent["content-encoding"] == "gzip" and sent["content-type"] == "application/x-protobuf"
+    queue = next(s for s in collector.spans if s.name == "iop.queue")
+    assert queue.parent_id == next(s.span_id for s in collector.spans if s.kind == SERVER)
+    assert t.exported == 2 and t.dropped == 0
