@@ -141,6 +141,7 @@ class TenantLeases:
         self.conflicts = 0
         self._watch: asyncio.Task[None] | None = None
         self._renew: asyncio.Task[None] | None = None
+        self._closed = False
 
     async def open(self, js: JetStreamContext, replicas: int | None = None) -> None:
         cfg = js_api.KeyValueConfig(bucket=LEASES_BUCKET, history=1, direct=True)
@@ -169,6 +170,9 @@ class TenantLeases:
         tasks = [lease.task for lease in self.leases.values() if lease.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=_OP_TIMEOUT_S)
+        self._closed = True  # a write still failing gives up (its entry expires by itself)
+        for task in tasks:
+            task.cancel()
 
     # --- what the scheduler asks and tells -------------------------------------------------------
 
@@ -250,7 +254,7 @@ class TenantLeases:
 
     def _dirty(self, lease: Lease) -> None:
         lease.dirty = True
-        if lease.task is None:
+        if lease.task is None and not self._closed:
             lease.task = asyncio.create_task(self._run(lease))
 
     # --- the bucket --------------------------------------------------------------------------------
@@ -264,6 +268,8 @@ class TenantLeases:
                 except _BROKER_ERRORS as exc:
                     log.warning("leases: %s of tenant %s not written: %s", lease.alias, lease.tenant or "''", exc)
                     self.values.pop(lease.key, None)
+                    if self._closed:
+                        return
                     await asyncio.sleep(0.2)  # the broker is away: try again shortly, not in a tight loop
                     lease.dirty = True
         finally:
