@@ -88,6 +88,9 @@ async def test_max_concurrent_holds_across_three_edges_and_every_unit_comes_back
         gate.clear()
         again = [asyncio.create_task(https[1].post("/v1/chat/completions", json=ask(100 + i))) for i in range(4)]
         await up.wait_for(lambda u: u.in_flight == 3)
+        metrics = (await https[1].get("/metrics")).text
+        assert 'iop_tenant_lease_here{pool="m",tenant=""} 3.0' in metrics
+        assert 'iop_tenant_lease_all_edges{pool="m",tenant=""} 3.0' in metrics
         gate.set()
         assert [r.status_code for r in await asyncio.gather(*again)] == [200] * 4
         assert up.peak == 3

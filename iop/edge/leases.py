@@ -366,3 +366,13 @@ class TenantLeases:
                 if (lease.held or lease.wanted) and now - lease.written_at >= every_s:
                     lease.renew = True
                     self._dirty(lease)
+
+    def parts(self) -> list[tuple[str, str, int, int, int]]:
+        """(alias, tenant, max_concurrent, units this edge holds, units all edges hold) of each lease here."""
+        now = time.time()
+        out = []
+        for lz in self.leases.values():
+            shares = self.values.get(lz.key, (0, {}))[1]
+            held = sum(sh.held for e, sh in shares.items() if e != self.edge_id and sh.expires > now)
+            out.append((lz.alias, lz.tenant, lz.limit, lz.bound, held + lz.held))
+        return out

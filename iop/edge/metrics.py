@@ -314,6 +314,19 @@ class _LiveCollector(Collector):
             for tenant, _, w, r in pool.waiters.loads():
                 tenant_waiting.add_metric([tenant, alias], w)
                 tenant_running.add_metric([tenant, alias], r)
+        lease_here = GaugeMetricFamily(
+            "iop_tenant_lease_here",
+            "Units of a tenant's max_concurrent on a pool this edge holds.",
+            labels=["tenant", "pool"],
+        )
+        lease_all = GaugeMetricFamily(
+            "iop_tenant_lease_all_edges",
+            "Units of a tenant's max_concurrent on a pool all edges hold together (at most the bound).",
+            labels=["tenant", "pool"],
+        )
+        for alias, tenant, _, here, everywhere in scheduler.leases.parts() if scheduler.leases is not None else ():
+            lease_here.add_metric([tenant, alias], here)
+            lease_all.add_metric([tenant, alias], everywhere)
         nodes = GaugeMetricFamily("iop_node_connected", "1 while the node's heartbeats arrive.", labels=["node"])
         for node_id in registry.nodes:
             nodes.add_metric([node_id], 1.0 if registry.connected(node_id) else 0.0)
@@ -330,6 +343,7 @@ class _LiveCollector(Collector):
         )
         spans.add_metric([], self.tracing.dropped if self.tracing is not None else 0)
         yield from (capacity, in_flight, elsewhere, over, drained, waiting, tenant_waiting, tenant_running, nodes)
+        yield from (lease_here, lease_all)
         yield from (dropped, pending, nats, up, spans)
         yield from _server_metrics(registry)
 
