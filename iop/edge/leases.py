@@ -21,6 +21,7 @@ of an edge that died (SIGKILL) come back. TTL_S is longer than a node takes to s
 an edge that no longer answers (PROBES_UNANSWERED probes, wire.PROBE_INTERVAL_S apart), so a dead
 edge's units return only once its requests no longer run. An edge that cannot renew its entries
 (NATS unreachable) grants nothing more until it can: its entry may have expired for the others.
+Expiry is judged on each edge's own clock: the edges' clocks must agree to well under a second (NTP).
 """
 
 from __future__ import annotations
