@@ -377,6 +377,7 @@ def _summary(name: str, fair: bool, got: _Got, util: dict[str, Any], wall: float
         "flood_rps": round(len(got.flood) / got.flood_wall_s, 2) if got.flood_wall_s else None,
         "errors": got.errors,
         "utilisation": util["utilisation"],
+        "handover_gap_ms": util.get("handover_gap_ms"),  # a freed slot idle until its next request
         "window_s": util["window_s"],
         "wall_s": round(wall, 2),
         "other_cores": round(other, 3),

@@ -104,6 +104,10 @@ def targets(result: dict[str, Any]) -> list[Target]:
         wait, u = (fair.get("quiet_queue_wait_ms") or {}).get("p99"), fair.get("utilisation")
         out.append(at_most("quiet tenant's p99 queue wait beside a flooder", wait, sc["fairness"]["service_ms"], "ms"))
         out.append(at_least("slot utilisation with fair queueing", None if u is None else round(100 * u, 2), 97.0, "%"))
+    adm = ((sc.get("fairness") or {}).get("admission") or {}).get("1000")
+    if adm:
+        # Issue 30: a request's admission (its key, its tenant, the fair queue) with 1,000 tenants.
+        out.append(at_most("admission CPU per request, 1,000 tenants, pool saturated", adm["admission_us"], 20.0, "us"))
     for c in (sc.get("bodies") or {}).get("cells", []):
         goal = {800_000: 3.0, 3_000_000: 8.0}.get(c["bytes_asked"])
         if goal is not None:
@@ -471,12 +475,22 @@ def render_fairness(fr: dict[str, Any]) -> str:
         + [_num(r["flood_rps"], 1), _pct(r["utilisation"]), str(r["errors"]), _num(r["other_cores"], 2)]
         for name, r in fr["runs"].items()
     ]
+    for r in rows:
+        gaps = fr["runs"][r[0]].get("handover_gap_ms")
+        r.insert(-2, "n/a" if not gaps else f"{gaps['p50']:.1f} / {gaps['p99']:.1f}")
     head = ["run", "quiet reqs", "quiet wait p50 ms", "quiet wait p99 ms", "quiet TTFT p50 ms", "quiet TTFT p99 ms"]
-    return (
+    out = (
         f"Fairness: pool capacity {fr['capacity']}, {fr['service_ms']:g} ms answers; a flooder sends "
         f"{fr['flood_requests']} requests at {fr['flood_rate_per_s']:g}/s, a quiet tenant one at a time\n"
-        + table([*head, "flooder req/s", "utilisation", "errors", "other cores"], rows)
+        + table([*head, "flooder req/s", "utilisation", "handover p50 / p99 ms", "errors", "other cores"], rows)
     )
+    adm = fr.get("admission") or {}
+    if adm:
+        parts = ["key_us", "queued_us", "grant_us", "floor_us", "free_us", "admission_us", "other_cores"]
+        out += "\nAdmission CPU per request in one process (us; queued: against the asyncio floor)\n" + table(
+            ["tenants", *parts], [[n, *(_num(a[k], 2) for k in parts)] for n, a in adm.items()]
+        )
+    return out
 
 
 def render_bodies(bodies: dict[str, Any]) -> str:
