@@ -321,9 +321,11 @@ class FairQueue:
         now = self._key(t)
         if now == (served, head):
             return True
-        heapq.heappop(heap)
-        t.seq = -1
-        self._push(t)
+        # A valid entry's tenant waits and may run (else `_push` had made it stale): put it where
+        # its key says now, in one pass down the heap instead of a pop and a push.
+        self._seq += 1
+        t.seq, t.key = self._seq, now
+        heapq.heapreplace(heap, (*now, t.seq, t))
         return False
 
     def _key(self, t: TenantQueue) -> tuple[float, int]:
