@@ -9,6 +9,7 @@ import msgspec
 import nats.js.errors
 
 from iop.edge.leases import LEASES_BUCKET, Share, TenantLeases, fair_parts, lease_key
+from iop.nats import connection
 from iop.nats.server import EmbeddedNats
 from tests.fakes import fake_upstream
 from tests.harness import EdgeHandle, deployment, eventually, running_edge, running_node
@@ -120,3 +121,26 @@ async def test_an_edge_that_stops_renewing_its_units_loses_them_to_the_others(na
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_an_edge_watches_the_leases_anew_after_a_quiet_while_and_still_hears_the_others(
+    nats_server: EmbeddedNats,
+) -> None:
+    nc = await connection.connect(nats_server.url, "test-leases")
+    try:
+        js = nc.jetstream()
+        a, b = TenantLeases("a"), TenantLeases("b")
+        a.rewatch_s = 0.1
+        await a.open(js)
+        await b.open(js)
+        quiet_until = asyncio.get_running_loop().time() + 0.5
+        await eventually(lambda: _true(asyncio.get_running_loop().time() >= quiet_until))  # a few rewatches
+        b.bound("m", "t", 2)
+        b.changed("m", "t", 0, 2)
+        key = lease_key("m", "t")
+        await eventually(lambda: _true("b" in a.values.get(key, (0, {}))[1]), timeout_s=5)
+        assert a.values[key][1]["b"].held == 2
+        await a.stop()
+        await b.stop()
+    finally:
+        await nc.close()

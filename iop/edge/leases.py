@@ -53,6 +53,7 @@ LINGER_S = 1.0
 """Units no longer used are kept this long while no other edge wants them (the next request needs no write)."""
 
 _OP_TIMEOUT_S = 2.0
+_REWATCH_S = 30.0
 _MAX_TRIES = 64
 _BROKER_ERRORS = (nats.errors.Error, OSError, asyncio.TimeoutError)
 _KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -143,15 +144,13 @@ class TenantLeases:
         self._watch: asyncio.Task[None] | None = None
         self._renew: asyncio.Task[None] | None = None
         self._closed = False
+        self.rewatch_s = _REWATCH_S
+        """The watch is made anew after this long without an update."""
 
     async def open(self, js: JetStreamContext, replicas: int | None = None) -> None:
         cfg = js_api.KeyValueConfig(bucket=LEASES_BUCKET, history=1, direct=True)
         self.kv = await streams.ensure_bucket(js, cfg, replicas=replicas)
-        watcher = await self.kv.watchall()
-        async for entry in watcher:  # what the bucket holds now, up to the watcher's None
-            if entry is None:
-                break
-            self._seen(entry)
+        watcher = await self._watched()
         self._watch = asyncio.create_task(self._follow(watcher))
         self._renew = asyncio.create_task(self._renewing())
 
@@ -329,9 +328,30 @@ class TenantLeases:
             return
         self.values[key] = (entry.revision or 0, _decode(entry.value) if entry.value else {})
 
+    async def _watched(self) -> Any:
+        """A watch of the bucket, after what it holds now (up to the watcher's None)."""
+        watcher = await self.kv.watchall()
+        async for entry in watcher:
+            if entry is None:
+                break
+            self._seen(entry)
+        return watcher
+
     async def _follow(self, watcher: Any) -> None:
         try:
-            async for entry in watcher:
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=self.rewatch_s)
+                except nats.errors.TimeoutError:
+                    # Quiet for a while: watch anew (a watch can end unseen, with its server). What it
+                    # replays is known already (`_seen` skips revisions it has).
+                    with contextlib.suppress(nats.errors.Error, OSError):
+                        await watcher.stop()
+                    try:
+                        watcher = await self._watched()
+                    except _BROKER_ERRORS as exc:
+                        log.warning("leases: the watch of %s not renewed: %s", LEASES_BUCKET, exc)
+                    continue
                 if entry is not None:
                     self._seen(entry)
         finally:
