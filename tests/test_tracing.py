@@ -320,20 +320,26 @@ async def test_tracing_dead_collector_costs_only_dropped_spans(traced: Traced) -
             assert float(line.split()[-1]) >= 9
 
 
-async def test_tracing_off_imports_nothing_of_opentelemetry() -> None:
+async def test_tracing_off_starts_no_exporter_thread() -> None:
+    """Off costs nothing in the background; on (an endpoint nobody serves) the exporter's thread runs."""
     code = (
-        "import sys\n"
+        "import sys, threading\n"
         "from iop.tracingconf import TracingSettings\n"
         "from iop.tracing import Tracing\n"
         "import iop.edge.app, iop.node.runtime\n"
-        "t = Tracing(TracingSettings(), 'iop-edge', env={})\n"
-        "assert not t.on\n"
-        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
+        "env = {'OTEL_EXPORTER_OTLP_ENDPOINT': 'http://127.0.0.1:9'} if sys.argv[1] == 'on' else {}\n"
+        "t = Tracing(TracingSettings(), 'iop-edge', env=env)\n"
+        "print(t.on, sorted(th.name for th in threading.enumerate() if th is not threading.main_thread()))\n"
+        "t.shutdown(1.0)\n"
     )
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE)
-    async with asyncio.timeout(60):
-        out, _ = await proc.communicate()
-    assert proc.returncode == 0 and out.decode().strip() == "[]"
+    seen = []
+    for mode in ("off", "on"):
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, mode, stdout=asyncio.subprocess.PIPE)
+        async with asyncio.timeout(60):
+            out, _ = await proc.communicate()
+        assert proc.returncode == 0
+        seen.append(out.decode().strip())
+    assert seen == ["False []", "True ['iop-trace-export']"]
 
 
 async def test_tracing_settings_follow_the_otel_variables() -> None:
