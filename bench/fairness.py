@@ -27,6 +27,9 @@ Beside the runs, in this process: the edge's CPU per admission with 1 and 1,000 
                 resumes; what the same loop costs with a bare future in the scheduler's place
                 (the asyncio floor, measured in the same run) subtracted
     free        a slot free: taken at once and given back
+    limits      a tenant with rpm and tpm: its use read and written back by compare-and-set in the
+                KV bucket iop_limits of a nats-server of its own, one request at a time (a write
+                each) and 32 at once (the edge's group commit); this process's CPU only
 """
 
 from __future__ import annotations
@@ -48,9 +51,13 @@ from bench.procs import Owned, busy_cores, free_port, http_json, log, machine_ti
 from bench.stack import openai_pool_node, start_stack
 from iop import config
 from iop.edge.keys import EdgeKeys, parse_keys
+from iop.edge.limits import Limiter
 from iop.edge.scheduler import Scheduler
 from iop.edge.slots import Grant
-from iop.edge.tenants import Tenants
+from iop.edge.tenants import Tenant, Tenants
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
+from iop.tenancy import TenantPolicy
 
 KEYS = {"flood": "sk-bench-flood", "quiet": "sk-bench-quiet"}
 KEYS_ENV = "IOP_BENCH_FAIRNESS_KEYS"
@@ -133,13 +140,14 @@ def run_fairness(owned: Owned, workdir: Path, opts: FairnessOptions) -> dict[str
         "flood_rate_per_s": round(_flood_rate(opts), 1),
         "flood_requests": opts.flood_requests,
         "runs": runs,
-        "admission": admission_cpu(opts),
+        "admission": admission_cpu(opts, workdir),
     }
 
 
-def admission_cpu(opts: FairnessOptions) -> dict[str, Any]:
+def admission_cpu(opts: FairnessOptions, workdir: Path) -> dict[str, Any]:
     """CPU per admission in this process (µs), by the number of tenants: medians of the rounds."""
     out: dict[str, Any] = {}
+    limited = asyncio.run(_limits_us(opts.admission_tenants, workdir / "admission-nats"))
     for n in opts.admission_tenants:
         rows: list[dict[str, float]] = []
         ticks0 = machine_ticks()
@@ -161,9 +169,37 @@ def admission_cpu(opts: FairnessOptions) -> dict[str, Any]:
         other = max(0.0, busy_cores(ticks0, machine_ticks()) - (_own_cpu_s() - cpu0) / wall)
         fig = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
         fig["admission_us"] = round(fig["key_us"] + fig["queued_us"], 2)
+        fig["limits_one_us"], fig["limits_burst_us"] = (round(x, 1) for x in limited[n])
         fig["other_cores"] = round(other, 3)
         out[str(n)] = fig
         log(f"admission, {n} tenants: {fig}")
+    return out
+
+
+async def _limits_us(counts: list[int], store: Path, n: int = 2000) -> dict[int, tuple[float, float]]:
+    """Per limited admission: (one at a time, 32 at once), tenants in turn, each with rpm and tpm."""
+    server = EmbeddedNats("127.0.0.1:0", store)
+    await server.start()
+    out: dict[int, tuple[float, float]] = {}
+    try:
+        nc = await connection.connect(server.url, "bench-limits")
+        limits = Limiter()
+        await limits.open(nc.jetstream(), 1)
+        body = b'{"model":"shared","messages":[{"role":"user","content":"hi"}],"max_tokens":16}'
+        for tenants in counts:
+            who = [Tenant(f"t{i}", TenantPolicy(rpm=10**9, tpm=10**12)) for i in range(tenants)]
+            for t in who:  # each tenant's first read done: what is measured is the steady state
+                await limits.admit(t, "shared", body)
+            per: list[float] = []
+            for burst in (1, 32):
+                t0 = time.process_time()
+                for k in range(0, n, burst):
+                    await asyncio.gather(*(limits.admit(who[(k + j) % tenants], "shared", body) for j in range(burst)))
+                per.append((time.process_time() - t0) / n * 1e6)
+            out[tenants] = (per[0], per[1])
+        await nc.close()
+    finally:
+        await server.stop()
     return out
 
 
