@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             fq = FairnessOptions(storage=a.storage, archive=a.archive)
             if a.quick:
                 fq.flood_requests, fq.alone_requests = 200, 10
+                fq.admission_rounds, fq.admissions = 1, 3000
             attempt("fairness", lambda: run_fairness(owned, workdir, fq))
         if "fairedges" in only:
             fe = FairEdgesOptions(archive=a.archive)
