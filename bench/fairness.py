@@ -184,7 +184,7 @@ async def _limits_us(counts: list[int], store: Path, n: int = 2000) -> dict[int,
     try:
         nc = await connection.connect(server.url, "bench-limits")
         limits = Limiter()
-        await limits.open(nc.jetstream(), 1)
+        await limits.open(nc.jetstream(), 1, nc)
         body = b'{"model":"shared","messages":[{"role":"user","content":"hi"}],"max_tokens":16}'
         for tenants in counts:
             who = [Tenant(f"t{i}", TenantPolicy(rpm=10**9, tpm=10**12)) for i in range(tenants)]

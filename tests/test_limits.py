@@ -17,8 +17,10 @@ import pytest_asyncio
 
 from iop.edge.keys import EdgeKeys, Key
 from iop.edge.limits import LIMITS_BUCKET, Admission, Limiter, estimate_tokens, tenant_key
-from iop.edge.tenants import PoolLimits, TenantPolicy
+from iop.edge.tenants import PoolLimits, Tenant, TenantPolicy
 from iop.edge.window import SLOTS, TenantUse, Window, decode_use, duration
+from iop.errors import RateLimited
+from iop.nats import connection
 from iop.nats.server import EmbeddedNats
 from tests.harness import EdgeHandle, deployment, eventually, running_edge, running_node
 
@@ -102,6 +104,33 @@ def test_token_estimate_counts_the_body_and_the_output_it_allows() -> None:
     assert estimate_tokens(body) == -(-len(body) // 4) + 50
     assert estimate_tokens(b"not json") == 2
     assert tenant_key("ops@example.com") == "t.ops=40example.com"
+
+
+async def test_two_edges_writing_one_tenants_use_lose_races_cleanly_and_never_admit_past_rpm(
+    nats_server: EmbeddedNats,
+) -> None:
+    # Two limiters (two edges' worth) write one tenant's use back by compare-and-set, by hand
+    # (not nats-py's kv.update): rounds of requests to both at once make their writes race, and
+    # each lost write is read again and decided again, so the window admits exactly its rpm.
+    conns = [await connection.connect(nats_server.url, f"edge-{i}") for i in range(2)]
+    limiters = [Limiter(), Limiter()]
+    try:
+        for nc, limits in zip(conns, limiters, strict=True):
+            await limits.open(nc.jetstream(), 1, nc)
+        tenant = Tenant("racer", policy(rpm=50))
+        admitted = refused = 0
+        for _ in range(6):
+            got = await asyncio.gather(
+                *(limiters[i % 2].admit(tenant, "m", b"{}") for i in range(20)), return_exceptions=True
+            )
+            admitted += sum(isinstance(g, Admission) for g in got)
+            refused += sum(isinstance(g, RateLimited) for g in got)
+        assert (admitted, refused) == (50, 70)
+        assert sum(lim.conflicts for lim in limiters) > 0  # the writes did race
+        assert sum(lim.writes for lim in limiters) >= 3  # one creation, then updates by hand
+    finally:
+        for nc in conns:
+            await nc.close()
 
 
 # --- real edges on one NATS ------------------------------------------------------------------------

@@ -237,7 +237,7 @@ class Edge:
                 "the ledger stream", lambda: ensure_ledger_stream(self.js, ledger.max_age, ledger.max_bytes)
             )
             self.ledger.start()
-        await available("the limits bucket", lambda: self.limits.open(self.js, settings.nats.replicas))
+        await available("the limits bucket", lambda: self.limits.open(self.js, settings.nats.replicas, self.nc))
         await available("the leases bucket", lambda: self.leases.open(self.js, settings.nats.replicas))
         await available("the keys bucket", lambda: self.managed_keys.open(self.js, settings.nats.replicas))
         await available("the work stream", lambda: streams.ensure_work_stream(self.js, replicas=settings.nats.replicas))
