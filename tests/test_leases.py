@@ -144,3 +144,34 @@ async def test_an_edge_watches_the_leases_anew_after_a_quiet_while_and_still_hea
         await b.stop()
     finally:
         await nc.close()
+
+
+STREAM_INFO_ANSWER = b'{"type":"io.nats.jetstream.api.v1.stream_info_response","config":{"name":"x"}}'
+"""What a node credential can make the JetStream server store under any key (tests/test_node_reply_subjects.py)."""
+
+
+async def test_an_unreadable_lease_entry_is_written_over_keeping_the_shares_the_edges_knew(
+    nats_server: EmbeddedNats,
+) -> None:
+    nc = await connection.connect(nats_server.url, "test-leases")
+    try:
+        js = nc.jetstream()
+        a, b = TenantLeases("a"), TenantLeases("b")
+        await a.open(js)
+        await b.open(js)
+        key = lease_key("m", "t")
+        a.bound("m", "t", 3)
+        a.changed("m", "t", 0, 2)
+        await eventually(lambda: _true(a.bound("m", "t", 3) == 2 and "a" in b.values.get(key, (0, {}))[1]))
+        junk = await a.kv.put(key, STREAM_INFO_ANSWER)
+        await eventually(lambda: _true(a.values[key][0] >= junk and b.values[key][0] >= junk))
+        b.bound("m", "t", 3)
+        b.changed("m", "t", 0, 3)  # wants all 3: a's 2 are still a's, so it gets the third
+        await eventually(lambda: _true(b.bound("m", "t", 3) == 1), timeout_s=5)
+        entry = await a.kv.get(key)
+        shares = msgspec.msgpack.decode(entry.value or b"", type=dict[str, Share])
+        assert (shares["a"].held, shares["b"].held) == (2, 1)
+        await a.stop()
+        await b.stop()
+    finally:
+        await nc.close()

@@ -144,6 +144,8 @@ class TenantLeases:
         self._watch: asyncio.Task[None] | None = None
         self._renew: asyncio.Task[None] | None = None
         self._closed = False
+        self._unreadable: set[str] = set()
+        """Keys whose entry was not a lease (logged once, written over by the next write)."""
         self.rewatch_s = _REWATCH_S
         """The watch is made anew after this long without an update."""
 
@@ -286,10 +288,12 @@ class TenantLeases:
 
     async def _commit(self, lease: Lease) -> None:
         renew, lease.renew = lease.renew, False
+        known: dict[str, Share] = {}
         for _ in range(_MAX_TRIES):
             if lease.key not in self.values:
-                await self._read(lease.key)
+                await self._read(lease.key, known)
             revision, shares = self.values[lease.key]
+            known = shares
             now_wall, now = time.time(), time.monotonic()
             goal = self._goal(lease, now_wall, now)
             want = self._stored_want(lease, goal)
@@ -320,13 +324,28 @@ class TenantLeases:
             return
         raise TimeoutError(f"too many concurrent writers of {lease.key}")
 
-    async def _read(self, key: str) -> None:
+    async def _read(self, key: str, known: dict[str, Share]) -> None:
         try:
             entry = await self.kv.get(key)
         except nats.js.errors.KeyNotFoundError:
             self.values[key] = (0, {})
             return
-        self.values[key] = (entry.revision or 0, _decode(entry.value) if entry.value else {})
+        self.values[key] = (entry.revision or 0, self._shares(entry, known))
+
+    def _shares(self, entry: Any, known: dict[str, Share]) -> dict[str, Share]:
+        """The shares an entry holds; for one that holds no lease (anything may be written there, see
+        docs/security.md), the shares this edge knew: the next write puts them back over it."""
+        if entry.operation in ("DEL", "PURGE"):
+            return {}
+        try:
+            shares = _decode(entry.value or b"")  # edges never write an empty value
+        except msgspec.DecodeError as exc:
+            if entry.key not in self._unreadable:
+                self._unreadable.add(entry.key)
+                log.warning("lease %s in %s is unreadable (%s): written over", entry.key, LEASES_BUCKET, exc)
+            return known
+        self._unreadable.discard(entry.key)
+        return shares
 
     async def _watched(self) -> Any:
         """A watch of the bucket, after what it holds now (up to the watcher's None)."""
@@ -364,11 +383,7 @@ class TenantLeases:
         known = self.values.get(entry.key)
         if known is not None and known[0] >= revision:
             return
-        try:
-            shares = _decode(entry.value) if entry.value and entry.operation not in ("DEL", "PURGE") else {}
-        except msgspec.DecodeError as exc:
-            log.warning("lease %s in %s is unreadable: %s", entry.key, LEASES_BUCKET, exc)
-            return
+        shares = self._shares(entry, known[1] if known is not None else {})
         self.values[entry.key] = (revision, shares)
         lease = self.leases.get(entry.key)
         if lease is not None:
