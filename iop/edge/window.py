@@ -125,12 +125,6 @@ class Window:
                 return max(0.0, self.leaves_at(s.at) - now)
         return 0.0  # not reached: every slot gone leaves 0 used
 
-    def quota(self, slots: list[Slot], now: float, limit: int, tokens: bool) -> Quota:
-        used = sum(s.tokens if tokens else s.requests for s in slots)
-        oldest = min((s.at for s in slots if (s.tokens if tokens else s.requests)), default=None)
-        reset = max(0.0, self.leaves_at(oldest) - now) if oldest is not None else 0.0
-        return Quota(limit, max(0, limit - used), reset)
-
     def admit(self, use: TenantUse, policy: TenantPolicy, alias: str, tokens: int, now: float) -> Decision:
         """Admit one request of `tokens` estimated tokens to pool `alias` (mutating `use`), or refuse it."""
         at = self.slot(now)
@@ -139,23 +133,26 @@ class Window:
             use.day, use.day_tokens = day, 0
         if use.month != month:
             use.month, use.month_tokens = month, 0
-        use.window = self.live(use.window, at)
+        use.window, w_requests, w_tokens, w_oldest_requests, w_oldest_tokens = _tally(use.window, at - SLOTS)
         for name in [p for p, slots in use.pools.items() if not self.live(slots, at)]:
             del use.pools[name]
-        pool_slots = self.live(use.pools.get(alias, []), at)
+        pool_slots, p_requests, p_tokens, p_oldest_requests, p_oldest_tokens = _tally(
+            use.pools.get(alias, []), at - SLOTS
+        )
         pool = policy.pools.get(alias)
-        checks: list[tuple[str, list[Slot], int | None, int, bool]] = [
-            ("rpm", use.window, policy.rpm, 1, False),
-            ("tpm", use.window, policy.tpm, tokens, True),
-            ("pool_rpm", pool_slots, pool.rpm if pool else None, 1, False),
-            ("pool_tpm", pool_slots, pool.tpm if pool else None, tokens, True),
+        checks: list[tuple[str, list[Slot], int | None, int, bool, int, int | None]] = [
+            ("rpm", use.window, policy.rpm, 1, False, w_requests, w_oldest_requests),
+            ("tpm", use.window, policy.tpm, tokens, True, w_tokens, w_oldest_tokens),
+            ("pool_rpm", pool_slots, pool.rpm if pool else None, 1, False, p_requests, p_oldest_requests),
+            ("pool_tpm", pool_slots, pool.tpm if pool else None, tokens, True, p_tokens, p_oldest_tokens),
         ]
         refusals: list[Refusal] = []
         quotas: dict[bool, Quota] = {}
-        for name, slots, limit, need, is_tokens in checks:
+        for name, slots, limit, need, is_tokens, used, oldest in checks:
             if limit is None:
                 continue
-            wait = self.wait(slots, now, need, limit, is_tokens)
+            # What `wait` and `quota` say, from one pass over the window (`_tally`) instead of three.
+            wait = 0.0 if used + need <= limit else self.wait(slots, now, need, limit, is_tokens)
             if wait is None:
                 refusals.append(
                     Refusal(name, f"this request's estimated {need} tokens exceed the {name} of {limit}", None)
@@ -165,7 +162,8 @@ class Window:
                 per = f"{self.window_s:g} s" if self.window_s != 60 else "minute"
                 where = f" on model '{alias}'" if name.startswith("pool_") else ""
                 refusals.append(Refusal(name, f"rate limit reached{where}: {limit} {what} per {per}", wait))
-            quota = self.quota(slots, now, limit, is_tokens)
+            reset = max(0.0, self.leaves_at(oldest) - now) if oldest is not None else 0.0
+            quota = Quota(limit, max(0, limit - used), reset)
             best = quotas.get(is_tokens)
             if best is None or quota.remaining < best.remaining:
                 quotas[is_tokens] = quota
@@ -213,6 +211,28 @@ class Window:
             use.day_tokens = max(0, use.day_tokens + delta)
         if use.month == month:
             use.month_tokens = max(0, use.month_tokens + delta)
+
+
+def _tally(slots: list[Slot], first: int) -> tuple[list[Slot], int, int, int | None, int | None]:
+    """The slots from `first` on (those a check counts), their requests and tokens, and the oldest
+    slot that holds requests and the oldest that holds tokens (None: none does)."""
+    live: list[Slot] = []
+    requests = tokens = 0
+    oldest_requests: int | None = None
+    oldest_tokens: int | None = None
+    for s in slots:
+        if s.at < first:
+            continue
+        live.append(s)
+        if s.requests:
+            requests += s.requests
+            if oldest_requests is None or s.at < oldest_requests:
+                oldest_requests = s.at
+        if s.tokens:
+            tokens += s.tokens
+            if oldest_tokens is None or s.at < oldest_tokens:
+                oldest_tokens = s.at
+    return live, requests, tokens, oldest_requests, oldest_tokens
 
 
 def _add(slots: list[Slot], at: int, requests: int, tokens: int) -> None:
