@@ -247,3 +247,35 @@ async def test_background_takeover_an_edge_that_lost_the_lease_stops_its_run(nat
         finally:
             gate.set()
     assert up.total == 2
+
+
+STREAM_INFO_ANSWER = b'{"type":"io.nats.jetstream.api.v1.stream_info_response","config":{"name":"x"}}'
+"""What a node credential can make the JetStream server store under any key (tests/test_node_reply_subjects.py)."""
+
+
+@pytest.mark.parametrize("junk", [STREAM_INFO_ANSWER, b""], ids=["api-answer", "empty"])
+async def test_background_takeover_a_lease_written_over_with_junk_is_run_again_not_dropped(
+    nats_server: EmbeddedNats, junk: bytes
+) -> None:
+    """What is not a lease where a running response's lease was: its run can no longer keep its
+    answer (the lease's revision moved), so the response is taken over like a released one."""
+    gate = asyncio.Event()
+    async with fake_upstream(api="chat", gate=gate) as up:
+        dep = deployment(DEPLOYMENT.format(url=up.url))
+        try:
+            async with running_node(dep, "n", nats_server.url), running_edge(dep, nats_server.url) as h:
+                await h.edge.registry.wait_connected(["n"], timeout_s=10)
+                async with h.http() as http:
+                    queued = await start(http)
+                    await up.wait_for(lambda u: u.in_flight == 1)
+                    store = h.edge.responses.store
+                    assert store is not None
+                    await store.kv.put(f"l.{owner_of(KEY_A.encode())}.{queued['id']}", junk)
+                    await up.wait_for(lambda u: u.total == 2, timeout_s=30)  # run again
+                    gate.set()
+                    final = await completed(http, queued["id"], timeout_s=30)
+                    assert (final["status"], text_of(final)) == ("completed", "w0 w1 w2")
+                    await eventually(lambda: _no_lease(h.edge), timeout_s=10)
+        finally:
+            gate.set()
+    assert up.total == 2

@@ -174,6 +174,8 @@ class Takeover:
         """Told the id of a response this edge ran that another edge took over (this one was cut off)."""
         self.leases: dict[str, tuple[int, Lease]] = {}
         self.suspects: dict[str, float] = {}
+        self.unreadable: set[str] = set()
+        """Keys whose entry was not a lease (logged once)."""
         """Leases whose runner did not answer, since when (monotonic)."""
         self.claimed: set[asyncio.Task[None]] = set()
         self.tasks: list[asyncio.Task[None]] = []
@@ -217,17 +219,27 @@ class Takeover:
 
     def _heard(self, entry: Any) -> None:
         key = str(entry.key)
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
+        if entry.operation in ("DEL", "PURGE"):
             self.leases.pop(key, None)
             self.suspects.pop(key, None)
             return
-        try:
-            lease = _lease(entry.value)
-        except msgspec.DecodeError:
-            return
         before = self.leases.get(key)
+        try:
+            lease = _lease(entry.value or b"")
+            foreign = False
+        except msgspec.DecodeError:
+            # Not a lease (a node can have the JetStream server store its answers here, see
+            # docs/security.md): its runner can no longer keep the answer (the revision moved), so
+            # it is claimed as a released one, and its run here stops.
+            if key not in self.unreadable:
+                self.unreadable.add(key)
+                log.warning("background lease %s is unreadable: taken over", key)
+            lease, foreign = Lease("", before[1].takeovers if before is not None else 0), True
+        else:
+            self.unreadable.discard(key)
         self.leases[key] = (int(entry.revision), lease)
-        taken = before is not None and before[1].runner == self.runner and lease.runner not in ("", self.runner)
+        mine = before is not None and before[1].runner == self.runner
+        taken = mine and (foreign or lease.runner not in ("", self.runner))
         if taken and self.lost is not None:
             self.lost(key.split(".")[2])  # its run here stops: the other edge's answer is kept
         self.suspects.pop(key, None)  # a lease that changed has a runner that just wrote it
