@@ -127,3 +127,24 @@ async def test_a_freed_slot_waits_for_another_edges_tenant_only_while_it_is_ahea
     assert loop.time() - t0 >= DEFER_S * 0.9
     for g in (g4, g5):
         s.release(g.slot, g)
+
+
+async def test_another_edges_tenants_with_junk_weights_or_counts_are_ignored() -> None:
+    """An announcement no edge of this version sends (a weight of 0, below 0, NaN; counts below 0):
+    those rows count for nothing, and a freed slot still reaches this edge's waiter."""
+    s = Scheduler(100)
+    s.add_provider("p", "node-p", 1)
+    s.set_connected("p", True)
+    s.add_pool("m", ["p"])
+    share = FairShare(s.serve)
+    s.owed = share.owed
+    deadline = asyncio.get_running_loop().time() + 5
+    g = await s.acquire_grant("m", deadline, tenant="flood")
+    task = asyncio.create_task(s.acquire_grant("m", deadline, tenant="flood"))
+    await until(lambda: s.waiting("m") == 1, s.changed)
+    junk = [("z", 1, 0.0, 1, 0), ("n", 1, -1.0, 1, 0), ("nan", 1, float("nan"), 1, 0), ("c", 1, 1.0, 1, -9)]
+    share.heard("b", True, {"m": junk})
+    s.release(g.slot, g)
+    g2 = await task
+    assert share.deferred == 0 and share.elsewhere == {"b": {}}
+    s.release(g2.slot, g2)

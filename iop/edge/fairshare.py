@@ -16,10 +16,14 @@ the announcement was lost), the slot goes to the edge's own waiters after all.
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 from collections.abc import Callable
 from time import monotonic
 
 from iop.edge.slots import PinnedQueue, PoolQueue
+
+log = logging.getLogger("iop.edge")
 
 DEFER_S = 0.05
 """The longest a slot is left free for another edge's waiter (one announcement's trip is ~1 ms)."""
@@ -38,6 +42,13 @@ def loads(pool: PoolQueue) -> list[Load]:
     ]
 
 
+def _sound(row: Load) -> bool:
+    """Whether an announced row is one an edge sends: its weight a share (> 0, as the deployment's
+    tenants are), its counts not below 0; another would divide by zero or always be ahead."""
+    _, _, weight, waiting, running = row
+    return math.isfinite(weight) and weight > 0 and waiting >= 0 and running >= 0
+
+
 class FairShare:
     """The other edges' waiting tenants, and whether a slot this edge frees is owed to one of them."""
 
@@ -50,11 +61,17 @@ class FairShare:
         """Slots left free for another edge's waiter (status, tests)."""
         self._since: dict[str, float] = {}
         """Pool → when its current deferral began (monotonic)."""
+        self._junk: set[str] = set()
+        """Edges that announced rows no edge sends (logged once each)."""
 
     def heard(self, edge: str, full: bool, waiting: dict[str, list[Load]]) -> None:
         before = self.elsewhere.get(edge) or {}
         pools = {} if full else dict(before)
-        for alias, rows in waiting.items():
+        for alias, announced in waiting.items():
+            rows = [row for row in announced if _sound(row)]
+            if len(rows) < len(announced) and edge not in self._junk:
+                self._junk.add(edge)  # (no edge sends these: logged once, not per announcement)
+                log.warning("edge %s announces waiting tenants with a weight <= 0 or a count < 0: ignored", edge)
             if rows:
                 pools[alias] = rows
             else:
