@@ -150,7 +150,7 @@ async def test_messages_refusals_are_anthropic_errors(
             await client.messages.create(model="nope", max_tokens=8, messages=HELLO)
         assert missing.value.body == {
             "type": "error",
-            "error": {"type": "not_found_error", "message": missing.value.body["error"]["message"]},  # type: ignore[index]
+            "error": {"type": "not_found_error", "message": missing.value.body["error"]["message"]},
             "request_id": missing.value.response.headers["x-request-id"],
         }
         assert "nope" in missing.value.message
@@ -161,7 +161,7 @@ async def test_messages_refusals_are_anthropic_errors(
         with pytest.raises(anthropic.AuthenticationError) as denied:
             await wrong.messages.create(model="m", max_tokens=8, messages=HELLO)
         await wrong.close()
-        assert denied.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+        assert denied.value.body["error"]["type"] == "authentication_error"
         # Authorization: Bearer is the same key.
         async with httpx.AsyncClient(base_url=h.url) as http:
             body = {"model": "m", "max_tokens": 8, "messages": HELLO}
@@ -183,7 +183,7 @@ async def test_messages_upstream_failure_and_full_queue_are_anthropic_errors(
         with pytest.raises(anthropic.APIStatusError) as failed:
             await client.messages.create(model="m", max_tokens=8, messages=HELLO)
         assert failed.value.status_code == 502
-        assert failed.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+        assert failed.value.body["error"]["type"] == "api_error"
     gate = asyncio.Event()
     extra = ", queue: {max_waiting: 1}"
     async with served(nats_server.url, "chat", monkeypatch, extra, gate=gate) as (h, up, client):
@@ -193,7 +193,7 @@ async def test_messages_upstream_failure_and_full_queue_are_anthropic_errors(
         await until(lambda: len(pool.waiters) == 1, h.edge.scheduler.changed)
         with pytest.raises(anthropic.RateLimitError) as full:
             await client.messages.create(model="m", max_tokens=8, messages=HELLO)
-        assert full.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+        assert full.value.body["error"]["type"] == "rate_limit_error"
         gate.set()
         done = await asyncio.gather(*held)
         assert all(m.content[0].type == "text" for m in done)
@@ -214,7 +214,7 @@ async def test_count_tokens_estimates_without_a_model(
         with pytest.raises(anthropic.NotFoundError):
             await client.messages.count_tokens(model="nope", messages=HELLO)
         with pytest.raises(anthropic.BadRequestError):
-            await client.messages.count_tokens(model="m", messages="hi")  # type: ignore[arg-type]
+            await client.messages.count_tokens(model="m", messages="hi")
     assert up.total == 0  # counted on the edge
 
 

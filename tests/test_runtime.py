@@ -97,7 +97,8 @@ async def _burst(h_client: openai.AsyncOpenAI, n: int, model: str = "m") -> list
     async def one(i: int) -> str:
         if i % 2:
             r = await h_client.responses.create(model=model, input=f"req {i}")
-            return r.output_text
+            text: str = r.output_text
+            return text
         c = await h_client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"{i}"}])
         return c.choices[0].message.content or ""
 
