@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -33,6 +34,15 @@ LONGEST_FIRST = (
     "test_faults_flow.py",
     "test_usage_report.py",
 )
+
+
+def pytest_configure() -> None:
+    # Bytecode is written even where PYTHONDONTWRITEBYTECODE is set (as in some CI images): without
+    # it every edge, node and CLI process a test starts compiles iop from source again, and every
+    # xdist worker rewrites and compiles each test module (a worker's collection: 10 CPU-s cold, 4
+    # warm). It goes into the git-ignored __pycache__ folders. Runs before the workers start.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
