@@ -36,13 +36,38 @@ LONGEST_FIRST = (
 )
 
 
-def pytest_configure() -> None:
+def pytest_configure(config: pytest.Config) -> None:
     # Bytecode is written even where PYTHONDONTWRITEBYTECODE is set (as in some CI images): without
     # it every edge, node and CLI process a test starts compiles iop from source again, and every
     # xdist worker rewrites and compiles each test module (a worker's collection: 10 CPU-s cold, 4
     # warm). It goes into the git-ignored __pycache__ folders. Runs before the workers start.
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     sys.dont_write_bytecode = False
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        _rewrite_test_modules_once(config)
+
+
+def _rewrite_test_modules_once(config: pytest.Config) -> None:
+    """The assertion-rewritten bytecode of every test module, written once by xdist's controller:
+    from a fresh checkout each worker would otherwise rewrite and compile them all, at the same time.
+
+    pytest's own functions, so the workers read what they would have written; with another pytest
+    (or --assert=plain) nothing is done here and the workers do it as usual."""
+    try:
+        from _pytest.assertion import rewrite
+
+        state = config.stash[rewrite.assertstate_key]
+        asked = [config.invocation_params.dir / arg.split("::")[0] for arg in config.args]
+        for source in sorted(Path(__file__).parent.glob("test_*.py")):
+            if not any(source == path or path in source.parents for path in map(Path.resolve, asked)):
+                continue
+            pyc = rewrite.get_cache_dir(source) / (source.stem + rewrite.PYC_TAIL)
+            if rewrite._read_pyc(source, pyc, state.trace) is None:
+                pyc.parent.mkdir(exist_ok=True)
+                source_hash, code = rewrite._rewrite_test(source, config)
+                rewrite._write_pyc(state, code, source_hash, pyc)
+    except (ImportError, AttributeError, KeyError, TypeError, OSError, SyntaxError):
+        return
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
