@@ -40,7 +40,7 @@ def test_ruff_format_is_clean() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.timeout(400)  # a fresh checkout has no mypy cache: over a minute of CPU beside busy workers
+@pytest.mark.timeout(400)  # a fresh checkout has no mypy cache: 17 CPU-s, minutes of wall beside busy workers
 def test_mypy_strict_is_clean() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "mypy", "--no-error-summary"],
