@@ -48,6 +48,8 @@ class Admission:
         self._expiry: asyncio.TimerHandle | None = None
         self._expiry_at = math.inf
         self._compact_at = 64
+        self._queued = 0
+        """Waiters in every queue (`_deadlines` is emptied when none is left)."""
         self._connected = asyncio.Event()
         self.changed = asyncio.Event()
         """Set whenever a request starts or stops waiting (observers clear it, then wait)."""
@@ -165,6 +167,7 @@ class Admission:
         pool.waiters.add(waiter, t := queue.tenant(*who))  # after the last await: the entry is current
         self._tenant_changed(pool, t)
         self.waiting_bytes += size
+        self._queued += 1
         self.changed.set()
         hold_over = loop.call_later(prefer_wait_s, self._hold_over, pool, waiter) if hold else None
         # The first in the order may hold out for its preferred provider, not take one it failed on,
@@ -206,6 +209,8 @@ class Admission:
 
         One timer for every waiter instead of one each (asyncio.timeout, or a call_at per waiter):
         a timer costs an allocation, a push on the loop's heap and a cancel on every admission."""
+        if waiter.future.done():
+            return  # granted by the pump that followed its arrival
         heap = self._deadlines
         while heap and heap[0][2].done():
             heapq.heappop(heap)  # granted or gone: the usual case, as deadlines follow arrivals
@@ -337,6 +342,15 @@ class Admission:
 
     def _left(self, waiter: Waiter) -> None:
         """A waiter left the queue (granted, refused, gone): its bytes no longer count."""
+        if waiter.queued:
+            self._queued -= 1
+            if not self._queued and self._deadlines:
+                # Nobody waits: no deadline is left to watch (a drained burst keeps none of its futures).
+                self._deadlines.clear()
+                self._compact_at = 64
+                if self._expiry is not None:
+                    self._expiry.cancel()
+                self._expiry, self._expiry_at = None, math.inf
         self.waiting_bytes -= waiter.size
         waiter.size = 0
         waiter.queued = False
