@@ -7,6 +7,7 @@ One nats-server, one receiver, one edge and its nodes serve the whole module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import sys
@@ -374,3 +375,44 @@ async def test_tracing_export_sends_the_collectors_headers_gzipped_as_the_otel_v
     queue = next(s for s in collector.spans if s.name == "iop.queue")
     assert queue.parent_id == next(s.span_id for s in collector.spans if s.kind == SERVER)
     assert t.exported == 2 and t.dropped == 0
+
+
+@pytest.mark.parametrize(
+    "framing", [b"content-length: 60000\r\n", b"connection: close\r\n"], ids=["kept-alive", "closing"]
+)
+async def test_tracing_export_to_a_collector_that_never_ends_its_answer_ends_within_its_timeout(framing: bytes) -> None:
+    """A collector that says 200 and then sends its body a byte at a time, for ever (or a body of any
+    size): each export still ends within `export_timeout_s`, holding at most a small part of the body."""
+    dripping = asyncio.Event()
+    stop = asyncio.Event()
+
+    async def drip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\n" + framing + b"content-type: application/x-protobuf\r\n\r\n")
+        dripping.set()
+        with contextlib.suppress(OSError):
+            while not stop.is_set() and not writer.is_closing():
+                writer.write(b"x")
+                await writer.drain()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.05)  # one byte each 50 ms: never a read timeout
+        writer.close()
+
+    server = await asyncio.start_server(drip, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    settings = TracingSettings(
+        endpoint=f"http://127.0.0.1:{port}/v1/traces", export_interval_ms=10, export_timeout_s=0.5
+    )
+    t = Tracing(settings, "iop-edge", env={})
+    try:
+        for n in (1, 2):
+            t.server_span("POST /v1/chat/completions", NEW, {}).end()
+            await eventually(lambda: _true(t.exported + t.dropped == n), timeout_s=15)  # noqa: B023 (awaited here)
+        assert dripping.is_set()
+    finally:
+        stop.set()
+        await asyncio.to_thread(t.shutdown)
+        server.close()
+        await server.wait_closed()

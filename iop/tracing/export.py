@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import socket
 import threading
 import time
 import urllib.parse
@@ -22,7 +23,31 @@ from iop.tracing import otlp
 log = logging.getLogger("iop.tracing")
 
 BATCH_SPANS = 512
+BODY_LIMIT = 65536
+"""Most bytes of a collector's answer read (its status is what counts); past it the connection is closed."""
 _RETRYABLE = frozenset({429, 502, 503, 504})
+
+
+def _drained(response: http.client.HTTPResponse, sock: socket.socket | None, deadline: float) -> bool:
+    """Read the answer's body up to BODY_LIMIT bytes before `deadline`; False when it is longer or
+    slower (a body of any size, or one sent a byte at a time, would hold the export for ever)."""
+    if response.length is not None and response.length > BODY_LIMIT:
+        return False
+    read = 0
+    while read <= BODY_LIMIT:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if sock is not None:
+            sock.settimeout(left)
+        try:
+            chunk = response.read1(BODY_LIMIT + 1 - read)
+        except TimeoutError:
+            return False
+        if not chunk:
+            return True
+        read += len(chunk)
+    return False
 
 
 class Counts(Protocol):
@@ -110,7 +135,7 @@ class Exporter:
             status = 0
             if left > 0:
                 try:
-                    status = self._post(body, left)
+                    status = self._post(body, deadline)
                 except (OSError, http.client.HTTPException):
                     self._close()
             if 200 <= status < 300:
@@ -122,7 +147,8 @@ class Exporter:
                 return False
             backoff *= 2
 
-    def _post(self, body: bytes, timeout_s: float) -> int:
+    def _post(self, body: bytes, deadline: float) -> int:
+        timeout_s = deadline - time.monotonic()
         conn = self._conn
         if conn is None:
             conn = self._connect(timeout_s)
@@ -131,9 +157,9 @@ class Exporter:
             if conn.sock is not None:
                 conn.sock.settimeout(timeout_s)
         conn.request("POST", self._path, body, self._headers)
+        sock = conn.sock  # (the connection lets go of it for an answer that closes it)
         response = conn.getresponse()
-        response.read()
-        if response.will_close:
+        if not _drained(response, sock, deadline) or response.will_close:
             self._close()
         return response.status
 
