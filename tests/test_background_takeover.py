@@ -279,3 +279,26 @@ async def test_background_takeover_a_lease_written_over_with_junk_is_run_again_n
         finally:
             gate.set()
     assert up.total == 2
+
+
+async def test_background_takeover_of_a_response_whose_request_is_unreadable_keeps_it_failed(
+    nats_server: EmbeddedNats,
+) -> None:
+    """Its work record written over (as a node can, tests/test_node_reply_subjects.py): the response
+    cannot run again, and is kept failed rather than queued for good."""
+    async with fake_upstream(api="chat") as up:
+        dep = deployment(DEPLOYMENT.format(url=up.url))
+        async with running_edge(dep, nats_server.url) as h, h.http() as http:
+            store = h.edge.responses.store
+            assert store is not None
+            owner, rid = owner_of(KEY_A.encode()), "resp_unreadable0123456"
+            queued = {"id": rid, "object": "response", "status": "queued", "background": True, "output": []}
+            request = {"model": "m", "input": "hi", "background": True}
+            held = await takeover.hold(store, owner, rid, "gone-edge", takeover.Work(request, "a"))
+            await store.keep(owner, Stored(queued, []), [])
+            await store.kv.put(f"w.{owner}.{rid}", STREAM_INFO_ANSWER)
+            await store.kv.update(held.key, msgspec.json.encode(takeover.Lease("")), last=held.revision)
+            final = await completed(http, rid, timeout_s=30)
+            assert final["status"] == "failed" and "request" in final["error"]["message"]
+            await eventually(lambda: _no_lease(h.edge), timeout_s=10)
+    assert up.total == 0

@@ -58,20 +58,22 @@ async def queue(
 
 async def resumed(responses: Responses, held: Held) -> tuple[Turn, Stored, Work] | None:
     """The turn of a response taken over from a gone edge; None when there is nothing to run (it
-    ended, was cancelled or deleted), or it was kept as failed (taken over too often, or its
-    conversation is gone)."""
+    ended, was cancelled or deleted), or it was kept as failed (taken over too often, its
+    request or its conversation gone)."""
     store = responses.store
     assert store is not None
     owner, response_id = held.owner, held.response_id
     stored = await store.response(owner, response_id)
     work = await work_of(store, owner, response_id)
-    if stored is None or work is None or stored.response.get("status") not in UNFINISHED:
+    if stored is None or stored.response.get("status") not in UNFINISHED:
         await held.end()
         return None
     turn = Turn({}, list(stored.input), stored.previous, True, background=True, response_id=response_id)
     turn.chain, turn.lease = stored.chain, held
     recording = Recording(store, owner, response_id, held.lease.takeovers, held)
     try:
+        if work is None:  # gone, or written over (docs/security.md): nothing to run it again from
+            raise RequestError("the response's request is no longer in the response store", code="server_error")
         if held.lease.takeovers > MAX_TAKEOVERS:
             raise RequestError(
                 f"the response was run {held.lease.takeovers} times and never finished", code="server_error"
