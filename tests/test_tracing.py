@@ -416,3 +416,21 @@ async def test_tracing_export_to_a_collector_that_never_ends_its_answer_ends_wit
         await asyncio.to_thread(t.shutdown)
         server.close()
         await server.wait_closed()
+
+
+async def test_tracing_export_leaves_out_a_header_http_cannot_carry_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A value with a line break or beyond Latin-1 (after URL-decoding) cannot be sent: that header
+    is left out with a warning, and the spans still go (before, the export thread died on it)."""
+    env = {"OTEL_EXPORTER_OTLP_HEADERS": "x-ok=a,x-snowman=%E2%98%83,x-split=a%0D%0Ab,bad name=c"}
+    async with otlp_collector() as collector:
+        with caplog.at_level(logging.WARNING, "iop.tracing"):
+            t = Tracing(TracingSettings(endpoint=collector.url, export_interval_ms=20), "iop-edge", env=env)
+        t.server_span("POST /v1/chat/completions", NEW, {}).end()
+        await collector.wait_for(lambda c: len(c.spans) == 1)
+        await asyncio.to_thread(t.shutdown)
+    sent = collector.headers[0]
+    assert sent["x-ok"] == "a" and not {"x-snowman", "x-split", "bad name"} & set(sent)
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert all(name in warned for name in ("x-snowman", "x-split", "bad name")) and "\u2603" not in warned

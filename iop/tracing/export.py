@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import re
 import socket
 import threading
 import time
@@ -67,6 +68,23 @@ def headers_of(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+"""An HTTP header name (RFC 9110 token)."""
+
+
+def _sendable(headers: dict[str, str]) -> dict[str, str]:
+    """The headers HTTP can carry; each other one is left out, named (never its value: a secret) in a warning."""
+    out = {}
+    for name, value in headers.items():
+        if _TOKEN.match(name) and value.isprintable() and all(ord(c) < 256 for c in value):
+            out[name] = value
+        else:
+            log.warning(
+                "OTEL_EXPORTER_OTLP_HEADERS: %r left out: not a header name, or a value HTTP cannot carry", name
+            )
+    return out
+
+
 class Exporter:
     """One process part's export thread and its connection to the collector."""
 
@@ -84,7 +102,7 @@ class Exporter:
         self._host = url.hostname or "localhost"
         self._port = url.port or (443 if self._https else 80)
         self._path = (url.path or "/") + (f"?{url.query}" if url.query else "")
-        self._headers = {"content-type": "application/x-protobuf", **headers_of(env)}
+        self._headers = {"content-type": "application/x-protobuf", **_sendable(headers_of(env))}
         compression = env.get("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION") or env.get("OTEL_EXPORTER_OTLP_COMPRESSION")
         self._gzip = (compression or "").strip().lower() == "gzip"
         if self._gzip:
