@@ -434,3 +434,33 @@ async def test_tracing_export_leaves_out_a_header_http_cannot_carry_and_says_so(
     assert sent["x-ok"] == "a" and not {"x-snowman", "x-split", "bad name"} & set(sent)
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert all(name in warned for name in ("x-snowman", "x-split", "bad name")) and "\u2603" not in warned
+
+
+async def test_tracing_unusual_attribute_values_reach_the_collector_as_they_are() -> None:
+    """What OTLP's protobuf can hold is sent as such (non-ASCII text, negative and 64-bit ints, bools,
+    nested lists, empty ones); an int past 64 bits, which no int64 holds, goes as its digits, not wrapped."""
+    values: dict[str, Any] = {
+        "text": "h\u00e9llo \u2603 \U0001f600",
+        "empty": "",
+        "long": "x" * 300,
+        "negative": -5,
+        "int64_min": -(2**63),
+        "int64_max": 2**63 - 1,
+        "uint64": 2**63,
+        "huge": 2**70,
+        "very_negative": -(2**70),
+        "yes": True,
+        "no": False,
+        "real": -1.5,
+        "nested": [1, "a", [True, 2.5]],
+        "none_inside": [],
+        "k\u00e9y": "v",
+    }
+    async with otlp_collector() as collector:
+        t = Tracing(TracingSettings(endpoint=collector.url, export_interval_ms=20), "iop-edge", env={})
+        t.server_span("POST /v1/chat/completions", NEW, dict(values)).end()
+        await collector.wait_for(lambda c: len(c.spans) == 1)
+        await asyncio.to_thread(t.shutdown)
+    seen = collector.spans[0].attributes
+    expected = {**values, "uint64": str(2**63), "huge": str(2**70), "very_negative": str(-(2**70))}
+    assert seen == expected

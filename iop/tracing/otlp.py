@@ -14,6 +14,7 @@ from typing import Any, Protocol
 _DOUBLE = struct.Struct("<d")
 _FIXED64 = struct.Struct("<Q")
 _INT64 = (1 << 64) - 1
+_INT64_BOUND = 1 << 63
 
 
 class Encodable(Protocol):
@@ -56,7 +57,9 @@ def _value(v: Any) -> bytes:
     if isinstance(v, bool):
         return b"\x10\x01" if v else b"\x10\x00"
     if isinstance(v, int):
-        return b"\x18" + _varint(v & _INT64)
+        if -_INT64_BOUND <= v < _INT64_BOUND:
+            return b"\x18" + _varint(v & _INT64)
+        return _field(0x0A, str(v).encode())  # no int64 holds it: its digits, not a wrapped number
     if isinstance(v, float):
         return b"\x21" + _DOUBLE.pack(v)
     if isinstance(v, (list, tuple)):
