@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import AsyncExitStack
 
 import msgspec
@@ -103,6 +104,7 @@ async def test_an_edge_that_stops_renewing_its_units_loses_them_to_the_others(na
         dep = deployment(YAML.replace("URL", up.url))
         edges = [await stack.enter_async_context(running_edge(dep, nats_server.url)) for _ in range(2)]
         ghost = TenantLeases("ghost", ttl_s=1.5)
+        edges[1].edge.leases.ttl_s = 1.5  # how long it counts an entry after it saw it written
         await ghost.open(edges[0].edge.js)
         # The ghost takes the whole bound, then goes silent (its tasks stopped, nothing given back).
         ghost.bound("m", "", 3)
@@ -172,6 +174,30 @@ async def test_an_unreadable_lease_entry_is_written_over_keeping_the_shares_the_
         shares = msgspec.msgpack.decode(entry.value or b"", type=dict[str, Share])
         assert (shares["a"].held, shares["b"].held) == (2, 1)
         await a.stop()
+        await b.stop()
+    finally:
+        await nc.close()
+
+
+async def test_an_edge_whose_clock_is_a_minute_behind_still_counts_for_the_others(nats_server: EmbeddedNats) -> None:
+    """Expiry is judged by when each edge saw an entry written, not by the writer's clock: an edge
+    whose clock is behind (its entries' `expires` in the others' past) still holds its units for them."""
+    nc = await connection.connect(nats_server.url, "test-leases")
+    try:
+        js = nc.jetstream()
+        late, b = TenantLeases("late"), TenantLeases("b")
+        late.wall = lambda: time.time() - 60
+        await late.open(js)
+        await b.open(js)
+        key = lease_key("m", "t")
+        late.bound("m", "t", 3)
+        late.changed("m", "t", 0, 3)
+        await eventually(lambda: _true(late.bound("m", "t", 3) == 3 and "late" in b.values.get(key, (0, {}))[1]))
+        b.bound("m", "t", 3)
+        b.changed("m", "t", 0, 3)  # both want all 3: the late edge gives units back, b gets them
+        await eventually(lambda: _true(b.bound("m", "t", 3) > 0), timeout_s=5)
+        assert (b.bound("m", "t", 3), late.bound("m", "t", 3)) == (2, 1)  # (fair_parts: the remainder to b)
+        await late.stop()
         await b.stop()
     finally:
         await nc.close()

@@ -21,7 +21,8 @@ of an edge that died (SIGKILL) come back. TTL_S is longer than a node takes to s
 an edge that no longer answers (PROBES_UNANSWERED probes, wire.PROBE_INTERVAL_S apart), so a dead
 edge's units return only once its requests no longer run. An edge that cannot renew its entries
 (NATS unreachable) grants nothing more until it can: its entry may have expired for the others.
-Expiry is judged on each edge's own clock: the edges' clocks must agree to well under a second (NTP).
+Expiry is judged on each edge's own clock alone: another edge's entry counts for TTL_S after this
+edge saw it written (its `expires` changed), so edges' clocks need not agree.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class Share(msgspec.Struct, array_like=True, gc=False):
     want: int
     """Units it would use now (running + waiting, at most the bound); above `held`: it waits for units."""
     expires: float
-    """Unix time: after it, the entry counts for nothing (its edge stopped renewing it)."""
+    """Unix time on its writer's clock, TTL_S after the write. Edges judge expiry by when they saw the
+    entry written (on their own clocks, which need not agree); older edges read this."""
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -144,6 +146,10 @@ class TenantLeases:
         self._watch: asyncio.Task[None] | None = None
         self._renew: asyncio.Task[None] | None = None
         self._closed = False
+        self.wall: Callable[[], float] = time.time
+        """The clock `expires` is written by (for older edges, which judge expiry by it)."""
+        self._stamps: dict[tuple[str, str], tuple[float, float]] = {}
+        """(key, other edge) → (the `expires` its entry said, when this edge first saw that, monotonic)."""
         self._unreadable: set[str] = set()
         """Keys whose entry was not a lease (logged once, written over by the next write)."""
         self.rewatch_s = _REWATCH_S
@@ -206,13 +212,29 @@ class TenantLeases:
             self._decide(lease)
         return lease
 
+    def _stamp(self, key: str) -> None:
+        """Note when this edge saw each other edge's entry of `key` written (as it reads it)."""
+        now = time.monotonic()
+        for edge, share in self.values[key][1].items():
+            if edge != self.edge_id:
+                self._fresh(key, edge, share, now)
+
+    def _fresh(self, key: str, edge: str, share: Share, now: float) -> bool:
+        """Whether another edge's share still counts: for the TTL after this edge first saw it
+        written, on this edge's monotonic clock (an entry first seen now counts a whole TTL)."""
+        stamp = self._stamps.get((key, edge))
+        if stamp is None or stamp[0] != share.expires:
+            self._stamps[(key, edge)] = (share.expires, now)
+            return True
+        return now - stamp[1] < self.ttl_s
+
     def _others(self, lease: Lease, now: float) -> dict[str, Share]:
         shares = self.values.get(lease.key, (0, {}))[1]
-        return {e: s for e, s in shares.items() if e != self.edge_id and s.expires > now}
+        return {e: s for e, s in shares.items() if e != self.edge_id and self._fresh(lease.key, e, s, now)}
 
-    def _goal(self, lease: Lease, now_wall: float, now: float) -> int:
+    def _goal(self, lease: Lease, now: float) -> int:
         """The units this edge should hold now."""
-        others = self._others(lease, now_wall)
+        others = self._others(lease, now)
         cap = max(0, lease.limit - sum(s.held for s in others.values()))
         want = lease.want
         if any(s.want > s.held for s in others.values()):
@@ -234,7 +256,7 @@ class TenantLeases:
         return max(lease.running, min(goal, max(cap, lease.bound)))
 
     def _decide(self, lease: Lease, tell: bool = True) -> None:
-        goal = self._goal(lease, time.time(), time.monotonic())
+        goal = self._goal(lease, time.monotonic())
         if goal < lease.bound:
             lease.bound = goal  # giving back is safe before the bucket knows
             if tell:
@@ -294,8 +316,8 @@ class TenantLeases:
                 await self._read(lease.key, known)
             revision, shares = self.values[lease.key]
             known = shares
-            now_wall, now = time.time(), time.monotonic()
-            goal = self._goal(lease, now_wall, now)
+            now = time.monotonic()
+            goal = self._goal(lease, now)
             want = self._stored_want(lease, goal)
             mine = shares.get(self.edge_id)
             if not renew and mine is not None and (mine.held, mine.want) == (goal, want) and goal == lease.held:
@@ -303,9 +325,9 @@ class TenantLeases:
             if mine is None and goal == 0 and want == 0:
                 lease.held = lease.wanted = 0
                 return
-            value = {e: s for e, s in shares.items() if s.expires > now_wall and e != self.edge_id}
+            value = {e: s for e, s in shares.items() if e != self.edge_id and self._fresh(lease.key, e, s, now)}
             if goal or want:
-                value[self.edge_id] = Share(goal, want, now_wall + self.ttl_s)
+                value[self.edge_id] = Share(goal, want, self.wall() + self.ttl_s)
             try:
                 if revision:
                     new = await self.kv.update(lease.key, _encode(value), last=revision)
@@ -331,6 +353,7 @@ class TenantLeases:
             self.values[key] = (0, {})
             return
         self.values[key] = (entry.revision or 0, self._shares(entry, known))
+        self._stamp(key)
 
     def _shares(self, entry: Any, known: dict[str, Share]) -> dict[str, Share]:
         """The shares an entry holds; for one that holds no lease (anything may be written there, see
@@ -385,6 +408,7 @@ class TenantLeases:
             return
         shares = self._shares(entry, known[1] if known is not None else {})
         self.values[entry.key] = (revision, shares)
+        self._stamp(entry.key)
         lease = self.leases.get(entry.key)
         if lease is not None:
             self._decide(lease)
@@ -394,6 +418,8 @@ class TenantLeases:
         while True:
             await asyncio.sleep(every_s)  # a timer: nothing else marks the time to renew
             now = time.monotonic()
+            for stamped in [k for k in self._stamps if k[1] not in self.values.get(k[0], (0, {}))[1]]:
+                del self._stamps[stamped]  # that edge's entry is gone from the key
             for lease in list(self.leases.values()):
                 if now - lease.written_at > self.ttl_s * 0.8 and lease.bound > lease.running:
                     # Not renewed for most of its life: the others may soon count it expired.
@@ -405,10 +431,9 @@ class TenantLeases:
 
     def parts(self) -> list[tuple[str, str, int, int, int]]:
         """(alias, tenant, max_concurrent, units this edge holds, units all edges hold) of each lease here."""
-        now = time.time()
+        now = time.monotonic()
         out = []
         for lz in self.leases.values():
-            shares = self.values.get(lz.key, (0, {}))[1]
-            held = sum(sh.held for e, sh in shares.items() if e != self.edge_id and sh.expires > now)
+            held = sum(sh.held for sh in self._others(lz, now).values())
             out.append((lz.alias, lz.tenant, lz.limit, lz.bound, held + lz.held))
         return out
