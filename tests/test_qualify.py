@@ -94,6 +94,22 @@ async def test_qualify_recommends_the_knee_of_a_server_with_k_parallel_slots(
         assert report.key().startswith("q--") and report.key().endswith("--fake-7b")
 
 
+async def test_qualify_measures_a_flat_looking_level_again_before_it_stops_widening(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    # K=5: 4 at once must be about twice 2 at once, but one stream of that level stalls long enough
+    # to make the level look no better than 2; measured once, the sweep would stop at 4.
+    async with limited(parallel=5, token_s=0.01, tokens_per_chunk=4, stall_at=4, stall_s=1.2) as (up, url):
+        dep = deployment(ONE.format(up=url, cap=3))
+        async with deployment_running(dep, nats_server.url) as h:
+            opts = runner.Options(edge=h.url, exclusive=True, quick=True, output_tokens=32, out=tmp_path)
+            (report,) = await runner.run(opts, lambda _: None)
+    assert up.stalled
+    rec = report.recommendation
+    assert rec.swept_to == 6, report.sweep
+    assert rec.recommended_capacity is not None and abs(rec.recommended_capacity - 5) <= 1, (rec, report.sweep)
+
+
 @pytest.mark.parametrize(
     ("flaw", "check", "reason"),
     [

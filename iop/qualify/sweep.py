@@ -180,6 +180,12 @@ async def sweep(t: Target, s: SweepSettings) -> list[Level]:
         level = done[c] = await measure(t, c, s)
         if not _counts(level):
             break  # failing under load: higher levels say nothing more
+        if best and level.throughput_tok_s < best * FLAT_GAIN and time.monotonic() < until:
+            # Flat once may be a stall of the host (a stall only ever lowers a level's rate): measure
+            # the level again and keep the better of the two before concluding the knee is behind us.
+            again = await measure(t, c, s)
+            if _counts(again) and again.throughput_tok_s > level.throughput_tok_s:
+                level = done[c] = again
         if best and level.throughput_tok_s < best * FLAT_GAIN:
             best = max(best, level.throughput_tok_s)
             break  # flat: the knee is behind us
