@@ -40,10 +40,13 @@ _running: set[int] = set()
 
 def _die_with(parent: int) -> Callable[[], None]:
     """In the child before exec: SIGKILL when the node's thread that started it ends (the node died)."""
+    # Looked up here, not in the child: a fork of a process with threads (the trace export, the
+    # loop's executor) must not take the dynamic loader's lock, which another thread may hold.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    kill = int(signal.SIGKILL)
 
     def prepare() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() != parent:
+        if prctl(PR_SET_PDEATHSIG, kill) != 0 or os.getppid() != parent:
             os._exit(1)  # the node died between the fork and the prctl: do not run orphaned
 
     return prepare
