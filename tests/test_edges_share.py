@@ -156,3 +156,19 @@ async def test_an_announcement_past_a_providers_capacity_counts_as_oversubscribe
             assert up.gate is not None
             up.gate.set()
             assert (await first).status_code == 200
+
+
+async def test_an_announcement_of_fewer_than_no_slots_counts_as_none(nats_server: EmbeddedNats) -> None:
+    """Counts below 0 (no edge sends them) would make a provider look freer than its capacity: 0."""
+    url = nats_server.url
+    dep = deployment(ONE_SLOT.replace("URL", "http://127.0.0.1:9"))
+    async with running_edge(dep, url) as e:
+        nc = await connection.connect(url, "test-other-edge")
+        try:
+            share, x = e.edge.registry.share, e.edge.scheduler.providers["x"]
+            await nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(wire.EdgeSlots("other", True, {"x": -3})))
+            await nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(wire.EdgeSlots("late", True, {"x": 0})))
+            await eventually(lambda: _true(share.received == 2))
+            assert x.elsewhere == 0
+        finally:
+            await nc.close()

@@ -51,6 +51,8 @@ class SlotShare:
         self._dirty_pools: set[str] = set()
         self._waiting_sent: set[str] = set()
         """Pools whose tenants this edge last announced as waiting (a later 'none' is owed for them)."""
+        self._junk: set[str] = set()
+        """Edges that announced counts below 0 (logged once each)."""
         self._wake = asyncio.Event()
         self._nc: NATS | None = None
         self._task: asyncio.Task[None] | None = None
@@ -155,6 +157,11 @@ class SlotShare:
         if m.edge == self.edge_id:
             return
         self.received += 1
+        if any(n < 0 for n in m.held.values()):
+            if m.edge not in self._junk:  # no edge sends these: logged once, counted as none
+                self._junk.add(m.edge)
+                log.warning("edge %s announces fewer than no slots held: counted as none", m.edge)
+            m = wire.EdgeSlots(m.edge, m.full, {p: max(0, n) for p, n in m.held.items()}, m.waiting)
         if m.full or m.waiting:
             self.fair.heard(m.edge, m.full, m.waiting)
         known = self.announced.get(m.edge)
