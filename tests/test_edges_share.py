@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import pytest
 
 from iop import wire
 from iop.nats import connection
@@ -170,5 +173,29 @@ async def test_an_announcement_of_fewer_than_no_slots_counts_as_none(nats_server
             await nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(wire.EdgeSlots("late", True, {"x": 0})))
             await eventually(lambda: _true(share.received == 2))
             assert x.elsewhere == 0
+        finally:
+            await nc.close()
+
+
+async def test_junk_on_the_announcements_subject_is_logged_once_not_per_message(
+    nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node can have the JetStream server answer onto `iop.edges.slots` (docs/security.md): one line
+    says so, however many come; real announcements are still heard."""
+    url = nats_server.url
+    dep = deployment(ONE_SLOT.replace("URL", "http://127.0.0.1:9"))
+    async with running_edge(dep, url) as e:
+        nc = await connection.connect(url, "test-other-edge")
+        try:
+            share = e.edge.registry.share
+            with caplog.at_level(logging.WARNING, "iop.edge"):
+                for _ in range(20):
+                    await nc.publish(
+                        wire.EDGE_SLOTS_SUBJECT, b'{"type":"io.nats.jetstream.api.v1.stream_info_response"}'
+                    )
+                await nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(wire.EdgeSlots("other", True, {"x": 1})))
+                await eventually(lambda: _true(share.received == 1))
+            assert sum("undecodable" in r.getMessage() for r in caplog.records) == 1
+            assert share.undecodable == 20
         finally:
             await nc.close()
