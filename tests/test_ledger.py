@@ -423,10 +423,12 @@ async def test_an_edge_sigkilled_right_after_a_burst_keeps_its_ledger_records(
         httpx.AsyncClient(base_url=url, timeout=30) as http,
     ):
         sem = asyncio.Semaphore(30)
+        answered: dict[str, float] = {}  # request id -> when its answer arrived
 
         async def one(i: int) -> int:
             async with sem:
                 r = await http.post("/v1/chat/completions", json=chat("abc"[i % 3]))
+                answered[r.headers["x-request-id"]] = time.monotonic()
                 return r.status_code
 
         statuses = await asyncio.gather(*(one(i) for i in range(n)))
@@ -439,8 +441,12 @@ async def test_an_edge_sigkilled_right_after_a_burst_keeps_its_ledger_records(
         await read_records(nc.jetstream(), parse_query("1h", None, None), got.extend)
     finally:
         await nc.close()
-    lost = n - len(got)
-    print(f"\nedge SIGKILLed {time.monotonic() - killed:.3f}s ago, right after {n} answers: {lost} ledger records lost")
-    # Before: 6-57 of 300 (a 0.25 s timer). Now only requests that ended within the last few ms
-    # (GATHER_S plus one publish) can be lost; measured here: none.
-    assert 0 <= lost <= 2, lost
+    kept = {r.id for r in got}
+    lost = sorted(killed - at for rid, at in answered.items() if rid not in kept)
+    print(f"\nedge SIGKILLed right after {n} answers: {len(lost)} ledger records lost, answered {lost} s before")
+    # Only requests that ended within the last few ms (GATHER_S plus one publish) can be lost;
+    # measured on a quiet machine: none or one. A loaded machine stretches "a few ms" (the edge's loop
+    # runs late), so the bounds here are 10 records, each answered less than 100 ms before the kill;
+    # a 0.25 s timer lost 6-71 of 300 so, some answered 0.1-0.25 s before.
+    assert kept <= set(answered)
+    assert len(lost) <= 10 and all(ago < 0.1 for ago in lost), lost
