@@ -199,3 +199,26 @@ async def test_junk_on_the_announcements_subject_is_logged_once_not_per_message(
             assert share.undecodable == 20
         finally:
             await nc.close()
+
+
+async def test_waiters_of_an_edge_not_yet_heard_in_full_wait_for_its_full_announcement(
+    nats_server: EmbeddedNats,
+) -> None:
+    """A change from an edge this one has no full word of yet (it missed it, or started since) is not
+    kept: were that edge to die before its next full one, nothing would ever forget its waiters, and
+    they would keep taking slots' turns here."""
+    url = nats_server.url
+    dep = deployment(ONE_SLOT.replace("URL", "http://127.0.0.1:9"))
+    async with running_edge(dep, url) as e:
+        nc = await connection.connect(url, "test-other-edge")
+        try:
+            share = e.edge.registry.share
+            waiting = {"m": [("quiet", 1, 1.0, 1, 0)]}
+            await nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(wire.EdgeSlots("ghost", False, {}, waiting)))
+            await eventually(lambda: _true(share.received == 1))
+            assert "ghost" not in share.fair.elsewhere
+            await nc.publish(wire.EDGE_SLOTS_SUBJECT, wire.encode(wire.EdgeSlots("ghost", True, {}, waiting)))
+            await eventually(lambda: _true(share.received == 2))
+            assert share.fair.elsewhere["ghost"] == {"m": [("quiet", 1, 1.0, 1, 0)]}
+        finally:
+            await nc.close()

@@ -173,9 +173,11 @@ class SlotShare:
                 self._junk.add(m.edge)
                 log.warning("edge %s announces fewer than no slots held: counted as none", m.edge)
             m = wire.EdgeSlots(m.edge, m.full, {p: max(0, n) for p, n in m.held.items()}, m.waiting)
-        if m.full or m.waiting:
-            self.fair.heard(m.edge, m.full, m.waiting)
         known = self.announced.get(m.edge)
+        if m.full or (m.waiting and known is not None):
+            # (A change from an edge not yet heard in full waits for its full word: only an edge
+            # heard in full is forgotten when it falls silent.)
+            self.fair.heard(m.edge, m.full, m.waiting)
         if m.full:
             # From now on this edge's own word counts, not the heartbeats' (also for what it no longer holds).
             touched = set(m.held) | set(known or ()) | self._in_heartbeats(m.edge)
