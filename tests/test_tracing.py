@@ -464,3 +464,22 @@ async def test_tracing_unusual_attribute_values_reach_the_collector_as_they_are(
     seen = collector.spans[0].attributes
     expected = {**values, "uint64": str(2**63), "huge": str(2**70), "very_negative": str(-(2**70))}
     assert seen == expected
+
+
+async def test_tracing_a_batch_that_cannot_be_encoded_is_dropped_and_the_export_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Whatever fails in making a batch (here an attribute named by no string) loses that batch,
+    counted and said once; the export thread lives on and sends the next one."""
+    async with otlp_collector() as collector:
+        t = Tracing(TracingSettings(endpoint=collector.url, export_interval_ms=20), "iop-edge", env={})
+        with caplog.at_level(logging.ERROR, "iop.tracing"):
+            bad = t.server_span("POST /v1/chat/completions", NEW, {})
+            bad.attributes[7] = "x"  # type: ignore[index]
+            bad.end()
+            await eventually(lambda: _true(t.dropped == 1))
+        t.server_span("POST /v1/chat/completions", NEW, {}).end()
+        await collector.wait_for(lambda c: len(c.spans) == 1)
+        await asyncio.to_thread(t.shutdown)
+    assert t.exported == 1 and t.pending == 0
+    assert sum("not exported" in r.getMessage() for r in caplog.records) == 1

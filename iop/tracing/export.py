@@ -119,6 +119,8 @@ class Exporter:
         self._wake = threading.Event()
         self._stopping = False
         self._aborted = threading.Event()
+        self._failed = False
+        """A batch failed to be made or sent for a reason of iop's own (logged once)."""
         self._conn: http.client.HTTPConnection | None = None
         self._thread = threading.Thread(target=self._run, name="iop-trace-export", daemon=True)
         self._thread.start()
@@ -134,12 +136,22 @@ class Exporter:
                 batch = self.buffer[:BATCH_SPANS]
                 self.sending = len(batch)
                 del self.buffer[: len(batch)]
-                ok = not self._aborted.is_set() and self._send(otlp.request(self._prefix, batch))
+                ok = not self._aborted.is_set() and self._export(batch)
                 self.sending = 0
                 self._counts.exported_batch(len(batch), ok)
             if self._stopping:
                 break
         self._close()
+
+    def _export(self, batch: list[otlp.Encodable]) -> bool:
+        try:
+            return self._send(otlp.request(self._prefix, batch))
+        except Exception:  # a bug, not the collector: this batch is lost, the thread and later ones live on
+            if not self._failed:
+                self._failed = True
+                log.exception("trace export: a batch of %d spans not exported", len(batch))
+            self._close()
+            return False
 
     def _send(self, body: bytes) -> bool:
         if self._gzip:
