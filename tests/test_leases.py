@@ -201,3 +201,20 @@ async def test_an_edge_whose_clock_is_a_minute_behind_still_counts_for_the_other
         await b.stop()
     finally:
         await nc.close()
+
+
+async def test_a_share_whose_expiry_is_no_time_still_expires(nats_server: EmbeddedNats) -> None:
+    """No edge writes a NaN `expires`; one that is there (junk) counts for one TTL, like any entry seen once."""
+    nc = await connection.connect(nats_server.url, "test-leases")
+    try:
+        b = TenantLeases("b", ttl_s=0.5)
+        await b.open(nc.jetstream())
+        key = lease_key("m", "t")
+        await b.kv.put(key, msgspec.msgpack.encode({"ghost": Share(3, 3, float("nan"))}))
+        await eventually(lambda: _true("ghost" in b.values.get(key, (0, {}))[1]))
+        b.bound("m", "t", 3)
+        b.changed("m", "t", 0, 3)
+        await eventually(lambda: _true(b.bound("m", "t", 3) == 3), timeout_s=5)
+        await b.stop()
+    finally:
+        await nc.close()

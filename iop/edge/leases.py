@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -223,7 +224,7 @@ class TenantLeases:
         """Whether another edge's share still counts: for the TTL after this edge first saw it
         written, on this edge's monotonic clock (an entry first seen now counts a whole TTL)."""
         stamp = self._stamps.get((key, edge))
-        if stamp is None or stamp[0] != share.expires:
+        if stamp is None or (stamp[0] != share.expires and not (math.isnan(stamp[0]) and math.isnan(share.expires))):
             self._stamps[(key, edge)] = (share.expires, now)
             return True
         return now - stamp[1] < self.ttl_s
