@@ -77,7 +77,9 @@ async def test_a_quiet_tenant_on_one_edge_takes_the_next_slot_a_flooders_edge_fr
         print(f"\nflooder requests started before each quiet one: {passed}; still waiting on A then: {waiting_on_a}")
         assert waiting_on_a > 0, "the backlog drained first: nothing was shown"
         assert all(n <= 2 for n in passed), passed
-        assert a.edge.registry.share.fair.deferred >= 1
+        # Not asserted: that A deferred. A quiet request may also reach the broker before A's next
+        # grant (B published while its view of the slots was a moment old; max_ack_pending keeps the
+        # capacity), and then it starts next without a deferral: seen in CI as [0, 0, 0, 0, 0] with none.
         assert up.peak == 2
 
 
