@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
+from iop.edge.junk import Junk
 from iop.edge.ledger import LedgerWriter, RequestRecord
 from iop.edge.registry import Registry
 from iop.edge.scheduler import Scheduler
@@ -139,7 +140,9 @@ class Metrics:
         nc: NATS,
         started_at: float,
         tracing: Tracing | None = None,
+        undecodable: tuple[Junk, ...] = (),
     ) -> None:
+        """`undecodable`: the junk counts kept outside `registry` (the relay's)."""
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = _Family(
             "iop_requests", "Requests answered, by outcome.", ("alias", "route", "node", "provider", "status")
@@ -191,7 +194,7 @@ class Metrics:
         )
         self._series: dict[tuple[str, ...], _Series] = {}
         self.registry.register(_RecordsCollector(self))
-        self.registry.register(_LiveCollector(scheduler, registry, ledger, nc, started_at, tracing))
+        self.registry.register(_LiveCollector(scheduler, registry, ledger, nc, started_at, tracing, undecodable))
 
     def observe(self, rec: RequestRecord) -> None:
         """Count one finished request."""
@@ -265,8 +268,15 @@ class _LiveCollector(Collector):
         nc: NATS,
         started_at: float,
         tracing: Tracing | None,
+        undecodable: tuple[Junk, ...],
     ) -> None:
         self.scheduler = scheduler
+        self.undecodable = (
+            registry.undecodable_hellos,
+            registry.undecodable_heartbeats,
+            registry.share.undecodable,
+            *undecodable,
+        )
         self.tracing = tracing
         self.nodes = registry
         self.ledger = ledger
@@ -342,9 +352,16 @@ class _LiveCollector(Collector):
             "iop_trace_spans_dropped", "Trace spans lost: export queue full or export failed (collector down)."
         )
         spans.add_metric([], self.tracing.dropped if self.tracing is not None else 0)
+        junk = CounterMetricFamily(
+            "iop_nats_undecodable",
+            "Messages dropped on a subject the edge listens to because they are none of what is sent there.",
+            labels=["kind"],
+        )
+        for j in self.undecodable:
+            junk.add_metric([j.kind], j.count)
         yield from (capacity, in_flight, elsewhere, over, drained, waiting, tenant_waiting, tenant_running, nodes)
         yield from (lease_here, lease_all)
-        yield from (dropped, pending, nats, up, spans)
+        yield from (dropped, pending, nats, up, spans, junk)
         yield from _server_metrics(registry)
 
 

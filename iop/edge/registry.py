@@ -14,6 +14,7 @@ from nats.aio.msg import Msg
 
 from iop import config, wire
 from iop.edge import intake
+from iop.edge.junk import Junk
 from iop.edge.scheduler import Scheduler
 from iop.edge.share import SlotShare
 
@@ -64,6 +65,8 @@ class Registry:
         """Called every watch tick (the relay looks for requests whose answer was lost)."""
         self._refused_logged: dict[tuple[str, str], float] = {}
         self._malformed_logged = -MALFORMED_LOG_EVERY_S
+        self.undecodable_hellos = Junk("hello")
+        self.undecodable_heartbeats = Junk("heartbeat")
         self._nc: NATS | None = None
         self._task: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()
@@ -150,7 +153,7 @@ class Registry:
         try:
             hello = wire.decode_hello(msg.data)
         except msgspec.DecodeError:
-            log.warning("undecodable hello on %s dropped", msg.subject)
+            self.undecodable_hellos.dropped(msg.subject)
             return
         if msg.subject != wire.hello_subject(hello.node):
             return  # a node speaking for another: NATS lets each publish only under its own id
@@ -169,7 +172,7 @@ class Registry:
         try:
             hb = wire.decode_heartbeat(msg.data)
         except msgspec.DecodeError:
-            log.warning("undecodable heartbeat on %s dropped", msg.subject)
+            self.undecodable_heartbeats.dropped(msg.subject)
             return
         if msg.subject != wire.heartbeat_subject(hb.node):
             return  # see _on_hello

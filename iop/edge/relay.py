@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 
 from iop import wire
 from iop.edge.channel import Channel, Holder
+from iop.edge.junk import Junk
 from iop.edge.publish import ACK_PREFIX, Publisher
 from iop.edge.recovery import Recovery
 from iop.edge.storage import WorkStream
@@ -50,6 +51,8 @@ class Relay:
         self.forged = 0
         """Replies dropped because they came from another node than the one a request was sent to."""
         self.duplicates = 0
+        self.undecodable = Junk("reply")
+        """Messages on this edge's reply subjects that are no reply."""
         """Replies dropped because they had arrived already (copies a resend sent again)."""
 
     async def start(self) -> None:
@@ -91,7 +94,7 @@ class Relay:
         try:
             reply = wire.decode_reply(msg.data)
         except msgspec.DecodeError:
-            log.warning("undecodable reply on %s dropped", msg.subject)
+            self.undecodable.dropped(msg.subject)
             return
         if isinstance(reply, wire.Claim):
             ch = self._channel(reply.id, msg.subject)

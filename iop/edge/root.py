@@ -131,7 +131,15 @@ class Edge:
         )
         self.tracing = Tracing(deployment.tracing, "iop-edge", self.edge_id)
         """Read once, like the keys: a refresh reports a change as needing a restart."""
-        self.metrics = Metrics(self.scheduler, self.registry, self.ledger, nc, self.started_at, self.tracing)
+        self.metrics = Metrics(
+            self.scheduler,
+            self.registry,
+            self.ledger,
+            nc,
+            self.started_at,
+            self.tracing,
+            undecodable=(self.relay.undecodable,),
+        )
         self.observer = Observer(self.edge_id, self.metrics, self.ledger)
         self.managed_keys = ManagedKeys()
         """Keys made by `iop keys`, from the KV bucket iop_keys; checked after the environment's."""

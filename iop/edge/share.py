@@ -24,12 +24,11 @@ from nats.aio.msg import Msg
 
 from iop import wire
 from iop.edge.fairshare import FairShare, Load, loads
+from iop.edge.junk import Junk
 from iop.edge.scheduler import Scheduler
 from iop.edge.slots import PinnedQueue, PoolQueue, ProviderSlots
 
 log = logging.getLogger("iop.edge")
-
-UNDECODABLE_LOG_S = 60.0
 
 
 class SlotShare:
@@ -53,9 +52,8 @@ class SlotShare:
         self._dirty_pools: set[str] = set()
         self._waiting_sent: set[str] = set()
         """Pools whose tenants this edge last announced as waiting (a later 'none' is owed for them)."""
-        self.undecodable = 0
+        self.undecodable = Junk("edge_slots")
         """Messages on the announcements' subject that are none."""
-        self._undecodable_logged = -UNDECODABLE_LOG_S
         self._junk: set[str] = set()
         """Edges that announced counts below 0 (logged once each)."""
         self._wake = asyncio.Event()
@@ -157,13 +155,8 @@ class SlotShare:
         try:
             m = wire.decode_edge_slots(msg.data)
         except Exception:
-            # No edge sends these (a node can have the JetStream server answer here, docs/security.md):
-            # counted, logged once a minute at most.
-            self.undecodable += 1
-            now = monotonic()
-            if now - self._undecodable_logged >= UNDECODABLE_LOG_S:
-                self._undecodable_logged = now
-                log.warning("undecodable edge slots announcements on %s: %d so far", msg.subject, self.undecodable)
+            # No edge sends these (a node can have the JetStream server answer here, docs/security.md).
+            self.undecodable.dropped(msg.subject)
             return
         if m.edge == self.edge_id:
             return
