@@ -17,6 +17,7 @@ import msgspec
 import pytest
 
 from iop import config
+from iop.edge.keys import EdgeKeys, Key
 from iop.nats import connection
 from iop.nats.access import SECRET_FILE, Credentials
 from iop.nats.server import EmbeddedNats
@@ -86,8 +87,8 @@ def auth(key: str = KEY_A) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-async def start(http: httpx.AsyncClient) -> dict[str, Any]:
-    r = await http.post("/v1/responses", json={"model": "m", "input": "hi", "background": True}, headers=auth())
+async def start(http: httpx.AsyncClient, key: str = KEY_A) -> dict[str, Any]:
+    r = await http.post("/v1/responses", json={"model": "m", "input": "hi", "background": True}, headers=auth(key))
     assert r.status_code == 200, r.text
     queued: dict[str, Any] = r.json()
     assert queued["status"] == "queued"
@@ -131,6 +132,71 @@ async def test_background_takeover_of_a_stopping_edge_completes_on_another(nats_
                     await eventually(lambda: _no_lease(other.edge), timeout_s=10)
         finally:
             gate.set()
+
+
+async def test_background_takeover_of_a_revoked_key_keeps_it_failed_and_runs_nothing(
+    nats_server: EmbeddedNats,
+) -> None:
+    gate = asyncio.Event()
+    async with fake_upstream(api="chat", gate=gate) as up:
+        dep = deployment(DEPLOYMENT.format(url=up.url))
+        try:
+            async with running_node(dep, "n", nats_server.url), running_edge(dep, nats_server.url) as other:
+                async with running_edge(dep, nats_server.url) as first, first.http() as http:
+                    await first.edge.registry.wait_connected(["n"], timeout_s=10)
+                    made = (await http.post("/admin/keys", json={"name": "bot"})).json()
+                    response_id = (await start(http, made["key"]))["id"]
+                    await up.wait_for(lambda u: u.in_flight == 1)
+                    assert (await http.delete(f"/admin/keys/{made['id']}")).status_code == 200
+
+                    async def revoked_there() -> bool:
+                        return made["id"] not in other.edge.managed_keys.by_id
+
+                    await eventually(revoked_there)
+                # The first edge released it when it stopped: the other claims it, and refuses to run it.
+                await _refused(other, owner_of(made["key"].encode()), response_id)
+                assert up.total == 1  # only the first run's request reached the upstream
+        finally:
+            gate.set()
+
+
+async def test_background_takeover_by_an_edge_without_its_env_key_keeps_it_failed(nats_server: EmbeddedNats) -> None:
+    gate = asyncio.Event()
+    async with fake_upstream(api="chat", gate=gate) as up:
+        dep = deployment(DEPLOYMENT.format(url=up.url))
+        only_b = EdgeKeys(clients=[Key("b", KEY_B.encode())], admins=[])  # key a was removed from its env
+        try:
+            async with running_node(dep, "n", nats_server.url), running_edge(dep, nats_server.url, only_b) as other:
+                async with running_edge(dep, nats_server.url) as first, first.http() as http:
+                    await first.edge.registry.wait_connected(["n"], timeout_s=10)
+                    response_id = (await start(http))["id"]
+                    await up.wait_for(lambda u: u.in_flight == 1)
+                await _refused(other, owner_of(KEY_A.encode()), response_id)
+                assert up.total == 1
+        finally:
+            gate.set()
+
+
+async def _refused(edge: Any, owner: str, response_id: str) -> None:
+    """`edge` took the response over and kept it failed, its key no longer accepted: nothing runs it."""
+    store = edge.edge.responses.store
+    kept: dict[str, Any] = {}
+
+    async def ended() -> bool:
+        nonlocal kept
+        stored = await store.response(owner, response_id)
+        kept = stored.response if stored is not None else {}
+        return kept.get("status") not in (None, "queued", "in_progress")
+
+    await eventually(ended, timeout_s=30, every_s=0.2)
+    assert kept["status"] == "failed"
+    assert kept["error"] == {  # Responses' error codes are a fixed set: iop's code is the type
+        "code": "server_error",
+        "message": "the key that created this response was revoked",
+        "type": "invalid_api_key",
+    }
+    await eventually(lambda: _no_lease(edge.edge), timeout_s=10)
+    assert await store.work(owner, response_id) is None
 
 
 async def _no_lease(edge: Any) -> bool:

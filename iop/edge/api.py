@@ -93,6 +93,10 @@ class Serving(Protocol):
         """The id stored responses of this request's client key are filed under (iop/responses/store.py)."""
         ...
 
+    def accepts(self, owner: str, key_id: str) -> bool:
+        """The key of `owner` (managed: `key_id`) is one this edge still accepts."""
+        ...
+
 
 class ApiEndpoint:
     """One OpenAI API endpoint. Plain ASGI: the request path is measured, so nothing runs twice.
@@ -178,14 +182,15 @@ class ApiEndpoint:
         if not allowed or (model not in edge.catalog.pools and model not in edge.catalog.routes):
             raise NotFound(f"model '{model}' does not exist; GET /v1/models lists the models", param="model")
         key, tenant = out.trace.key, out.trace.tenant
-        queued = await background.queue(edge.responses, owner, turn, turn.request, model, key, tenant)
+        key_id = client.id if (client := edge.keys.client(scope)) is not None else ""
+        queued = await background.queue(edge.responses, owner, turn, turn.request, model, key, tenant, key_id)
         await self._run_background(head, scope, owner, turn, queued, key, tenant)
         await out({"type": "http.response.start", "status": 200, "headers": JSON})
         await out({"type": "http.response.body", "body": _encode_json(queued)})
 
     async def resume(self, held: Held) -> None:
         """Run again a background response whose edge is gone (iop/responses/takeover.py), as its key."""
-        resumed = await background.resumed(self.edge.responses, held)
+        resumed = await background.resumed(self.edge.responses, held, self.edge.accepts)
         if resumed is not None:
             turn, stored, work = resumed
             head = parse_head(self.api, _encode_json(turn.body))

@@ -32,6 +32,8 @@ class Key:
     secret: bytes = field(repr=False)
     tenant: str | None = None
     """The tenant a managed key belongs to (iop/edge/managed.py); None: resolved from the name."""
+    id: str = ""
+    """A managed key's id ("" for the environment's keys)."""
 
 
 def parse_keys(raw: str, prefix: str) -> list[Key]:

@@ -124,6 +124,11 @@ class ManagedKeys:
         self.by_id[key.id] = key
         self.by_digest[key.digest] = key
 
+    def holds(self, key_id: str) -> bool:
+        """Key `key_id` is one this edge accepts now (not revoked, not expired)."""
+        found = self.by_id.get(key_id)
+        return found is not None and (found.expires is None or found.expires > time.time())
+
     def _forget(self, key_id: str) -> None:
         old = self.by_id.pop(key_id, None)
         if old is not None:
@@ -136,7 +141,7 @@ class ManagedKeys:
         found = self.by_digest.get(digest(given))
         if found is None or (found.expires is not None and found.expires <= time.time()):
             return None
-        return Key(found.name, given, tenant=found.tenant)
+        return Key(found.name, given, tenant=found.tenant, id=found.id)
 
     async def create(self, ask: CreateKey) -> tuple[StoredKey, bytes]:
         for field, value in (("name", ask.name), ("tenant", ask.tenant)):

@@ -224,6 +224,15 @@ class Edge:
         key = self.keys.client(scope)
         return owner_of(key.secret if key is not None else None)
 
+    def accepts(self, owner: str, key_id: str) -> bool:
+        """The key whose stored responses are `owner`'s (managed: `key_id`) is one this edge still
+        accepts: not revoked, expired, or gone from the environment's keys since."""
+        if not self.keys.clients:
+            return True  # client auth is off: anyone may
+        if key_id:
+            return self.managed_keys.holds(key_id)
+        return any(owner_of(key.secret) == owner for key in self.keys.clients)
+
     def is_admin(self, scope: Scope) -> bool:
         return self.keys.holds_admin_key(scope)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import nats.errors
@@ -35,10 +35,18 @@ UNFINISHED = frozenset({"queued", "in_progress"})
 
 
 async def queue(
-    responses: Responses, owner: str, turn: Turn, request: Mapping[str, Any], model: str, key: str, tenant: str
+    responses: Responses,
+    owner: str,
+    turn: Turn,
+    request: Mapping[str, Any],
+    model: str,
+    key: str,
+    tenant: str,
+    key_id: str = "",
 ) -> dict[str, Any]:
     """The `queued` response for a background request, kept (with its work and lease) before the
-    client hears of it; `key` and `tenant`: whose it is, for a run on another edge."""
+    client hears of it; `key`, `tenant` and `key_id` (a managed key's): whose it is, for a run on
+    another edge."""
     queued = response_object(request, model)
     queued.update(status="queued", background=True, store=True, previous_response_id=turn.previous)
     turn.response_id = queued["id"]
@@ -46,7 +54,7 @@ async def queue(
     assert store is not None  # expand refuses background without a store
     responses.caps.background.take(owner)  # 429 when the key runs its bound already; given back by `run`
     try:
-        turn.lease = await hold(store, owner, queued["id"], responses.runner, Work(dict(request), key, tenant))
+        turn.lease = await hold(store, owner, queued["id"], responses.runner, Work(dict(request), key, tenant, key_id))
         await store.keep(owner, Stored(queued, list(turn.items), turn.previous, turn.chain), [])
     except BaseException:
         responses.caps.background.give(owner)
@@ -56,10 +64,12 @@ async def queue(
     return queued
 
 
-async def resumed(responses: Responses, held: Held) -> tuple[Turn, Stored, Work] | None:
+async def resumed(
+    responses: Responses, held: Held, accepts: Callable[[str, str], bool]
+) -> tuple[Turn, Stored, Work] | None:
     """The turn of a response taken over from a gone edge; None when there is nothing to run (it
     ended, was cancelled or deleted), or it was kept as failed (taken over too often, its
-    request or its conversation gone)."""
+    request or its conversation gone, or its key revoked: `accepts(owner, key_id)` is false)."""
     store = responses.store
     assert store is not None
     owner, response_id = held.owner, held.response_id
@@ -74,6 +84,8 @@ async def resumed(responses: Responses, held: Held) -> tuple[Turn, Stored, Work]
     try:
         if work is None:  # gone, or written over (docs/security.md): nothing to run it again from
             raise RequestError("the response's request is no longer in the response store", code="server_error")
+        if not accepts(owner, work.key_id):
+            raise RequestError("the key that created this response was revoked", code="invalid_api_key")
         if held.lease.takeovers > MAX_TAKEOVERS:
             raise RequestError(
                 f"the response was run {held.lease.takeovers} times and never finished", code="server_error"

@@ -3,8 +3,9 @@ takes over the work of one that died, and the store keeps exactly one answer.
 
 Beside a background response's record the edge keeps, in the response store:
 
-- `w.<owner>.<id>`: the request as the endpoint took it, and the client key's name and tenant (for
-  the ledger and the tenant's limits of a run elsewhere): what another edge needs to run it again;
+- `w.<owner>.<id>`: the request as the endpoint took it, and the client key's name, tenant and
+  managed id (for the ledger and the tenant's limits of a run elsewhere, and to check the key was
+  not revoked meanwhile): what another edge needs to run it again;
 - `l.<owner>.<id>`, its lease: the edge process that runs it (`runner`, unique to a process: a
   restarted edge is another runner) and how often it was taken over.
 
@@ -64,6 +65,8 @@ class Work(msgspec.Struct):
     request: dict[str, Any]
     key: str = ""
     tenant: str = ""
+    key_id: str = ""
+    """A managed key's id ("" for the environment's keys): a run elsewhere checks it was not revoked."""
 
 
 _lease = msgspec.json.Decoder(Lease).decode
