@@ -23,6 +23,8 @@ LONGEST_FIRST = (
     "test_lint.py",
     "test_build.py",
     "test_cluster.py",
+    "test_background_takeover.py",
+    "test_clients_doc.py",
     "test_edge_process.py",
     "test_local_guide.py",
     "test_ui.py",
