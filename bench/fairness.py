@@ -47,13 +47,13 @@ from typing import Any
 from bench import load
 from bench.abtest import start_upstream
 from bench.capacity import utilisation
+from bench.experiments.scheduler import per_admission_us
 from bench.procs import Owned, busy_cores, free_port, http_json, log, machine_ticks
 from bench.stack import openai_pool_node, start_stack
 from iop import config
 from iop.edge.keys import EdgeKeys, parse_keys
 from iop.edge.limits import Limiter
 from iop.edge.scheduler import Scheduler
-from iop.edge.slots import Grant
 from iop.edge.tenants import Tenant, Tenants
 from iop.nats import connection
 from iop.nats.server import EmbeddedNats
@@ -230,38 +230,7 @@ def _saturated(tenants: int, fair: bool = True) -> Scheduler:
 
 async def _queued_us(tenants: int, n: int) -> tuple[float, float]:
     """Per admission on a saturated pool: (the whole loop, the release that grants within it)."""
-    sched = _saturated(tenants)
-    deadline = asyncio.get_running_loop().time() + 600
-    held: deque[Grant] = deque([await sched.acquire_grant("pool", deadline, tenant="t0") for _ in range(4)])
-    tasks: set[asyncio.Task[None]] = set()
-
-    def ask(tenant: str) -> None:
-        async def one() -> None:
-            held.append(await sched.acquire_grant("pool", deadline, tenant=tenant))
-
-        task = asyncio.create_task(one())
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-
-    for i in range(2 * tenants):
-        ask(f"t{i % tenants}")
-    await asyncio.sleep(0)  # every task queues in its first step
-    assert sched.waiting("pool") == 2 * tenants
-    granting = 0.0
-    t0 = time.process_time()
-    for k in range(n):
-        g = held.popleft()
-        r0 = time.process_time()
-        sched.release(g.slot, g)
-        granting += time.process_time() - r0
-        ask(f"t{k % tenants}")
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-    us = (time.process_time() - t0) / n * 1e6
-    for t in list(tasks):
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    return us, granting / n * 1e6
+    return await per_admission_us(tenants, n, fair=True)
 
 
 async def _floor_us(tenants: int, n: int) -> float:
