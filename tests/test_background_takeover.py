@@ -24,7 +24,7 @@ from iop.nats.server import EmbeddedNats
 from iop.responses import takeover
 from iop.responses.store import Stored, owner_of
 from tests.fakes import bound_socket, fake_upstream
-from tests.harness import deployment, edge_process, eventually, running_edge, running_node, sse_events
+from tests.harness import EdgeHandle, deployment, edge_process, eventually, running_edge, running_node, sse_events
 
 KEY_A = "sk-client-a-0123456789"
 KEY_B = "sk-client-b-0123456789"
@@ -287,11 +287,12 @@ async def test_background_takeover_gives_up_after_three_and_keeps_it_failed(nats
     assert up.total == 0
 
 
-async def test_background_takeover_an_edge_that_lost_the_lease_stops_its_run(nats_server: EmbeddedNats) -> None:
-    """Another runner took the lease (this edge was cut off, as far as the others could tell): the
-    edge stops its own run rather than finish an answer it may not keep; here that runner is gone
-    too, so the edge takes the response back and completes it."""
-    gate = asyncio.Event()
+@asynccontextmanager
+async def one_running(
+    nats_server: EmbeddedNats, gate: asyncio.Event
+) -> AsyncIterator[tuple[Any, EdgeHandle, httpx.AsyncClient, dict[str, Any], str]]:
+    """One edge and one node; a background response running upstream, held there until `gate` is
+    set: (the upstream, the edge, its client, the queued response, its lease's key)."""
     async with fake_upstream(api="chat", gate=gate) as up:
         dep = deployment(DEPLOYMENT.format(url=up.url))
         try:
@@ -300,18 +301,26 @@ async def test_background_takeover_an_edge_that_lost_the_lease_stops_its_run(nat
                 async with h.http() as http:
                     queued = await start(http)
                     await up.wait_for(lambda u: u.in_flight == 1)
-                    store = h.edge.responses.store
-                    assert store is not None
-                    key = f"l.{owner_of(KEY_A.encode())}.{queued['id']}"
-                    entry = await store.kv.get(key)
-                    other = takeover.Lease("elsewhere-0000", takeovers=1)
-                    await store.kv.update(key, msgspec.json.encode(other), last=entry.revision)
-                    await up.wait_for(lambda u: u.total == 2, timeout_s=30)  # its own run stopped; run again
-                    gate.set()
-                    final = await completed(http, queued["id"])
-                    assert (final["status"], text_of(final)) == ("completed", "w0 w1 w2")
+                    yield up, h, http, queued, f"l.{owner_of(KEY_A.encode())}.{queued['id']}"
         finally:
             gate.set()
+
+
+async def test_background_takeover_an_edge_that_lost_the_lease_stops_its_run(nats_server: EmbeddedNats) -> None:
+    """Another runner took the lease (this edge was cut off, as far as the others could tell): the
+    edge stops its own run rather than finish an answer it may not keep; here that runner is gone
+    too, so the edge takes the response back and completes it."""
+    gate = asyncio.Event()
+    async with one_running(nats_server, gate) as (up, h, http, queued, key):
+        store = h.edge.responses.store
+        assert store is not None
+        entry = await store.kv.get(key)
+        other = takeover.Lease("elsewhere-0000", takeovers=1)
+        await store.kv.update(key, msgspec.json.encode(other), last=entry.revision)
+        await up.wait_for(lambda u: u.total == 2, timeout_s=30)  # its own run stopped; run again
+        gate.set()
+        final = await completed(http, queued["id"])
+        assert (final["status"], text_of(final)) == ("completed", "w0 w1 w2")
     assert up.total == 2
 
 
@@ -326,24 +335,15 @@ async def test_background_takeover_a_lease_written_over_with_junk_is_run_again_n
     """What is not a lease where a running response's lease was: its run can no longer keep its
     answer (the lease's revision moved), so the response is taken over like a released one."""
     gate = asyncio.Event()
-    async with fake_upstream(api="chat", gate=gate) as up:
-        dep = deployment(DEPLOYMENT.format(url=up.url))
-        try:
-            async with running_node(dep, "n", nats_server.url), running_edge(dep, nats_server.url) as h:
-                await h.edge.registry.wait_connected(["n"], timeout_s=10)
-                async with h.http() as http:
-                    queued = await start(http)
-                    await up.wait_for(lambda u: u.in_flight == 1)
-                    store = h.edge.responses.store
-                    assert store is not None
-                    await store.kv.put(f"l.{owner_of(KEY_A.encode())}.{queued['id']}", junk)
-                    await up.wait_for(lambda u: u.total == 2, timeout_s=30)  # run again
-                    gate.set()
-                    final = await completed(http, queued["id"], timeout_s=30)
-                    assert (final["status"], text_of(final)) == ("completed", "w0 w1 w2")
-                    await eventually(lambda: _no_lease(h.edge), timeout_s=10)
-        finally:
-            gate.set()
+    async with one_running(nats_server, gate) as (up, h, http, queued, key):
+        store = h.edge.responses.store
+        assert store is not None
+        await store.kv.put(key, junk)
+        await up.wait_for(lambda u: u.total == 2, timeout_s=30)  # run again
+        gate.set()
+        final = await completed(http, queued["id"], timeout_s=30)
+        assert (final["status"], text_of(final)) == ("completed", "w0 w1 w2")
+        await eventually(lambda: _no_lease(h.edge), timeout_s=10)
     assert up.total == 2
 
 
