@@ -57,7 +57,13 @@ class Collector:
     url: str = ""
 
     def trace(self, trace_id: str) -> list[SeenSpan]:
-        return [s for s in self.spans if s.trace_id == trace_id]
+        """The trace's spans, each once: an exporter may send a batch again when it cannot tell that
+        the first send arrived (OTLP export is at least once), as a trace backend keys spans by id."""
+        seen: dict[str, SeenSpan] = {}
+        for s in self.spans:
+            if s.trace_id == trace_id:
+                seen.setdefault(s.span_id, s)
+        return list(seen.values())
 
     def named(self, trace_id: str, prefix: str) -> list[SeenSpan]:
         return [s for s in self.trace(trace_id) if s.name.startswith(prefix)]
