@@ -197,6 +197,13 @@ async def sweep(t: Target, s: SweepSettings) -> list[Level]:
             break
         mid = (lo + hi) // 2
         done[mid] = await measure(t, mid, s)
+    # The level just below the knee decides the recommendation: a stall there (which only lowers a
+    # rate) would move the knee up, so it is measured again and the better kept.
+    lo, hi = _bracket(done)
+    if lo is not None and time.monotonic() < until:
+        again = await measure(t, lo, s)
+        if _counts(again) and again.throughput_tok_s > done[lo].throughput_tok_s:
+            done[lo] = again
     if s.configured not in done and time.monotonic() < until:
         done[s.configured] = await measure(t, s.configured, s)
     return [done[c] for c in sorted(done)]
