@@ -25,6 +25,15 @@ from iop.qualify.probes import number_words
 
 Flaw = Literal["", "bad_tool_call", "no_stream_usage", "ignores_max_tokens"]
 _NUMBERS = {number_words(n): n for n in range(101, 1000)}
+CATCH_UP_S = 0.5
+"""The most lateness of the loop a request's clock makes up for."""
+
+
+@dataclass
+class _Pace:
+    """One request's compute clock: when its work so far is due to be done."""
+
+    due: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -53,12 +62,18 @@ class LimitedUpstream:
     def _share(self) -> float:
         return max(1.0, self.active / self.parallel)
 
-    async def _compute(self, seconds: float) -> None:
+    async def _compute(self, seconds: float, pace: _Pace) -> None:
         if self.stall_at and not self.stalled and self.active >= self.stall_at:
             self.stalled = True
             await asyncio.sleep(self.stall_s)  # simulated stall of the host
-        # Processor sharing: past `parallel` each request gets parallel/active of the compute.
-        await asyncio.sleep(seconds * self._share())  # simulated work: the fake's model of a GPU
+            pace.due = time.monotonic()  # a stall is lost time, never credited
+        # Processor sharing: past `parallel` each request gets parallel/active of the compute. The
+        # work ends at a time on the request's own clock, so a wake-up that the test machine's loop
+        # delays is counted as work done instead of adding up chunk after chunk: the fake's rate is
+        # its model's, not the load of the machine running it.
+        now = time.monotonic()
+        pace.due = max(pace.due, now - CATCH_UP_S) + seconds * self._share()
+        await asyncio.sleep(max(0.0, pace.due - now))  # simulated work: the fake's model of a GPU
 
     def _answer(self, body: dict[str, Any]) -> tuple[str, str, list[str]]:
         """(text, finish reason, tokens) for a chat request, honouring max_tokens and stop unless flawed."""
@@ -106,8 +121,9 @@ class LimitedUpstream:
             if body.get("stream"):
                 return StreamingResponse(self._stream(body, prompt_words), media_type="text/event-stream")
             self._enter()
+            pace = _Pace()
             try:
-                await self._compute(prompt_words * self.prefill_s_per_word)
+                await self._compute(prompt_words * self.prefill_s_per_word, pace)
                 if body.get("tools"):
                     call = {
                         "id": "call_1",
@@ -118,7 +134,7 @@ class LimitedUpstream:
                     finish, n = "tool_calls", 12
                 else:
                     text, finish, words = self._answer(body)
-                    await self._compute(len(words) * self.token_s)
+                    await self._compute(len(words) * self.token_s, pace)
                     message, n = {"role": "assistant", "content": text}, len(words)
             finally:
                 self._leave()
@@ -157,8 +173,9 @@ class LimitedUpstream:
             return b"data: " + json.dumps(data).encode() + b"\n\n"
 
         self._enter()
+        pace = _Pace()
         try:
-            await self._compute(prompt_words * self.prefill_s_per_word)
+            await self._compute(prompt_words * self.prefill_s_per_word, pace)
             yield chunk({"role": "assistant", "content": ""})
             if body.get("tools"):
                 call = {
@@ -175,7 +192,7 @@ class LimitedUpstream:
                 step = self.tokens_per_chunk
                 for i in range(0, n, step):
                     piece = words[i : i + step]
-                    await self._compute(len(piece) * self.token_s)
+                    await self._compute(len(piece) * self.token_s, pace)
                     yield chunk({"content": ("" if i == 0 else " ") + " ".join(piece)})
             yield chunk({}, finish)
             if (body.get("stream_options") or {}).get("include_usage") and self.flaw != "no_stream_usage":

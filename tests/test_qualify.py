@@ -114,11 +114,12 @@ async def test_qualify_measures_the_level_below_the_knee_again_before_it_recomme
     nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
     # K=2: 2 at once is the knee, but one stream of that level stalls, so it looks well below 3 and 4;
-    # measured once, the knee would be 3.
-    async with limited(parallel=2, token_s=0.01, tokens_per_chunk=4, stall_at=2, stall_s=0.5) as (up, url):
+    # measured once, the knee would be 3. At 2 at once (K) each gap between a worker's requests idles
+    # a slot, which 3 and 4 hide: 64 tokens keep that gap under a tenth of a request on a loaded host.
+    async with limited(parallel=2, token_s=0.01, tokens_per_chunk=4, stall_at=2, stall_s=0.7) as (up, url):
         dep = deployment(ONE.format(up=url, cap=2))
         async with deployment_running(dep, nats_server.url) as h:
-            opts = runner.Options(edge=h.url, exclusive=True, quick=True, output_tokens=32, out=tmp_path)
+            opts = runner.Options(edge=h.url, exclusive=True, quick=True, output_tokens=64, out=tmp_path)
             (report,) = await runner.run(opts, lambda _: None)
     assert up.stalled
     assert report.recommendation.recommended_capacity == 2, (report.recommendation, report.sweep)
