@@ -19,22 +19,25 @@ from tests.harness import build_archive, have_openssl, make_pki, snapshot_source
 # one of these collected last would run alone at the end while the other workers idle. Files that
 # wait for the shared archive (test_smoke, test_ui) come after test_build, which builds it.
 LONGEST_FIRST = (
+    "test_qualify.py",
     "test_build_platforms.py",
-    "test_lint.py",
     "test_build.py",
     "test_cluster.py",
+    "test_ui.py",
     "test_background_takeover.py",
     "test_clients_doc.py",
+    "test_node_process.py",
+    "test_smoke.py",
+    "test_usage_report.py",
+    "test_edges_utilisation.py",
+    "test_faults.py",
+    "test_runtime.py",
+    "test_lint.py",
+    "test_anthropic_messages.py",
+    "test_ledger.py",
     "test_edge_process.py",
     "test_local_guide.py",
-    "test_ui.py",
-    "test_smoke.py",
-    "test_node_process.py",
-    "test_qualify.py",
-    "test_faults.py",
-    "test_edges_utilisation.py",
     "test_faults_flow.py",
-    "test_usage_report.py",
 )
 
 
