@@ -46,11 +46,6 @@ class LimitedUpstream:
     tokens_per_chunk: int = 2
     context_words: int = 20_000
     flaw: Flaw = ""
-    stall_at: int = 0
-    """Non-zero: the first time this many requests run at once, one of them stalls for `stall_s`
-    (a host that stops the server for a moment, as a loaded machine does)."""
-    stall_s: float = 0.0
-    stalled: bool = False
     tag: str = ""
     """Requests whose last message holds this tag are counted in `tagged` (user traffic in tests)."""
     active: int = 0
@@ -63,10 +58,6 @@ class LimitedUpstream:
         return max(1.0, self.active / self.parallel)
 
     async def _compute(self, seconds: float, pace: _Pace) -> None:
-        if self.stall_at and not self.stalled and self.active >= self.stall_at:
-            self.stalled = True
-            await asyncio.sleep(self.stall_s)  # simulated stall of the host
-            pace.due = time.monotonic()  # a stall is lost time, never credited
         # Processor sharing: past `parallel` each request gets parallel/active of the compute. The
         # work ends at a time on the request's own clock, so a wake-up that the test machine's loop
         # delays is counted as work done instead of adding up chunk after chunk: the fake's rate is

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from iop.percentile import nearest_rank
@@ -169,21 +170,30 @@ def _counts(level: Level) -> bool:
     return level.requests > 0 and level.ok >= MIN_OK_SHARE * level.requests
 
 
+Measure = Callable[[int], Awaitable[Level]]
+"""Measures one concurrency level."""
+
+
 async def sweep(t: Target, s: SweepSettings) -> list[Level]:
-    """Measure levels until the curve is flat, the ceiling is reached or the budget runs out."""
+    """Measure levels of `t` until the curve is flat, the ceiling is reached or the budget runs out."""
+    return await sweep_levels(lambda c: measure(t, c, s), s)
+
+
+async def sweep_levels(measure_at: Measure, s: SweepSettings) -> list[Level]:
+    """Which levels to measure, and which to measure again, whatever measures them."""
     until = time.monotonic() + s.budget_s
     done: dict[int, Level] = {}
     best = 0.0
     for c in levels_up_to(s.ceiling):
         if time.monotonic() > until:
             break
-        level = done[c] = await measure(t, c, s)
+        level = done[c] = await measure_at(c)
         if not _counts(level):
             break  # failing under load: higher levels say nothing more
         if best and level.throughput_tok_s < best * FLAT_GAIN and time.monotonic() < until:
             # Flat once may be a stall of the host (a stall only ever lowers a level's rate): measure
             # the level again and keep the better of the two before concluding the knee is behind us.
-            again = await measure(t, c, s)
+            again = await measure_at(c)
             if _counts(again) and again.throughput_tok_s > level.throughput_tok_s:
                 level = done[c] = again
         if best and level.throughput_tok_s < best * FLAT_GAIN:
@@ -196,16 +206,16 @@ async def sweep(t: Target, s: SweepSettings) -> list[Level]:
         if lo is None or hi is None or hi - lo <= 1:
             break
         mid = (lo + hi) // 2
-        done[mid] = await measure(t, mid, s)
+        done[mid] = await measure_at(mid)
     # The level just below the knee decides the recommendation: a stall there (which only lowers a
     # rate) would move the knee up, so it is measured again and the better kept.
     lo, hi = _bracket(done)
     if lo is not None and time.monotonic() < until:
-        again = await measure(t, lo, s)
+        again = await measure_at(lo)
         if _counts(again) and again.throughput_tok_s > done[lo].throughput_tok_s:
             done[lo] = again
     if s.configured not in done and time.monotonic() < until:
-        done[s.configured] = await measure(t, s.configured, s)
+        done[s.configured] = await measure_at(s.configured)
     return [done[c] for c in sorted(done)]
 
 
