@@ -3,15 +3,24 @@
 Every cell runs DIRECT (client → upstream) and VIA IOP (client → edge → NATS → node → upstream)
 back to back with the same load, and the order alternates every round, so slow drift on a shared
 machine hits both arms alike. Figures are medians over the rounds with their range.
+
+Every round also measures THE FLOOR (bench/floor.py: a bare client publishing the same chat body
+to a work-queue stream on a nats-server of its own, same build and storage, and pull loops answering
+on core NATS) at each concurrency of the plain cells, at the start of even rounds and the end of odd
+ones. The machine's speed drifts (on the VMs we run on, the same commit's c=32 rate moved
+1,400-3,100 req/s between runs minutes apart with no foreign load or steal in sight), so iop's
+figures are judged against the floor of the same round: added latency above the floor's, the c=32
+rate as a share of the floor's, CPU per request as a multiple of the floor's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import load
+from bench import floor, load
 from bench.measure import Measured, run_measured, spread
 from bench.procs import Owned, Proc, cpu_s, free_port, http_json, log, upstream_argv, wait_until
 from bench.stack import Stack, openai_pool_node, start_stack
@@ -33,6 +42,8 @@ class AbOptions:
     procs: int = 1
     storage: str = "file"
     archive: Path | None = None
+    floor: bool = True
+    """Measure the floor every round (see the module's docstring)."""
 
 
 @dataclass(frozen=True)
@@ -93,10 +104,25 @@ def run_ab(owned: Owned, workdir: Path, opts: AbOptions, only: set[str]) -> dict
     ports = {"plain": plain_port, "relay": relay_port}
     ups = {"plain": plain, "relay": relay}
     edge_port = int(stack.url.rsplit(":", 1)[1])
+    concurrencies = sorted({c.concurrency for c in cells if c.upstream == "plain"})
+    floor_proc, floor_url = floor.start_server(owned, workdir) if opts.floor and concurrencies else (None, "")
+    floors: list[dict[str, dict[str, Any]]] = []
+
+    def measure_floor(r: int) -> None:
+        if floor_proc is not None:
+            server_cpu = lambda: cpu_s(floor_proc.pid)  # noqa: E731
+            body = load.body_of("chat", "fake-model", False)
+            got = floor.run_rates(floor_url, body, concurrencies, opts.seconds, server_cpu=server_cpu)
+            floors.append(got)
+            rates = " ".join(f"c={c}: {f['rps']:.0f} req/s p50 {_p(f['latency_ms'])}" for c, f in got.items())
+            log(f"r{r} floor {rates}")
+
     try:
         _warm_up(stack, edge_port, opts)
         runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in cells}
         for r in range(opts.rounds):
+            if r % 2 == 0:
+                measure_floor(r)
             for cell in cells:
                 order = ["direct", "iop"] if r % 2 == 0 else ["iop", "direct"]
                 got: dict[str, Measured] = {}
@@ -112,11 +138,19 @@ def run_ab(owned: Owned, workdir: Path, opts: AbOptions, only: set[str]) -> dict
                     f" err {sum(d.load.errors.values())}/{sum(v.load.errors.values())} other cores {v.other_cores:.2f}"
                 )
                 runs[cell.name].append({"round": r, "order": order, "direct": d.brief(), "iop": v.brief()})
+            if r % 2 == 1:
+                measure_floor(r)
+        for cell in cells:
+            if floors and cell.upstream == "plain":
+                for run, f in zip(runs[cell.name], floors, strict=True):
+                    run["floor"] = f[str(cell.concurrency)]
         return {"cells": [aggregate(c, runs[c.name]) for c in cells], "stack_ready_s": stack.started_s}
     finally:
         stack.stop()
         owned.stop(relay)
         owned.stop(plain)
+        if floor_proc is not None:
+            owned.stop(floor_proc)
 
 
 def _p(summary: dict[str, float] | None, key: str = "p50") -> str:
@@ -221,6 +255,8 @@ def aggregate(cell: Cell, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "other_cores_iop_arm": spread(arm("iop", "other_cores"), 2),
         "runs": runs,
     }
+    if all("floor" in r for r in runs) and runs:
+        agg["floor"] = _against_floor(runs, added("latency_ms", "p50"), added("latency_ms", "p99"), per_1k)
     if cell.stream:
         agg.update(
             {
@@ -236,3 +272,37 @@ def aggregate(cell: Cell, runs: list[dict[str, Any]]) -> dict[str, Any]:
             }
         )
     return agg
+
+
+def _against_floor(
+    runs: list[dict[str, Any]],
+    added_p50: list[float | None],
+    added_p99: list[float | None],
+    per_1k: Callable[..., list[float | None]],
+) -> dict[str, Any]:
+    """The floor's figures of each round, and iop's beside them (paired per round)."""
+    fl = [r["floor"] for r in runs]
+    f50 = [f["latency_ms"]["p50"] if f["latency_ms"] else None for f in fl]
+    f99 = [f["latency_ms"]["p99"] if f["latency_ms"] else None for f in fl]
+    f_cpu = [f["cpu_ms_per_request"].get("client+worker", 0.0) + f["cpu_ms_per_request"].get("nats", 0.0) for f in fl]
+    iop_cpu = per_1k("edge", "node", "nats")  # CPU-s per 1,000 requests: CPU-ms per request
+
+    Pairwise = Callable[[float, float], float | None]
+
+    def pair(a: list[float | None], b: list[float | None], f: Pairwise) -> list[float | None]:
+        return [None if x is None or y is None else f(x, y) for x, y in zip(a, b, strict=True)]
+
+    return {
+        "p50_ms": spread(f50),
+        "p99_ms": spread(f99),
+        "rps": spread([f["rps"] for f in fl], 1),
+        "cpu_ms": spread(f_cpu),
+        "above_p50_ms": spread(pair(added_p50, f50, lambda a, f: a - f)),
+        "p99_margin_ms": spread(pair(added_p99, f99, lambda a, f: a - (2 * f + 1.0))),
+        "rps_share": spread(pair([r["iop"]["rps"] for r in runs], [f["rps"] for f in fl], _ratio)),
+        "cpu_ratio": spread(pair(iop_cpu, f_cpu, _ratio), 2),
+    }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None

@@ -83,6 +83,16 @@ def targets(result: dict[str, Any]) -> list[Target]:
     if c32:
         cpu = _med(c32, "cpu_s_per_1k", "edge+node+nats")
         out.append(at_most("CPU-s per 1k req, edge+node+nats", cpu, 0.6, "s"))
+    # Issue 30: against the floor measured in the same rounds.
+    c1, c32 = _cell(ab, "chat/nonstream/c1"), _cell(ab, "chat/nonstream/c32")
+    if c1 and c1.get("floor"):
+        out.append(at_most("c=1 chat: added p50 above the floor's p50", _med(c1, "floor", "above_p50_ms"), 0.3, "ms"))
+        margin = _med(c1, "floor", "p99_margin_ms")
+        out.append(at_most("c=1 chat: added p99 - (2 x floor p99 + 1 ms)", margin, 0.0, "ms"))
+    if c32 and c32.get("floor"):
+        share = _med(c32, "floor", "rps_share")
+        out.append(at_least("c=32 chat req/s, share of the floor's", None if share is None else 100 * share, 40.0, "%"))
+        out.append(at_most("c=32 chat CPU-ms per request, edge+node+nats", cpu, 0.45, "ms"))
     for c in ab.get("cells", []):
         if c["kind"] == "relay":
             out.append(at_least(f"chunks/s, {c['cell']}", _med(c, "iop_events_per_s"), 20_000, "chunks/s"))
@@ -232,6 +242,45 @@ def render(result: dict[str, Any]) -> str:
             f" {ncpu} idle cores divided by the total\n"
             + table(
                 ["cell", "iop req/s", *PROCESSES, "total", "ceiling req/s", "foreign cores"],
+                rows,
+            )
+        )
+    floored = [c for c in lat if c.get("floor")]
+    if floored:
+        rows = [
+            [
+                c["cell"],
+                fmt(c["floor"]["p50_ms"]),
+                fmt(c["added_p50_ms"]),
+                fmt(c["floor"]["above_p50_ms"]),
+                fmt(c["floor"]["p99_ms"]),
+                fmt(c["added_p99_ms"]),
+                fmt(c["floor"]["p99_margin_ms"]),
+                fmt(c["floor"]["rps"], 0),
+                fmt(c["floor"]["rps_share"], 2),
+                fmt(c["floor"]["cpu_ms"]),
+                fmt(c["floor"]["cpu_ratio"], 2),
+            ]
+            for c in floored
+        ]
+        parts.append(
+            "Against the floor of the same rounds (bench/floor.py; ms; paired per round, median [min..max]):"
+            " above = iop's added p50 - the floor's p50; p99 margin = iop's added p99 - (2 x the floor's p99 + 1);"
+            " share = iop req/s / the floor's; CPU = edge+node+nats per request / the floor's client+worker+nats\n"
+            + table(
+                [
+                    "cell",
+                    "floor p50",
+                    "added p50",
+                    "above floor",
+                    "floor p99",
+                    "added p99",
+                    "p99 margin",
+                    "floor req/s",
+                    "share",
+                    "floor CPU-ms",
+                    "CPU x floor",
+                ],
                 rows,
             )
         )
