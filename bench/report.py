@@ -66,6 +66,11 @@ def targets(result: dict[str, Any]) -> list[Target]:
     tc = sc.get("tracing")
     if tc:
         out.append(at_most("tracing at 10 %: added CPU per request", tc["cost"]["10%"]["added_us"], 30.0, "us"))
+    wt = sc.get("wsturns")
+    if wt:
+        # Issue 30: a WebSocket-mode turn adds no more than the same turn over HTTP.
+        http, ws = wt["added_p50_ms"]["http"], wt["added_p50_ms"]["ws"]
+        out.append(at_most("WebSocket turn added p50, against HTTP's", ws, http, "ms"))
     for api in ("chat", "responses"):
         c1 = _cell(ab, f"{api}/nonstream/c1")
         if c1:
@@ -474,6 +479,27 @@ def render(result: dict[str, Any]) -> str:
             )
             + f"\ncold starts {lc['cold_starts_counted']}, swaps {lc['swaps_counted']}, "
             f"server processes left after the node's SIGTERM: {lc['orphans_after_node_sigterm']}"
+        )
+    wt = sc.get("wsturns")
+    if wt:
+        parts.append(
+            f"One agent session of {wt['turns']} turns ({wt['output_bytes']} B of tool output each, streamed"
+            f" answers), {wt['rounds']} rounds; ms per turn, added = the arm - direct for the same turn\n"
+            + table(
+                ["arm", "turn p50 (rounds)", "added p50", "added p90", "added p50, last quarter of turns"],
+                [["direct", fmt(wt["turn_p50_ms"]["direct"]), "-", "-", "-"]]
+                + [
+                    [
+                        {"http": "HTTP through iop", "ws": "WebSocket through iop"}[arm],
+                        fmt(wt["turn_p50_ms"][arm]),
+                        _num(wt["added_p50_ms"][arm], 3),
+                        _num(wt["added_p90_ms"][arm], 3),
+                        _num(wt["added_late_p50_ms"][arm], 3),
+                    ]
+                    for arm in ("http", "ws")
+                ],
+            )
+            + f"\nforeign cores {fmt(wt['foreign_cores'])}"
         )
     tc = sc.get("tracing")
     if tc:

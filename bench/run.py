@@ -26,6 +26,8 @@ table with medians [min..max] and every target with PASS/MISS and its gap, and w
                 free-slot ranking at the same offered load; mean and p99 latency, throughput
     bodies      agent-sized bodies (1 KB .. 3 MB), chat and Responses, against direct and the floor
                 (a bare JetStream work-queue round trip); edge memory with 200 of them waiting
+    wsturns     one agent session of 20 turns replayed over WebSocket mode and over HTTP through
+                iop, and over HTTP to the upstream directly: the added time per turn
 
 Everything listens on 127.0.0.1; every load is bounded in count and time; only processes started
 here are ended, by PID, also on Ctrl-C.
@@ -58,6 +60,7 @@ from bench.routing import RoutingOptions, run_routing
 from bench.scale import ScaleOptions, run_memory, run_scale
 from bench.startup import StartupOptions, run_startup
 from bench.tracing import TracingOptions, run_tracing
+from bench.wsturns import WsTurnsOptions, run_wsturns
 
 SCENARIOS = (
     "latency",
@@ -75,6 +78,7 @@ SCENARIOS = (
     "limits",
     "routing",
     "tracing",
+    "wsturns",
 )
 
 
@@ -230,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         if "tracing" in only:
             to = TracingOptions(rounds=1 if a.quick else 3, seconds=1.5 if a.quick else 3.0, archive=a.archive)
             attempt("tracing", lambda: run_tracing(owned, workdir, to))
+        if "wsturns" in only:
+            wo = WsTurnsOptions(rounds=2 if a.quick else 6, turns=10 if a.quick else 20)
+            attempt("wsturns", lambda: run_wsturns(owned, workdir, wo))
         if "lifecycle" in only:
             lc = LifecycleOptions(archive=a.archive, swaps=2 if a.quick else 6)
             attempt("lifecycle", lambda: run_lifecycle(owned, workdir, lc))

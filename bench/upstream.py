@@ -149,7 +149,7 @@ _dumps = json.JSONEncoder(separators=(",", ":")).encode
 _CREATED = 1_700_000_000
 
 
-def _text(n: int) -> list[str]:
+def answer_words(n: int) -> list[str]:
     return [("" if i == 0 else " ") + f"w{i}" for i in range(n)]
 
 
@@ -161,7 +161,11 @@ def chat_whole(model: str, n: int) -> bytes:
             "created": _CREATED,
             "model": model,
             "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "".join(_text(n))}, "finish_reason": "stop"}
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(answer_words(n))},
+                    "finish_reason": "stop",
+                }
             ],
             "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n},
         }
@@ -178,7 +182,7 @@ def chat_events(model: str, n: int, usage: bool) -> list[bytes]:
         return (head + '"choices":[' + choice + "]}\n\n").encode()
 
     out = [event('{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}')]
-    out += [event('{"index":0,"delta":{"content":' + _dumps(t) + '},"finish_reason":null}') for t in _text(n)]
+    out += [event('{"index":0,"delta":{"content":' + _dumps(t) + '},"finish_reason":null}') for t in answer_words(n)]
     out.append(event('{"index":0,"delta":{},"finish_reason":"stop"}'))
     if usage:
         u = _dumps({"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n})
@@ -205,7 +209,7 @@ def _response(model: str, status: str, text: str | None, n: int) -> dict[str, An
 
 
 def responses_whole(model: str, n: int) -> bytes:
-    return _dumps(_response(model, "completed", "".join(_text(n)), n)).encode()
+    return _dumps(_response(model, "completed", "".join(answer_words(n)), n)).encode()
 
 
 def responses_events(model: str, n: int) -> list[bytes]:
@@ -217,7 +221,7 @@ def responses_events(model: str, n: int) -> list[bytes]:
         return f"event: {kind}\ndata: {_dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n".encode()
 
     at = {"item_id": "msg_bench", "output_index": 0, "content_index": 0}
-    text = "".join(_text(n))
+    text = "".join(answer_words(n))
     part = {"type": "output_text", "text": text, "annotations": []}
     item = {"type": "message", "id": "msg_bench", "role": "assistant"}
     out = [
@@ -226,7 +230,7 @@ def responses_events(model: str, n: int) -> list[bytes]:
         event("response.output_item.added", output_index=0, item={**item, "status": "in_progress", "content": []}),
         event("response.content_part.added", **at, part={**part, "text": ""}),
     ]
-    out += [event("response.output_text.delta", **at, delta=t) for t in _text(n)]
+    out += [event("response.output_text.delta", **at, delta=t) for t in answer_words(n)]
     out += [
         event("response.output_text.done", **at, text=text),
         event("response.content_part.done", **at, part=part),
