@@ -22,7 +22,6 @@ import socket
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-from uvicorn.protocols.websockets.wsproto_impl import WSProtocol
 
 from iop.errors import (
     BadRequest,
@@ -143,31 +142,6 @@ def protocol_class(limits: HttpLimits) -> type[asyncio.Protocol]:
 
     Bound.limits = limits
     return Bound
-
-
-def ws_protocol_class(limits: HttpLimits) -> type[asyncio.Protocol]:
-    """The WebSocket protocol a connection upgrades to, for `uvicorn.Config(ws=...)`, bound to `limits`."""
-
-    class Bound(LimitedWebSocketProtocol):
-        pass
-
-    Bound.limits = limits
-    return Bound
-
-
-class LimitedWebSocketProtocol(WSProtocol):
-    """uvicorn's wsproto protocol, counted in `limits` like the HTTP connection it was upgraded from.
-
-    The upgrade hands the transport over, so the HTTP protocol never hears the connection close:
-    this one counts it instead (the connection cap itself counts both kinds, in uvicorn's set).
-    """
-
-    limits: HttpLimits = HttpLimits()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.limits.open -= 1
-        self.limits.closed.set()
-        super().connection_lost(exc)
 
 
 class LimitedHttpProtocol(HttpToolsProtocol):

@@ -13,6 +13,7 @@ import uvicorn
 
 from iop import config, validate
 from iop.edge import http as edge_http
+from iop.edge import ws_protocol
 from iop.edge.app import build_app
 from iop.edge.keys import EdgeKeys
 from iop.edge.root import Edge
@@ -43,8 +44,11 @@ def http_config(edge: Edge, *, host: str = "127.0.0.1", port: int = 0, grace_s: 
         http=edge_http.protocol_class(edge.http_limits),
         # WebSocket mode of /v1/responses (iop/edge/websocket.py): wsproto, pure Python on h11,
         # which the archive already carries; an event may be as large as a request body.
-        ws=edge_http.ws_protocol_class(edge.http_limits),
+        ws=ws_protocol.ws_protocol_class(edge.http_limits),
         ws_max_size=edge.max_body_bytes,
+        # No permessage-deflate: an agent's events are small and its peers near, so compressing
+        # them costs more CPU than the bytes it saves; and the edge frames messages itself.
+        ws_per_message_deflate=False,
         timeout_keep_alive=edge.deployment.edge.http.keepalive_s,
     )
 
