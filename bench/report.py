@@ -36,7 +36,8 @@ def at_most(name: str, value: float | None, limit: float, unit: str) -> Target:
     if value is None:
         return Target(name, f"<= {limit:g} {unit}", None, unit, None, "not measured")
     ok = value <= limit
-    gap = "" if ok else f"{value - limit:+.3g} {unit} over ({value / limit:.1f}x the goal)"
+    times = f" ({value / limit:.1f}x the goal)" if limit > 0 else ""
+    gap = "" if ok else f"{value - limit:+.3g} {unit} over{times}"
     return Target(name, f"<= {limit:g} {unit}", round(value, 3), unit, ok, gap)
 
 
@@ -499,7 +500,8 @@ def render(result: dict[str, Any]) -> str:
                     for arm in ("http", "ws")
                 ],
             )
-            + f"\nforeign cores {fmt(wt['foreign_cores'])}"
+            + f"\nthe edge's CPU per turn (us, all rounds): HTTP {wt['edge_cpu_us_per_turn']['http']},"
+            f" WebSocket {wt['edge_cpu_us_per_turn']['ws']}; foreign cores {fmt(wt['foreign_cores'])}"
         )
     tc = sc.get("tracing")
     if tc:

@@ -194,6 +194,8 @@ def run_wsturns(owned: Owned, workdir: Path, opts: WsTurnsOptions) -> dict[str, 
         "ws": lambda: _ws_session(edge_port, "bench", opts),
     }
     times: dict[str, list[list[float]]] = {arm: [] for arm in ARMS}
+    edge_s = dict.fromkeys(ARMS, 0.0)
+    """The edge's CPU seconds in each arm over all rounds (per turn below: the clock ticks are 10 ms)."""
 
     def own() -> float:
         """CPU seconds of every process of this scenario, this one included."""
@@ -209,7 +211,9 @@ def run_wsturns(owned: Owned, workdir: Path, opts: WsTurnsOptions) -> dict[str, 
                 order = ARMS[r % 3 :] + ARMS[: r % 3]
                 ticks, t0, own0 = machine_ticks(), time.monotonic(), own()
                 for arm in order:
+                    edge0 = stack.edge.cpu_s()
                     times[arm].append(runner.run(sessions[arm]()))
+                    edge_s[arm] += stack.edge.cpu_s() - edge0
                 wall = time.monotonic() - t0
                 others.append(max(0.0, busy_cores(ticks, machine_ticks()) - (own() - own0) / wall))
                 log(
@@ -219,7 +223,8 @@ def run_wsturns(owned: Owned, workdir: Path, opts: WsTurnsOptions) -> dict[str, 
     finally:
         stack.stop()
         owned.stop(upstream)
-    return _summary(times, others, opts)
+    per_turn = {a: round(1e6 * edge_s[a] / (opts.turns * opts.rounds)) for a in ("http", "ws")}
+    return _summary(times, others, opts) | {"edge_cpu_us_per_turn": per_turn}
 
 
 def _summary(times: dict[str, list[list[float]]], busy: list[float], opts: WsTurnsOptions) -> dict[str, Any]:
