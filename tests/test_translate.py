@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -560,3 +561,54 @@ def test_translate_sse_decoder_crlf_split_between_cr_and_lf() -> None:
 def test_translate_sse_decoder_keeps_multibyte_text_split_mid_character() -> None:
     data = 'data: {"t": "✓ ü"}\n\n'.encode()
     assert decode([data[:12], data[12:14], data[14:]]) == [SseEvent(None, '{"t": "✓ ü"}'.encode())]
+
+
+def _events_line_by_line(data: bytes) -> list[tuple[str | None, bytes]]:
+    """The events of `data` by the SSE rules, read one whole line at a time (the reference)."""
+    out: list[tuple[str | None, bytes]] = []
+    event: str | None = None
+    lines: list[bytes] = []
+    for line in [*re.split(rb"\r\n|\r|\n", data), b""]:
+        if not line:
+            if lines:
+                out.append((event, b"\n".join(lines)))
+            event, lines = None, []
+        elif not line.startswith(b":"):
+            name, _, value = line.partition(b":")
+            value = value[1:] if value[:1] == b" " else value
+            if name == b"data":
+                lines.append(value)
+            elif name == b"event":
+                event = value.decode(errors="replace")
+    return out
+
+
+SSE_ALPHABET = [
+    b"data: ",
+    b"data:",
+    b"event: ",
+    b": ping",
+    b"id: 3",
+    b"x",
+    b"{}",
+    b"\xc3\xa9",
+    b"\n",
+    b"\r\n",
+    b"\r",
+    b" ",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(st.sampled_from(SSE_ALPHABET), max_size=60),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12),
+)
+def test_sse_decoder_reads_any_stream_split_anywhere_as_the_line_rules_do(parts: list[bytes], cuts: list[int]) -> None:
+    data = b"".join(parts)
+    decoder = SseDecoder()
+    got: list[tuple[str | None, bytes]] = []
+    for piece in pieces_of(data, cuts):
+        got += [(e.event, e.data) for e in decoder.feed(piece)]
+    got += [(e.event, e.data) for e in decoder.finish()]
+    assert got == _events_line_by_line(data)

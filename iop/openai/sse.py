@@ -28,6 +28,8 @@ class SseDecoder:
             data = data[1:]  # the LF of a CRLF whose CR ended the previous piece
         if data:
             self._cr_ended = False
+        if b"\r" not in data:
+            return self._feed_lf(data)
         scanned = len(self._buffer)  # what is buffered holds no line end
         self._buffer += data
         events: list[SseEvent] = []
@@ -37,6 +39,22 @@ class SseDecoder:
             start = end.end()
             self._cr_ended = end.group() == b"\r" and start == len(self._buffer)
         del self._buffer[:start]
+        return events
+
+    def _feed_lf(self, data: bytes) -> list[SseEvent]:
+        """`feed` of a piece with no CR (the buffer never holds a line end): lines split by LF,
+        a stream's own `data: ` lines taken without the general parse."""
+        if b"\n" not in data:
+            self._buffer += data
+            return []
+        lines = (bytes(self._buffer) + data if self._buffer else data).split(b"\n")
+        self._buffer = bytearray(lines.pop())
+        events: list[SseEvent] = []
+        for line in lines:
+            if line[:6] == b"data: ":
+                self._data.append(line[6:])
+            else:
+                self._line(line, events)
         return events
 
     def finish(self) -> list[SseEvent]:
