@@ -29,6 +29,7 @@ from iop import config
 from iop.edge.bodies import ReceivingBodies
 from iop.edge.observe import new_request_id
 from iop.edge.responses_front import call_endpoint
+from iop.edge.ws_protocol import TEXTS
 from iop.errors import (
     BadRequest,
     MethodNotAllowed,
@@ -225,12 +226,14 @@ class ResponsesSocket:
             events = decoder.feed(data) if data else []
             if not message.get("more_body", False):
                 events += decoder.finish()
+            texts: list[str] = []
             for event in events:
                 if event.data == b"[DONE]":
                     continue
                 if event.event in _ENDED:
                     ended = _decode(event.data)
-                await self.frame(event.data.decode())
+                texts.append(event.data.decode())
+            await self.frames(texts)
 
         await call_endpoint(self.responses, scope, self.receive_during, _encode(request), relay)
         if status != 200:
@@ -275,11 +278,24 @@ class ResponsesSocket:
             self.held += size
             self.waiting.append(message)
 
-    async def frame(self, text: str) -> None:
+    async def frames(self, texts: list[str]) -> None:
+        """Each text its own frame; together in one message where the connection takes a list."""
+        if not texts:
+            return
+        if len(texts) == 1 or TEXTS not in self.scope.get("extensions", {}):
+            for text in texts:
+                await self.frame(text)
+            return
+        await self.frame(texts=texts)
+
+    async def frame(self, text: str = "", texts: list[str] | None = None) -> None:
         if self.closed:
             return
+        message = (
+            {"type": "websocket.send", "text": text} if texts is None else {"type": "websocket.send", TEXTS: texts}
+        )
         try:
-            await self.send({"type": "websocket.send", "text": text})
+            await self.send(message)
         except OSError:
             # The connection is gone (uvicorn's ClientDisconnected) before its disconnect was read:
             # the endpoint must not fail for it; the disconnect that follows cancels the response.

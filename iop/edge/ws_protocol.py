@@ -7,10 +7,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.wsproto_impl import WSProtocol
 from wsproto.connection import ConnectionState
 
 from iop.edge.http import HttpLimits
+
+TEXTS = "iop.texts"
+"""A `websocket.send` may carry a list of texts under this key, each its own frame, written at once;
+the connection's scope names it among its `extensions` (iop/edge/websocket.py sends an answer's
+events so)."""
 
 
 def ws_frame(opcode: int, payload: bytes) -> bytes:
@@ -95,12 +101,24 @@ class LimitedWebSocketProtocol(WSProtocol):
             return
         await self.writable.wait()
         if self.disconnected or self.conn.state is not ConnectionState.OPEN:
+            if TEXTS in message:
+                raise ClientDisconnected
             await super().send(message)  # uvicorn's own answer to a send on a closing connection
             return
-        text = message.get("text")
-        frame = ws_frame(0x1, text.encode()) if text is not None else ws_frame(0x2, bytes(message.get("bytes") or b""))
+        texts = message.get(TEXTS)
+        if texts is not None:
+            frame = b"".join(ws_frame(0x1, text.encode()) for text in texts)
+        elif (text := message.get("text")) is not None:
+            frame = ws_frame(0x1, text.encode())
+        else:
+            frame = ws_frame(0x2, bytes(message.get("bytes") or b""))
         if not self.transport.is_closing():
             self.transport.write(frame)
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        # Read by the application when it runs (the task starts on the loop's next turn).
+        self.scope["extensions"][TEXTS] = {}
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.limits.open -= 1
