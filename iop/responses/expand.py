@@ -196,8 +196,8 @@ class Responses:
     async def _history(self, previous: str, owner: str, max_bytes: int | None) -> tuple[list[Any], list[str]]:
         """The input and output items of `previous` and every response before it, oldest first, and their ids.
 
-        The previous response names all its ancestors, so they are read at once: two round trips
-        to NATS whatever the conversation's length.
+        The previous response names all its ancestors, so they are read in one direct get: two
+        round trips to NATS whatever the conversation's length (up to 512 turns).
         """
         last = await self._stored(previous, owner)
         if max_bytes is not None and last.size > max_bytes:
@@ -205,9 +205,16 @@ class Responses:
         chain = [*last.chain, previous]
         if len(chain) > MAX_CHAIN:
             raise BadRequest(f"the conversation is longer than {MAX_CHAIN} responses", param="previous_response_id")
-        earlier = await asyncio.gather(*(self._stored(at, owner) for at in last.chain))
+        earlier = await self.store.responses(owner, last.chain) if self.store is not None else []
+        gone = next((at for at, stored in zip(last.chain, earlier, strict=True) if stored is None), None)
+        if gone is not None:
+            # A deleted (or expired) earlier turn breaks the chain: the conversation is not whole.
+            raise PreviousResponseNotFound(
+                f"Previous response with id '{gone}' not found.", param="previous_response_id"
+            )
         history: list[Any] = []
         for stored in (*earlier, last):
+            assert stored is not None
             history += stored.input
             history += stored.response.get("output") or []
         return history, chain

@@ -41,6 +41,11 @@ _ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 ANONYMOUS = "anonymous"
 """The owner of every response on an edge without client keys: anyone who can call it."""
 _HEADROOM = 4096  # a KV put's headers and subject ride in the same message
+_DIRECT = f"$JS.API.DIRECT.GET.KV_{BUCKET}"
+_SUBJECT = f"$KV.{BUCKET}."
+_BATCH = 512
+"""Keys one direct get may name (the server answers more than 1,024 with 413)."""
+_TIMEOUT_S = 5.0
 
 
 def owner_of(secret: bytes | None) -> str:
@@ -101,6 +106,8 @@ class ResponseStore:
         self.kv = kv
         self.max_value = max(1024, max_value - _HEADROOM)
         self._nc = nc
+        self._batched = True
+        """Direct gets of many keys answered (a server before 2.11, or a user not allowed them: one a key)."""
 
     @property
     def nc(self) -> NATS:
@@ -132,6 +139,16 @@ class ResponseStore:
     async def response(self, owner: str, response_id: str) -> Stored | None:
         raw = await self._get(f"r.{owner}.{response_id}") if valid_id(response_id) else None
         return _stored(raw) if raw is not None else None
+
+    @_reachable
+    async def responses(self, owner: str, response_ids: list[str]) -> list[Stored | None]:
+        """Several stored responses (a conversation's earlier turns) in one request to NATS per 512.
+
+        None for each one that is not there: never kept, deleted, aged out, or another owner's.
+        """
+        keys = [f"r.{owner}.{i}" if valid_id(i) else "" for i in response_ids]
+        found = await self._get_many([k for k in keys if k])
+        return [_stored(found[k]) if k in found else None for k in keys]
 
     @_reachable
     async def item(self, owner: str, item_id: str) -> dict[str, Any] | None:
@@ -240,6 +257,79 @@ class ResponseStore:
         except (KeyNotFoundError, NotFoundError):
             return None  # a part aged out (or was dropped for bytes) before its head: the whole is gone
         return b"".join(c.value or b"" for c in chunks)
+
+    async def _get_many(self, keys: list[str]) -> dict[str, bytes]:
+        """The values of those of `keys` that are there, as `_get` reads each one."""
+        heads: dict[str, bytes] = {}
+        for n in range(0, len(keys), _BATCH):
+            got = await self._last_of(keys[n : n + _BATCH])
+            if got is None:  # a server (or bucket) without batched direct gets: one request a key
+                values = await asyncio.gather(*(self._get(k) for k in keys))
+                return {k: v for k, v in zip(keys, values, strict=True) if v is not None}
+            heads.update(got)
+        found = {k: v[1:] for k, v in heads.items() if v[:1] == b"="}
+        split = {k: int(v[1:]) for k, v in heads.items() if v[:1] == b"#"}
+        if split:
+            names = [f"{k}.{n}" for k, parts in split.items() for n in range(1, parts + 1)]
+            batches = await asyncio.gather(
+                *(self._get_many_raw(names[n : n + _BATCH]) for n in range(0, len(names), _BATCH))
+            )
+            chunks = {k: v for batch in batches for k, v in batch.items()}
+            for k, parts in split.items():
+                pieces = [chunks.get(f"{k}.{n}") for n in range(1, parts + 1)]
+                if all(p is not None for p in pieces):  # else a part aged out before its head: all gone
+                    found[k] = b"".join(p for p in pieces if p is not None)
+        return found
+
+    async def _get_many_raw(self, keys: list[str]) -> dict[str, bytes]:
+        got = await self._last_of(keys)
+        if got is None:
+            values = await asyncio.gather(*(self._raw(k) for k in keys))
+            return {k: v for k, v in zip(keys, values, strict=True) if v is not None}
+        return got
+
+    async def _raw(self, key: str) -> bytes | None:
+        try:
+            return (await self.kv.get(key)).value or b""
+        except (KeyNotFoundError, NotFoundError):
+            return None
+
+    async def _last_of(self, keys: list[str]) -> dict[str, bytes] | None:
+        """The last value of each key, deleted ones left out, in one direct get (None: not answered so)."""
+        if not keys:
+            return {}
+        if self._nc is None or not self._batched:
+            return None
+        nc, found = self._nc, dict[str, bytes]()
+        done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+        async def one(msg: Any) -> None:
+            headers = msg.headers or {}
+            status = headers.get("Status")
+            if status is not None:
+                if not done.done():
+                    done.set_result(status)
+            elif headers.get("KV-Operation") is None:  # a DEL or PURGE marker: the key is gone
+                found[headers.get("Nats-Subject", "")[len(_SUBJECT) :]] = msg.data
+
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox, cb=one, pending_bytes_limit=1 << 31)
+        try:
+            ask = _encode({"multi_last": [_SUBJECT + k for k in keys]})
+            await nc.publish(_DIRECT, ask, reply=inbox)
+            status = await asyncio.wait_for(done, _TIMEOUT_S)
+        except TimeoutError:
+            status = "timeout"
+        finally:
+            await sub.unsubscribe()
+        if status == "204":  # the end of the batch
+            return found
+        if status == "404":  # none of them there
+            return {}
+        if status in ("timeout", "503"):  # not answered, or no direct gets on the bucket: never again here
+            log.warning("response store: batched direct gets unanswered (%s); reading one key at a time", status)
+            self._batched = False
+        return None
 
     async def _put(self, key: str, data: bytes) -> None:
         if len(data) < self.max_value:
