@@ -67,6 +67,9 @@ def targets(result: dict[str, Any]) -> list[Target]:
     tc = sc.get("tracing")
     if tc:
         out.append(at_most("tracing at 10 %: added CPU per request", tc["cost"]["10%"]["added_us"], 30.0, "us"))
+    ch = next((r for r in (sc.get("chain") or {}).get("lengths", []) if r["turns"] == 50), None)
+    if ch:
+        out.append(at_most("50-turn chain expansion p50", ch["wall_p50_ms"], 1.0, "ms"))
     wt = sc.get("wsturns")
     if wt:
         # Issue 30: a WebSocket-mode turn adds no more than the same turn over HTTP.
@@ -481,6 +484,10 @@ def render(result: dict[str, Any]) -> str:
             + f"\ncold starts {lc['cold_starts_counted']}, swaps {lc['swaps_counted']}, "
             f"server processes left after the node's SIGTERM: {lc['orphans_after_node_sigterm']}"
         )
+    if sc.get("chain"):
+        from bench.chain import render_chain  # here: bench.chain imports this module
+
+        parts.append(render_chain(sc["chain"]))
     wt = sc.get("wsturns")
     if wt:
         parts.append(

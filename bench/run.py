@@ -26,6 +26,7 @@ table with medians [min..max] and every target with PASS/MISS and its gap, and w
                 free-slot ranking at the same offered load; mean and p99 latency, throughput
     bodies      agent-sized bodies (1 KB .. 3 MB), chat and Responses, against direct and the floor
                 (a bare JetStream work-queue round trip); edge memory with 200 of them waiting
+    chain       stored-state expansion: previous_response_id at the end of 1-, 10- and 50-turn chains
     wsturns     one agent session of 20 turns replayed over WebSocket mode and over HTTP through
                 iop, and over HTTP to the upstream directly: the added time per turn
 
@@ -50,6 +51,7 @@ from bench.abtest import AbOptions, run_ab
 from bench.affinity import AffinityOptions, run_affinity
 from bench.bodies import BodiesOptions, run_bodies
 from bench.capacity import CapacityOptions, run_capacity
+from bench.chain import ChainOptions, run_chain
 from bench.fairedges import FairEdgesOptions, run_fairedges
 from bench.fairness import FairnessOptions, run_fairness
 from bench.lifecycle import LifecycleOptions, run_lifecycle
@@ -79,6 +81,7 @@ SCENARIOS = (
     "routing",
     "tracing",
     "wsturns",
+    "chain",
 )
 
 
@@ -237,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         if "wsturns" in only:
             wo = WsTurnsOptions(rounds=2 if a.quick else 6, turns=10 if a.quick else 20)
             attempt("wsturns", lambda: run_wsturns(owned, workdir, wo))
+        if "chain" in only:
+            ch = ChainOptions.quick() if a.quick else ChainOptions()
+            attempt("chain", lambda: run_chain(owned, workdir, ch))
         if "lifecycle" in only:
             lc = LifecycleOptions(archive=a.archive, swaps=2 if a.quick else 6)
             attempt("lifecycle", lambda: run_lifecycle(owned, workdir, lc))
