@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from bench import fixtures
 from bench.procs import Owned, busy_cores, cpu_s, log, machine_ticks
 from bench.report import table
 from iop import config
@@ -55,49 +56,13 @@ def run_chain(owned: Owned, workdir: Path, opts: ChainOptions) -> dict[str, Any]
     return {"expansions": opts.expansions, "lengths": rows}
 
 
-_WORDS = [
-    "the",
-    "function",
-    "returns",
-    "a",
-    "value",
-    "when",
-    "its",
-    "argument",
-    "is",
-    "valid",
-    "otherwise",
-    "it",
-    "raises",
-    "an",
-    "error",
-]
-_CODE = (
-    'def handle(self, req: "Request") -> dict[str, Any]:\n'
-    '    """Answer one request; raise on a bad one."""\n'
-    "    if not req.ok:\n"
-    '        raise ValueError(f"bad request: {req.id!r}\\t(état: {req.state})")\n'
-    "    return {'id': req.id, \"path\": 'C:\\\\tmp\\\\x'}\n"
-)
-"""Source code as a tool's output holds it (bench/fixtures.py's agent turns): quotes, escapes, non-ASCII."""
-
-
-def _prose(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(words))
-
-
-def _code(rng: random.Random, size: int) -> str:
-    text = "".join(_CODE.replace("handle", f"handle_{rng.randrange(10_000)}") for _ in range(size // len(_CODE) + 1))
-    return text[:size]
-
-
 def _turn_input(rng: random.Random, turn: int) -> list[dict[str, Any]]:
     """A user message (the first turn and every fifth) or the output of the last turn's call: 1-2 KB."""
     size = rng.randrange(1000, 2000)
     if turn % 5 == 0:
-        text = _prose(rng, size // 6)
+        text = fixtures.prose(rng, size // 6)
         return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}]
-    return [{"type": "function_call_output", "call_id": f"call_{turn - 1}", "output": _code(rng, size)}]
+    return [{"type": "function_call_output", "call_id": f"call_{turn - 1}", "output": fixtures.code(rng, size)}]
 
 
 def _answer(rng: random.Random, turn: int, chain: int) -> dict[str, Any]:
@@ -114,7 +79,7 @@ def _answer(rng: random.Random, turn: int, chain: int) -> dict[str, Any]:
                 "id": f"msg_{rid}",
                 "role": "assistant",
                 "status": "completed",
-                "content": [{"type": "output_text", "text": _prose(rng, 20), "annotations": []}],
+                "content": [{"type": "output_text", "text": fixtures.prose(rng, 20), "annotations": []}],
             },
             {
                 "type": "function_call",

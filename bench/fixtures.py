@@ -58,11 +58,13 @@ _CODE = (
 )
 
 
-def _prose(rng: random.Random, words: int) -> str:
+def prose(rng: random.Random, words: int) -> str:
+    """`words` words of a tool's or a user's prose."""
     return " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
-def _code(rng: random.Random, size: int) -> str:
+def code(rng: random.Random, size: int) -> str:
+    """`size` characters of source code as a tool's output holds it: quotes, escapes, non-ASCII."""
     out: list[str] = []
     n = 0
     while n < size:
@@ -74,20 +76,20 @@ def _code(rng: random.Random, size: int) -> str:
 
 def _schema(rng: random.Random, i: int) -> dict[str, Any]:
     props = {
-        f"arg_{j}": {"type": rng.choice(["string", "integer", "boolean"]), "description": _prose(rng, 12)}
+        f"arg_{j}": {"type": rng.choice(["string", "integer", "boolean"]), "description": prose(rng, 12)}
         for j in range(6)
     }
     return {"type": "object", "properties": props, "required": ["arg_0", "arg_1"]}
 
 
 def _tools(rng: random.Random, n: int) -> list[tuple[str, str, dict[str, Any]]]:
-    return [(f"tool_{i}", _prose(rng, 40), _schema(rng, i)) for i in range(n)]
+    return [(f"tool_{i}", prose(rng, 40), _schema(rng, i)) for i in range(n)]
 
 
 def chat_body(model: str, size: int, stream: bool, seed: int = 7) -> bytes:
     """A chat completion request of about `size` bytes (never less than a minimal turn)."""
     rng = random.Random(seed)
-    system = _prose(rng, min(3000, max(20, size // 40)))
+    system = prose(rng, min(3000, max(20, size // 40)))
     tools = [
         {"type": "function", "function": {"name": n, "description": d, "parameters": p}}
         for n, d, p in _tools(rng, 0 if size < 20_000 else 24)
@@ -98,7 +100,7 @@ def chat_body(model: str, size: int, stream: bool, seed: int = 7) -> bytes:
         req["tools"] = tools
     turn, n = 0, len(_dump(req))
     while n < size:
-        messages.append({"role": "user", "content": _prose(rng, 30)})
+        messages.append({"role": "user", "content": prose(rng, 30)})
         call = f"call_{turn}"
         messages.append(
             {
@@ -109,7 +111,7 @@ def chat_body(model: str, size: int, stream: bool, seed: int = 7) -> bytes:
                 ],
             }
         )
-        messages.append({"role": "tool", "tool_call_id": call, "content": _code(rng, min(12_000, size // 8 + 64))})
+        messages.append({"role": "tool", "tool_call_id": call, "content": code(rng, min(12_000, size // 8 + 64))})
         n += sum(len(_dump(m)) + 1 for m in messages[-3:])
         turn += 1
     messages.append({"role": "user", "content": "Go on."})
@@ -126,7 +128,7 @@ def responses_body(model: str, size: int, stream: bool, seed: int = 7) -> bytes:
     items: list[dict[str, Any]] = []
     req: dict[str, Any] = {
         "model": model,
-        "instructions": _prose(rng, min(3000, max(20, size // 40))),
+        "instructions": prose(rng, min(3000, max(20, size // 40))),
         "input": items,
         "stream": stream,
         "store": False,
@@ -136,10 +138,10 @@ def responses_body(model: str, size: int, stream: bool, seed: int = 7) -> bytes:
         req["tools"] = tools
     turn, n = 0, len(_dump(req))
     while n < size:
-        items.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": _prose(rng, 30)}]})
+        items.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": prose(rng, 30)}]})
         call = f"call_{turn}"
         items.append({"type": "function_call", "call_id": call, "name": "tool_1", "arguments": '{"arg_0":"x.py"}'})
-        output = _code(rng, min(12_000, size // 8 + 64))
+        output = code(rng, min(12_000, size // 8 + 64))
         items.append({"type": "function_call_output", "call_id": call, "output": output})
         n += sum(len(_dump(i)) + 1 for i in items[-3:])
         turn += 1
