@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -196,8 +196,8 @@ class Responses:
     async def _history(self, previous: str, owner: str, max_bytes: int | None) -> tuple[list[Any], list[str]]:
         """The input and output items of `previous` and every response before it, oldest first, and their ids.
 
-        The previous response names all its ancestors, so they are read in one direct get: two
-        round trips to NATS whatever the conversation's length (up to 512 turns).
+        The previous response names all its ancestors, so they are read in one batched direct get:
+        two round trips to NATS for a conversation of up to 512 turns, one more per 512 after that.
         """
         last = await self._stored(previous, owner)
         if max_bytes is not None and last.size > max_bytes:
@@ -205,28 +205,25 @@ class Responses:
         chain = [*last.chain, previous]
         if len(chain) > MAX_CHAIN:
             raise BadRequest(f"the conversation is longer than {MAX_CHAIN} responses", param="previous_response_id")
-        earlier = await self.store.responses(owner, last.chain) if self.store is not None else []
-        gone = next((at for at, stored in zip(last.chain, earlier, strict=True) if stored is None), None)
-        if gone is not None:
-            # A deleted (or expired) earlier turn breaks the chain: the conversation is not whole.
-            raise PreviousResponseNotFound(
-                f"Previous response with id '{gone}' not found.", param="previous_response_id"
-            )
+        found = await self.store.responses(owner, last.chain) if self.store is not None else []
+        earlier = [stored if stored is not None else _gone(at) for at, stored in zip(last.chain, found, strict=True)]
         history: list[Any] = []
         for stored in (*earlier, last):
-            assert stored is not None
             history += stored.input
             history += stored.response.get("output") or []
         return history, chain
 
     async def _stored(self, response_id: str, owner: str) -> Stored:
         stored = await self.store.response(owner, response_id) if self.store is not None else None
-        if stored is None:
-            # A deleted (or expired) earlier turn breaks the chain: the conversation is not whole.
-            raise PreviousResponseNotFound(
-                f"Previous response with id '{response_id}' not found.", param="previous_response_id"
-            )
-        return stored
+        return stored if stored is not None else _gone(response_id)
+
+
+def _gone(response_id: str) -> NoReturn:
+    """A turn of the chain is not there (never kept, another owner's, deleted or expired): the
+    conversation is not whole."""
+    raise PreviousResponseNotFound(
+        f"Previous response with id '{response_id}' not found.", param="previous_response_id"
+    )
 
 
 def _input_items(value: object) -> list[Any]:
