@@ -22,7 +22,7 @@ from iop.nats import connection
 from iop.nats.access import SECRET_FILE, Credentials
 from iop.nats.server import EmbeddedNats
 from iop.responses import takeover
-from iop.responses.store import Stored, owner_of
+from iop.responses.store import ResponseStore, Stored, owner_of
 from tests.fakes import bound_socket, fake_upstream
 from tests.harness import EdgeHandle, deployment, edge_process, eventually, running_edge, running_node, sse_events
 
@@ -266,6 +266,15 @@ async def test_background_takeover_by_the_same_edge_started_again(nats_server: E
             gate.set()
 
 
+async def queued_on_a_gone_edge(store: ResponseStore, owner: str, rid: str) -> takeover.Held:
+    """A queued background response whose lease an edge that is gone holds."""
+    queued = {"id": rid, "object": "response", "status": "queued", "background": True, "output": []}
+    request = {"model": "m", "input": "hi", "background": True}
+    held = await takeover.hold(store, owner, rid, "gone-edge", takeover.Work(request, "a"))
+    await store.keep(owner, Stored(queued, []), [])
+    return held
+
+
 async def test_background_takeover_gives_up_after_three_and_keeps_it_failed(nats_server: EmbeddedNats) -> None:
     """A response whose runs keep dying with their edges (here: its lease says so) is kept failed."""
     async with fake_upstream(api="chat") as up:
@@ -274,10 +283,7 @@ async def test_background_takeover_gives_up_after_three_and_keeps_it_failed(nats
             store = h.edge.responses.store
             assert store is not None
             owner, rid = owner_of(KEY_A.encode()), "resp_doomed0123456789"
-            queued = {"id": rid, "object": "response", "status": "queued", "background": True, "output": []}
-            request = {"model": "m", "input": "hi", "background": True}
-            held = await takeover.hold(store, owner, rid, "gone-edge", takeover.Work(request, "a"))
-            await store.keep(owner, Stored(queued, []), [])
+            held = await queued_on_a_gone_edge(store, owner, rid)
             last = takeover.Lease("", takeovers=takeover.MAX_TAKEOVERS)  # released after its third takeover
             await store.kv.update(held.key, msgspec.json.encode(last), last=held.revision)
             final = await completed(http, rid, timeout_s=30)
@@ -358,10 +364,7 @@ async def test_background_takeover_of_a_response_whose_request_is_unreadable_kee
             store = h.edge.responses.store
             assert store is not None
             owner, rid = owner_of(KEY_A.encode()), "resp_unreadable0123456"
-            queued = {"id": rid, "object": "response", "status": "queued", "background": True, "output": []}
-            request = {"model": "m", "input": "hi", "background": True}
-            held = await takeover.hold(store, owner, rid, "gone-edge", takeover.Work(request, "a"))
-            await store.keep(owner, Stored(queued, []), [])
+            held = await queued_on_a_gone_edge(store, owner, rid)
             await store.kv.put(f"w.{owner}.{rid}", STREAM_INFO_ANSWER)
             await store.kv.update(held.key, msgspec.json.encode(takeover.Lease("")), last=held.revision)
             final = await completed(http, rid, timeout_s=30)
