@@ -1,23 +1,66 @@
-"""Logging for edge and node: `--log-level`, and `--log-format text|json` (one JSON object a line)."""
+"""Logging for edge and node: `--log-level`, and `--log-format text|json` (one JSON object a line).
+
+An edge at load logs a line per request (the access line), so the handler is built for that: the
+timestamp's seconds are formatted once a second, and the lines of one event-loop turn go out in one
+write (`TurnHandler`).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
+
+TURN_LINES = 256
+"""At most this many lines wait for their turn's end; one more writes them at once."""
+
+
+class TextFormatter(logging.Formatter):
+    """`asctime levelname name: message`, as `logging.Formatter(_TEXT)` writes it, a second's text kept."""
+
+    def __init__(self) -> None:
+        super().__init__(_TEXT)
+        self._second: tuple[int, str] = (-1, "")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        if datefmt is not None:
+            return super().formatTime(record, datefmt)
+        whole = int(record.created)
+        second = self._second
+        if second[0] != whole:  # one tuple, so a thread between the two sees one second or the other
+            second = (whole, time.strftime(self.default_time_format, self.converter(record.created)))
+            self._second = second
+        msec = self.default_msec_format
+        return msec % (second[1], record.msecs) if msec else second[1]
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return f"{record.asctime} {record.levelname} {record.name}: {record.message}"
 
 
 class JsonFormatter(logging.Formatter):
     """`{"time", "level", "logger", "message", ...fields}`; an access line adds its fields."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._second: tuple[int, str] = (-1, "")
+
     def format(self, record: logging.LogRecord) -> str:
+        whole = int(record.created)
+        second = self._second
+        if second[0] != whole:
+            second = (whole, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)))
+            self._second = second
         out: dict[str, Any] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "time": f"{second[1]}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -27,17 +70,101 @@ class JsonFormatter(logging.Formatter):
             out.update(fields)
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, separators=(",", ":"), default=str)
+        return _ENCODER.encode(out)
+
+
+class TurnHandler(logging.StreamHandler[TextIO]):
+    """A stream handler that writes the lines of one event-loop turn in one write.
+
+    A record below WARNING logged inside a running loop is formatted and kept, and the first of a
+    turn asks the loop (`call_soon`) to write them all once the turn's callbacks have run. A WARNING
+    or worse, a record from outside that loop (another thread, no loop), the `TURN_LINES`+1st line,
+    `flush()` and `close()` (logging's shutdown at exit does both) write what is kept first: the
+    stream's lines stay in the order they were logged, and a crash loses at most one turn's.
+    """
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        super().__init__(stream if stream is not None else sys.stderr)
+        self._kept: list[str] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop asked to write `_kept` at its turn's end (None: none asked)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + self.terminator
+            if record.levelno < logging.WARNING:
+                try:
+                    loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+                except RuntimeError:
+                    loop = None
+                kept = self._kept
+                if loop is not None and (loop is self._loop or not kept) and len(kept) < TURN_LINES:
+                    kept.append(line)
+                    if loop is not self._loop:
+                        self._loop = loop
+                        loop.call_soon(self._turn_end, loop)
+                    return
+            self._write(line)
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+
+    def _write(self, line: str = "") -> None:
+        kept = self._kept
+        if kept:
+            kept.append(line)
+            line = "".join(kept)
+            kept.clear()
+        if line:
+            self.stream.write(line)
+        if hasattr(self.stream, "flush"):
+            self.stream.flush()
+
+    def _turn_end(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.acquire()
+        try:
+            if self._loop is loop:
+                self._loop = None
+            if self._kept:
+                self._write()
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(logging.makeLogRecord({"msg": "the lines of a loop turn", "levelno": logging.INFO}))
+        finally:
+            self.release()
+
+    def flush(self) -> None:
+        self.acquire()
+        try:
+            if self.stream is not None:
+                self._write()
+        finally:
+            self.release()
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            super().close()
+
+
+def handler(fmt: str = "text", stream: TextIO | None = None) -> TurnHandler:
+    """The handler `setup` installs: `fmt` lines on `stream` (stderr)."""
+    out = TurnHandler(stream)
+    out.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    return out
 
 
 def setup(level: str = "info", fmt: str = "text") -> None:
     """Configure the root logger once for an edge or node process."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(_TEXT))
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-    root.addHandler(handler)
+        with contextlib.suppress(OSError, ValueError):  # a stream closed under it
+            h.flush()
+    root.addHandler(handler(fmt))
     # uvicorn's own logging config (if anything applied it) gives its loggers handlers of their
     # own that do not propagate: its lines would bypass this format, tracebacks included.
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):

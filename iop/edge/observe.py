@@ -174,7 +174,13 @@ class Observer:
             fields = access_fields(rec)
             if trace.method:
                 fields["method"], fields["path"] = trace.method, trace.path
-            access_log.info(access_line(rec, trace.method, trace.path), extra={"fields": fields})
+            # The record `access_log.info` makes, less its walk up the stack for the caller's line.
+            line = access_line(rec, trace.method, trace.path)
+            access_log.handle(
+                access_log.makeRecord(
+                    access_log.name, logging.INFO, __file__, 0, line, (), None, "finish", {"fields": fields}
+                )
+            )
         return rec
 
 
