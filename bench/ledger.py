@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import random
 import statistics
 import sys
@@ -239,11 +238,12 @@ def _installed_handler(fmt: str, stream: Any) -> logging.Handler:
     return installed
 
 
-def run_cost(n: int, rounds: int) -> dict[str, Any]:
+def run_cost(n: int, rounds: int, workdir: Path) -> dict[str, Any]:
     """CPU of what the edge does per finished request (record, metrics, access line, buffer), in-process.
 
     On the edge's loop (uvloop), `per_turn` requests finishing in each loop turn, the access line
-    written by the handler `iop.logs.setup` installs, to /dev/null; the arms' order rotates each round.
+    written by the handler `iop.logs.setup` installs into a file (as the edge's output is under
+    `bench.stack`); the arms' order rotates each round.
     """
     from types import SimpleNamespace
 
@@ -281,11 +281,11 @@ def run_cost(n: int, rounds: int) -> dict[str, Any]:
         return (time.process_time() - t0) / n * 1e6
 
     runs: dict[str, list[float]] = {label: [] for label, _, _ in ACCESS_ARMS}
-    with open(os.devnull, "w") as null:
-        for r in range(rounds):
-            k = r % len(ACCESS_ARMS)
-            for label, fmt, per_turn in ACCESS_ARMS[k:] + ACCESS_ARMS[:k]:
-                sink = _installed_handler(fmt, null)
+    for r in range(rounds):
+        k = r % len(ACCESS_ARMS)
+        for label, fmt, per_turn in ACCESS_ARMS[k:] + ACCESS_ARMS[:k]:
+            with open(workdir / "access.log", "w") as logfile:
+                sink = _installed_handler(fmt, logfile)
                 access.addHandler(sink)
                 access.setLevel(logging.WARNING if label.startswith("without") else logging.INFO)
                 try:
@@ -294,7 +294,7 @@ def run_cost(n: int, rounds: int) -> dict[str, Any]:
                 finally:
                     access.removeHandler(sink)
                     sink.close()
-                writer.clear()
+            writer.clear()
     out = {label: round(statistics.median(v), 2) for label, v in runs.items()}
     for label, us in out.items():
         log(f"cost per request, {label}: {us:.1f} us")
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="iop-bench-ledger-") as tmp:
         workdir = Path(tmp)
         if "cost" in only:
-            result["cost"] = run_cost(20_000 if args.quick else 200_000, rounds)
+            result["cost"] = run_cost(20_000 if args.quick else 200_000, rounds, workdir)
         if "aggregate" in only:
             result["aggregate"] = asyncio.run(run_aggregate(workdir, n))
         if "onoff" in only:

@@ -13,6 +13,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 LEVELS = ("debug", "info", "warning", "error")
@@ -24,26 +25,40 @@ TURN_LINES = 256
 """At most this many lines wait for their turn's end; one more writes them at once."""
 
 
+class _Seconds:
+    """A second's text, formatted once: `time.strftime(fmt, convert(t))` for the second of t."""
+
+    def __init__(self, fmt: str, convert: Callable[[float | None], time.struct_time]) -> None:
+        self.fmt, self.convert = fmt, convert
+        self.last: tuple[int, str] = (-1, "")  # one tuple: a thread between the two sees one or the other
+
+    def __call__(self, t: float) -> str:
+        whole, text = self.last
+        if whole != int(t):
+            text = time.strftime(self.fmt, self.convert(t))
+            self.last = (int(t), text)
+        return text
+
+
 class TextFormatter(logging.Formatter):
     """`asctime levelname name: message`, as `logging.Formatter(_TEXT)` writes it, a second's text kept."""
 
     def __init__(self) -> None:
         super().__init__(_TEXT)
-        self._second: tuple[int, str] = (-1, "")
+        self._seconds = _Seconds(self.default_time_format, self.converter)
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         if datefmt is not None:
             return super().formatTime(record, datefmt)
-        whole = int(record.created)
-        second = self._second
-        if second[0] != whole:  # one tuple, so a thread between the two sees one second or the other
-            second = (whole, time.strftime(self.default_time_format, self.converter(record.created)))
-            self._second = second
-        msec = self.default_msec_format
-        return msec % (second[1], record.msecs) if msec else second[1]
+        return f"{self._seconds(record.created)},{int(record.msecs):03d}"
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         return f"{record.asctime} {record.levelname} {record.name}: {record.message}"
+
+    def line(self, t: float, levelno: int, name: str, message: str, fields: dict[str, object]) -> str:
+        """`format` of the record logging would make of these at time `t` (no exception, no stack)."""
+        ms = int((t - int(t)) * 1000)
+        return f"{self._seconds(t)},{ms:03d} {logging.getLevelName(levelno)} {name}: {message}"
 
 
 class JsonFormatter(logging.Formatter):
@@ -51,16 +66,11 @@ class JsonFormatter(logging.Formatter):
 
     def __init__(self) -> None:
         super().__init__()
-        self._second: tuple[int, str] = (-1, "")
+        self._seconds = _Seconds("%Y-%m-%dT%H:%M:%S", time.gmtime)
 
     def format(self, record: logging.LogRecord) -> str:
-        whole = int(record.created)
-        second = self._second
-        if second[0] != whole:
-            second = (whole, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)))
-            self._second = second
         out: dict[str, Any] = {
-            "time": f"{second[1]}.{int(record.msecs):03d}Z",
+            "time": f"{self._seconds(record.created)}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -70,6 +80,17 @@ class JsonFormatter(logging.Formatter):
             out.update(fields)
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
+        return _ENCODER.encode(out)
+
+    def line(self, t: float, levelno: int, name: str, message: str, fields: dict[str, object]) -> str:
+        """`format` of the record logging would make of these at time `t` (no exception, no stack)."""
+        out: dict[str, Any] = {
+            "time": f"{self._seconds(t)}.{int((t - int(t)) * 1000):03d}Z",
+            "level": logging.getLevelName(levelno).lower(),
+            "logger": name,
+            "message": message,
+        }
+        out.update(fields)
         return _ENCODER.encode(out)
 
 
@@ -91,24 +112,43 @@ class TurnHandler(logging.StreamHandler[TextIO]):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            line = self.format(record) + self.terminator
-            if record.levelno < logging.WARNING:
-                try:
-                    loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-                except RuntimeError:
-                    loop = None
-                kept = self._kept
-                if loop is not None and (loop is self._loop or not kept) and len(kept) < TURN_LINES:
-                    kept.append(line)
-                    if loop is not self._loop:
-                        self._loop = loop
-                        loop.call_soon(self._turn_end, loop)
-                    return
-            self._write(line)
+            self._put(self.format(record) + self.terminator, record.levelno)
         except RecursionError:
             raise
         except Exception:
             self.handleError(record)
+
+    def line(self, levelno: int, name: str, message: str, fields: dict[str, object]) -> None:
+        """What `emit` does with the record logger `name` would make of these, without making it.
+
+        Only for the handler `sole_handler` found: its formatter is iop's, it has no filter.
+        """
+        formatter = self.formatter
+        assert isinstance(formatter, TextFormatter | JsonFormatter)
+        self.acquire()
+        try:
+            self._put(formatter.line(time.time(), levelno, name, message, fields) + self.terminator, levelno)
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(logging.makeLogRecord({"name": name, "msg": message, "levelno": levelno}))
+        finally:
+            self.release()
+
+    def _put(self, line: str, levelno: int) -> None:
+        if levelno < logging.WARNING:
+            try:
+                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            kept = self._kept
+            if loop is not None and (loop is self._loop or not kept) and len(kept) < TURN_LINES:
+                kept.append(line)
+                if loop is not self._loop:
+                    self._loop = loop
+                    loop.call_soon(self._turn_end, loop)
+                return
+        self._write(line)
 
     def _write(self, line: str = "") -> None:
         kept = self._kept
@@ -148,6 +188,32 @@ class TurnHandler(logging.StreamHandler[TextIO]):
             self.flush()
         finally:
             super().close()
+
+
+def sole_handler(logger: logging.Logger, levelno: int) -> TurnHandler | None:
+    """The one handler a record of `logger` at `levelno` would reach, when nothing else could see it.
+
+    That is: one `TurnHandler` with iop's formatter, no filter on it or on the loggers on the way,
+    the default record factory. A line for it then needs no `LogRecord` (`TurnHandler.line`), the
+    cost of most of an access line. Anything else (another handler, pytest's capture, a filter):
+    None, and the caller logs the record.
+    """
+    if logger.disabled or logging.getLogRecordFactory() is not logging.LogRecord:
+        return None
+    found: TurnHandler | None = None
+    lg: logging.Logger | None = logger
+    while lg is not None:
+        if lg.filters:
+            return None
+        for h in lg.handlers:
+            if levelno >= h.level:
+                if found is not None or type(h) is not TurnHandler or h.filters:
+                    return None
+                if type(h.formatter) not in (TextFormatter, JsonFormatter):
+                    return None
+                found = h
+        lg = lg.parent if lg.propagate else None
+    return found
 
 
 def handler(fmt: str = "text", stream: TextIO | None = None) -> TurnHandler:

@@ -7,7 +7,7 @@ import io
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -77,13 +77,17 @@ async def test_logs_many_access_lines_of_one_loop_turn_arrive_complete_in_order_
     access: tuple[logging.Logger, Writes],
 ) -> None:
     log, stream = access
+    (handler,) = [h for h in log.handlers if isinstance(h, logs.TurnHandler)]
     for i in range(200):
-        log.info("req_%03d alias pool n1/p1 200 1.0ms queue=0.1ms tokens=1/2", i)
+        if i % 2:  # as the edge writes its access line (no record), between records of the same logger
+            handler.line(logging.INFO, "iop.access", f"req_{i:03d} alias pool n1/p1 200 1.0ms tokens=1/2", {})
+        else:
+            log.info("req_%03d alias pool n1/p1 200 1.0ms tokens=1/2", i)
     assert stream.writes == []  # kept until the turn ends
     await turn_ends(stream)
     assert len(stream.writes) == 1
     assert [line.split(" ")[4] for line in stream.lines()] == [f"req_{i:03d}" for i in range(200)]
-    assert all(line.endswith(" tokens=1/2") for line in stream.lines())
+    assert all(" INFO iop.access: req_" in line and line.endswith(" tokens=1/2") for line in stream.lines())
 
     # More than a turn may keep: written as they fill up, the order the same.
     stream.writes.clear()
@@ -157,6 +161,50 @@ def test_logs_text_and_json_times_are_the_logging_module_s_with_the_second_kept(
             "logger": "iop.access",
             "message": "req_x y",
         }
+
+
+@pytest.mark.parametrize("fmt", logs.FORMATS)
+def test_logs_a_line_without_a_record_is_the_line_of_its_record(fmt: str) -> None:
+    formatter = logs.handler(fmt).formatter
+    assert isinstance(formatter, logs.TextFormatter | logs.JsonFormatter)
+    fields: dict[str, object] = {"request_id": "req_1", "status": 200, "queue_ms": 0.25, "key": None, "x": "\u00e9\n"}
+    for level in (logging.INFO, logging.DEBUG):
+        record = logging.Logger("iop.access").makeRecord(
+            "iop.access", level, __file__, 0, "req_1 m pool n/p 200", (), None, "f", {"fields": fields}
+        )
+        assert formatter.line(record.created, level, "iop.access", "req_1 m pool n/p 200", fields) == formatter.format(
+            record
+        )
+
+
+def test_logs_a_line_goes_without_a_record_only_where_nothing_else_would_see_the_record() -> None:
+    top, access = logging.Logger("top"), logging.Logger("top.access")  # outside logging's tree (and pytest's)
+    access.parent = top
+    ours = logs.handler("text", Writes())
+    top.addHandler(ours)
+    assert logs.sole_handler(access, logging.INFO) is ours
+    access.propagate = False
+    assert logs.sole_handler(access, logging.INFO) is None  # nothing would: logging's last resort says so
+    access.propagate = True
+    ours.setLevel(logging.WARNING)
+    assert logs.sole_handler(access, logging.INFO) is None
+    ours.setLevel(logging.NOTSET)
+    spoilers: list[Callable[[], object]] = [
+        lambda: access.addFilter(lambda r: True),
+        lambda: ours.addFilter(lambda r: True),
+        lambda: top.addHandler(logging.NullHandler()),  # a second handler (pytest's capture, an operator's)
+        lambda: ours.setFormatter(logging.Formatter("%(message)s")),
+    ]
+    for spoil in spoilers:
+        spoil()
+        assert logs.sole_handler(access, logging.INFO) is None
+        access.filters.clear()
+        ours.filters.clear()
+        top.handlers[:] = [ours]
+        ours.setFormatter(logs.TextFormatter())
+        assert logs.sole_handler(access, logging.INFO) is ours
+    access.disabled = True
+    assert logs.sole_handler(access, logging.INFO) is None
 
 
 async def test_logs_every_access_line_of_an_edge_stopped_by_sigterm_is_in_its_output(tmp_path: Path) -> None:

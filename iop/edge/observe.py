@@ -13,7 +13,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Literal
 
-from iop import wire
+from iop import logs, wire
 from iop.edge.ledger import LedgerWriter, RequestRecord
 from iop.edge.metrics import Metrics
 from iop.tracing import trace_id
@@ -174,13 +174,15 @@ class Observer:
             fields = access_fields(rec)
             if trace.method:
                 fields["method"], fields["path"] = trace.method, trace.path
-            # The record `access_log.info` makes, less its walk up the stack for the caller's line.
             line = access_line(rec, trace.method, trace.path)
-            access_log.handle(
-                access_log.makeRecord(
-                    access_log.name, logging.INFO, __file__, 0, line, (), None, "finish", {"fields": fields}
+            sole = logs.sole_handler(access_log, logging.INFO)
+            if sole is not None:  # the edge as `iop edge` sets it up: the line, and no record to make
+                sole.line(logging.INFO, access_log.name, line, fields)
+            else:  # the record `access_log.info` makes, less its walk up the stack for the caller's line
+                extra = {"fields": fields}
+                access_log.handle(
+                    access_log.makeRecord(access_log.name, logging.INFO, __file__, 0, line, (), None, "finish", extra)
                 )
-            )
         return rec
 
 
