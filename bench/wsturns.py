@@ -91,13 +91,14 @@ async def _http_session(port: int, model: str, opts: WsTurnsOptions) -> list[flo
 class _Socket(asyncio.Protocol):
     """A bare WebSocket client, as cheap per frame as bench/load.py's HTTP client is per read: the
     arms then differ by what iop does, not by the clients' own parsing. Text frames out (masked
-    with a zero key, which RFC 6455 permits: the server unmasks as usual), frames in, unfragmented."""
+    with a zero key, which RFC 6455 permits: the server unmasks as usual), frames in, unfragmented,
+    each with the clock when its read arrived (as the HTTP client times an answer's last read)."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.upgraded: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.frames: asyncio.Queue[bytes] = asyncio.Queue()
+        self.frames: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -105,9 +106,10 @@ class _Socket(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.upgraded.done():
             self.upgraded.set_exception(ConnectionError("closed before the upgrade"))
-        self.frames.put_nowait(b"")
+        self.frames.put_nowait((load.clock(), b""))
 
     def data_received(self, data: bytes) -> None:
+        now = load.clock()
         self.buf += data
         if not self.upgraded.done():
             end = self.buf.find(b"\r\n\r\n")
@@ -130,18 +132,19 @@ class _Socket(asyncio.Protocol):
                 n, at = int.from_bytes(self.buf[2:10], "big"), 10
             if len(self.buf) < at + n:
                 return
-            self.frames.put_nowait(bytes(self.buf[at : at + n]))
+            self.frames.put_nowait((now, bytes(self.buf[at : at + n])))
             del self.buf[: at + n]
 
-    def send_text(self, text: bytes) -> None:
-        n = len(text)
-        length = (
-            bytes([0x80 | n])
-            if n < 126
-            else (bytes([0xFE]) + n.to_bytes(2, "big") if n < 65536 else bytes([0xFF]) + n.to_bytes(8, "big"))
-        )
-        assert self.transport is not None
-        self.transport.write(b"\x81" + length + b"\0\0\0\0" + text)
+
+def _text_frame(text: bytes) -> bytes:
+    """A client's text frame of `text`, masked with a zero key."""
+    n = len(text)
+    length = (
+        bytes([0x80 | n])
+        if n < 126
+        else (bytes([0xFE]) + n.to_bytes(2, "big") if n < 65536 else bytes([0xFF]) + n.to_bytes(8, "big"))
+    )
+    return b"\x81" + length + b"\0\0\0\0" + text
 
 
 async def _ws_session(port: int, model: str, opts: WsTurnsOptions) -> list[float]:
@@ -161,15 +164,16 @@ async def _ws_session(port: int, model: str, opts: WsTurnsOptions) -> list[float
             event["input"] = [_item(t, opts.output_bytes)]
             if previous is not None:
                 event["previous_response_id"] = previous
+            frame = _text_frame(json.dumps(event, separators=(",", ":")).encode())
             t0 = load.clock()
-            sock.send_text(json.dumps(event, separators=(",", ":")).encode())
+            sock.transport.write(frame)
             while True:
-                frame = await asyncio.wait_for(sock.frames.get(), 30)
+                arrived, frame = await asyncio.wait_for(sock.frames.get(), 30)
                 if b'"response.completed"' in frame[:64]:
                     break
                 if not frame or b'"error"' in frame[:64] or b'"response.failed"' in frame[:64]:
                     raise RuntimeError(f"turn {t} over WebSocket: {frame[:300]!r}")
-            out.append(1000 * (load.clock() - t0))
+            out.append(1000 * (arrived - t0))
             previous = json.loads(frame)["response"]["id"]
     finally:
         assert sock.transport is not None
