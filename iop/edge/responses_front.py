@@ -91,12 +91,20 @@ class ResponsesFront:
             await self.endpoint(scope, receive, send)
             return
         body, seen = await buffer_body(scope, receive, self.edge.max_body_bytes, self.edge.bodies)
-        # A whole body goes on as the one message it now is: the endpoint need not join its pieces again.
-        replay = replaying([_whole(body)] if body is not None else seen, receive)
+        if body is None:
+            # Over the limit (or the client left): the endpoint's own check says which.
+            await self.endpoint(scope, replaying(seen, receive), send)
+            return
         del seen
+        await self.serve(scope, body, receive, send)
+
+    async def serve(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        """Answer the POST whose whole body is `body` (read already: `receive` gives what the client
+        says next). iop/edge/websocket.py runs each of its turns here."""
         request = self._owned(scope, body)
         if request is None:
-            await self.endpoint(scope, replay, send)
+            # A whole body goes on as the one message it is: the endpoint need not join pieces again.
+            await self.endpoint(scope, replaying([_whole(body)], receive), send)
             return
         owner = self.edge.owner(scope)
         try:
@@ -110,7 +118,7 @@ class ResponsesFront:
                 request = compaction.expand(request, self.edge.sealer, owner, foreign=native)
             if compaction.ends_with_trigger(request):
                 items = (compaction.input_items(request) or [])[:-1]
-                sealed, usage = await self.summarise(scope, replay, request, items)
+                sealed, usage = await self.summarise(scope, receive, request, items)
                 # Kept as the start of a conversation: what follows it reads the summary, not the
                 # window it replaces (nor the trigger).
                 kept = request.get("store", True) is True and self.edge.responses.store is not None
@@ -118,16 +126,16 @@ class ResponsesFront:
                 item = compaction.compaction_item(sealed)
                 await send_response(send, request, [item], usage, self.edge.responses, owner, turn)
                 return
-            await call_endpoint(self.endpoint, scope, replay, _encode(request), send)
+            await call_endpoint(self.endpoint, scope, receive, _encode(request), send)
         except Relayed as answer:
             await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
             await send({"type": "http.response.body", "body": answer.body})
         except RequestError as exc:
             await send_error(send, error_response(exc))
 
-    def _owned(self, scope: Scope, body: bytes | None) -> dict[str, Any] | None:
+    def _owned(self, scope: Scope, body: bytes) -> dict[str, Any] | None:
         """The request, when it is one for this module; None sends it to the endpoint as it came."""
-        if body is None or (b'"generate"' not in body and b"compaction" not in body):
+        if b'"generate"' not in body and b"compaction" not in body:
             return None
         try:
             request = _decode(body)

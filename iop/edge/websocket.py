@@ -20,15 +20,16 @@ a refused event after it is an `error` event, and the socket stays open.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iop import config
+from iop.edge import ws_turn
 from iop.edge.bodies import ReceivingBodies
 from iop.edge.observe import new_request_id
-from iop.edge.responses_front import call_endpoint
+from iop.edge.responses_front import ResponsesFront
 from iop.edge.ws_protocol import TEXTS
 from iop.errors import (
     BadRequest,
@@ -38,14 +39,12 @@ from iop.errors import (
     Unavailable,
     error_response,
 )
-from iop.openai.sse import SseDecoder
 from iop.responses.expand import Responses
 
 MAX_WAITING = 16
 """`response.create` events a socket may send ahead of the one running (more closes it: 1008)."""
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
-_ENDED = frozenset({"response.completed", "response.incomplete", "response.failed"})
 # The handshake's headers that describe the socket, not a request body.
 _NOT_FORWARDED = frozenset(
     {b"content-length", b"content-type", b"upgrade", b"connection", b"sec-websocket-key", b"sec-websocket-version"}
@@ -70,9 +69,9 @@ class SocketEdge(Protocol):
 class Sockets:
     """WebSocket handshakes: `/v1/responses` gets its socket, every other path an HTTP refusal."""
 
-    def __init__(self, edge: SocketEdge, responses: ASGIApp, posts: frozenset[str], app: ASGIApp) -> None:
+    def __init__(self, edge: SocketEdge, front: ResponsesFront, posts: frozenset[str], app: ASGIApp) -> None:
         self.edge = edge
-        self.responses = responses
+        self.front = front
         self.posts = posts
         """Paths that answer POST only: a handshake there is a 405 with `Allow: POST`."""
         self.app = app
@@ -83,7 +82,7 @@ class Sockets:
             return
         path = scope["path"]
         if path == "/v1/responses":
-            await ResponsesSocket(self.edge, self.responses, scope, receive, send).run()
+            await ResponsesSocket(self.edge, self.front, scope, receive, send).run()
         elif path in self.posts:
             await refuse(send, MethodNotAllowed(f"{path} has no WebSocket mode; use POST", headers={"Allow": "POST"}))
         else:
@@ -109,15 +108,16 @@ class _Last(msgspec.Struct):
     """The socket's last response: what a `previous_response_id` naming it stands for."""
 
     id: str
-    items: list[Any]
+    items: bytes
+    """Its input and output items, comma-joined JSON, as they came."""
 
 
 class ResponsesSocket:
     """One WebSocket connection on `/v1/responses` (see the module's docstring)."""
 
-    def __init__(self, edge: SocketEdge, responses: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    def __init__(self, edge: SocketEdge, front: ResponsesFront, scope: Scope, receive: Receive, send: Send) -> None:
         self.edge = edge
-        self.responses = responses
+        self.front = front
         self.scope = scope
         self._receive = receive
         self.send = send
@@ -166,56 +166,43 @@ class ResponsesSocket:
     async def turn(self, message: Message) -> None:
         """One client event: a response run to its end, or an `error` frame."""
         try:
-            request = self.request_of(message)
+            body, items = self.request_of(message)
         except RequestError as exc:
             await self.frame(error_frame(exc))
             return
-        await self.respond(request)
+        await self.respond(body, items)
 
-    def request_of(self, message: Message) -> dict[str, Any]:
+    def request_of(self, message: Message) -> tuple[bytes, bytes]:
+        """The event's request as the POST body to run, and its whole input's items (comma-joined JSON)."""
         text = message.get("text")
-        data = text.encode() if isinstance(text, str) else message.get("bytes") or b""
-        try:
-            event = _decode(data)
-        except msgspec.DecodeError as exc:
-            raise BadRequest(f"the event is not valid JSON: {exc}", code="invalid_json") from None
-        if not isinstance(event, dict) or event.get("type") != "response.create":
-            raise BadRequest("send events of type 'response.create'", param="type", code="invalid_event")
-        # The request's fields beside "type"; an earlier form nested them under "response".
-        nested = event.get("response")
-        request = dict(nested) if isinstance(nested, dict) else {k: v for k, v in event.items() if k != "type"}
-        request["stream"] = True  # a socket's answer is its events
-        return self.continued(request)
-
-    def continued(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The request with the socket's last response in front of its input, when it continues that one."""
-        previous = request.get("previous_response_id")
-        if not isinstance(previous, str):
-            return request
+        fields = ws_turn.event_fields(text.encode() if isinstance(text, str) else message.get("bytes") or b"")
+        previous = ws_turn.string_of(fields.get("previous_response_id"))
+        items = ws_turn.items_of(fields.get("input"))
+        if previous is None:
+            return ws_turn.body_of(fields, None), items
         if self.last is not None and previous == self.last.id:
-            del request["previous_response_id"]
-            request["input"] = [*self.last.items, *_items(request.get("input"))]
-            # OpenAI: the previous response's instructions are not carried over; the new ones apply.
-            return request
+            # The socket's last response in front of the new input. OpenAI: the previous response's
+            # instructions are not carried over; the new ones apply.
+            items = ws_turn.joined(self.last.items, items)
+            return ws_turn.body_of(fields, items), items
         if previous in self.made:
             raise BadRequest(
                 f"previous response '{previous}' is not the last one on this socket; only the last is kept",
                 param="previous_response_id",
                 code="previous_response_not_found",
             )
-        return request  # not this socket's: the endpoint (and the store) decide
+        return ws_turn.body_of(fields, None), items  # not this socket's: the endpoint (and the store) decide
 
-    async def respond(self, request: dict[str, Any]) -> None:
-        """Run `request` through the endpoint, each SSE event out as a text frame."""
+    async def respond(self, body: bytes, items: bytes) -> None:
+        """Run `body` through the Responses front, the texts of its events out as text frames."""
         scope = {**self.scope, "type": "http", "method": "POST", "headers": self.headers}
         scope["iop.request_id"] = new_request_id()
-        decoder = SseDecoder()
+        events = ws_turn.SseFrames()
         status = 200
         refused: list[bytes] = []
-        ended: dict[str, Any] | None = None
 
         async def relay(message: Message) -> None:
-            nonlocal status, ended
+            nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
                 return
@@ -223,35 +210,25 @@ class ResponsesSocket:
             if status != 200:
                 refused.append(data)
                 return
-            events = decoder.feed(data) if data else []
-            if not message.get("more_body", False):
-                events += decoder.finish()
-            texts: list[str] = []
-            for event in events:
-                if event.data == b"[DONE]":
-                    continue
-                if event.event in _ENDED:
-                    ended = _decode(event.data)
-                texts.append(event.data.decode())
-            await self.frames(texts)
+            texts = events.feed(data, message.get("more_body", False))
+            if texts:
+                await self.frames(texts)
 
-        await call_endpoint(self.responses, scope, self.receive_during, _encode(request), relay)
+        await self.front.serve(scope, body, self.receive_during, relay)
         if status != 200:
             await self.frame(_refused_frame(status, b"".join(refused)))
             return
-        self.remember(request, ended)
+        self.remember(items, ws_turn.ended_of(events.ended))
 
-    def remember(self, request: dict[str, Any], ended: dict[str, Any] | None) -> None:
-        response = ended.get("response") if ended is not None else None
-        if not isinstance(response, dict) or not isinstance(response.get("id"), str):
+    def remember(self, items: bytes, ended: ws_turn.Ended | None) -> None:
+        if ended is None:
             return
-        self.made.add(response["id"])
-        output = response.get("output") or []
-        if output and all(isinstance(i, dict) and i.get("type") == "compaction" for i in output):
+        self.made.add(ended.id)
+        if ended.compaction:
             # A compaction answer replaces the window (and its trigger): what follows reads the summary.
-            self.last = _Last(response["id"], list(output))
-        elif response.get("status") in ("completed", "incomplete"):
-            self.last = _Last(response["id"], [*_items(request.get("input")), *output])
+            self.last = _Last(ended.id, ended.output)
+        elif ended.status in ("completed", "incomplete"):
+            self.last = _Last(ended.id, ws_turn.joined(items, ended.output))
         else:
             self.last = None
 
@@ -278,17 +255,15 @@ class ResponsesSocket:
             self.held += size
             self.waiting.append(message)
 
-    async def frames(self, texts: list[str]) -> None:
+    async def frames(self, texts: list[bytes]) -> None:
         """Each text its own frame; together in one message where the connection takes a list."""
-        if not texts:
+        if TEXTS in self.scope.get("extensions", {}):
+            await self.frame(texts=texts)
             return
-        if len(texts) == 1 or TEXTS not in self.scope.get("extensions", {}):
-            for text in texts:
-                await self.frame(text)
-            return
-        await self.frame(texts=texts)
+        for text in texts:
+            await self.frame(text.decode())
 
-    async def frame(self, text: str = "", texts: list[str] | None = None) -> None:
+    async def frame(self, text: str = "", texts: list[bytes] | None = None) -> None:
         if self.closed:
             return
         message = (
@@ -308,12 +283,6 @@ def _size(message: Message) -> int:
         return len(text)  # characters: close enough to bytes for a budget, and no copy
     data = message.get("bytes")
     return len(data) if isinstance(data, bytes) else 0
-
-
-def _items(value: object) -> list[Any]:
-    if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
-    return list(value) if isinstance(value, list) else []
 
 
 def _refused_frame(status: int, body: bytes) -> str:

@@ -1,6 +1,5 @@
 """The edge's WebSocket connections (WebSocket mode of `/v1/responses`): uvicorn's wsproto protocol,
-counted in the HTTP connection limits, framing the messages it sends itself and writing the frames
-of one turn of the event loop together."""
+counted in the HTTP connection limits, framing the messages it sends itself."""
 
 from __future__ import annotations
 
@@ -14,59 +13,27 @@ from wsproto.connection import ConnectionState
 from iop.edge.http import HttpLimits
 
 TEXTS = "iop.texts"
-"""A `websocket.send` may carry a list of texts under this key, each its own frame, written at once;
-the connection's scope names it among its `extensions` (iop/edge/websocket.py sends an answer's
-events so)."""
+"""A `websocket.send` may carry a list of texts under this key, UTF-8 bytes, each its own frame,
+written at once; the connection's scope names it among its `extensions` (iop/edge/websocket.py
+sends the events of each piece of an answer so)."""
 
 
-def ws_frame(opcode: int, payload: bytes) -> bytes:
-    """One unfragmented, unmasked WebSocket frame (RFC 6455 section 5.2): a server's frame."""
-    n = len(payload)
+def frame_head(opcode: int, n: int) -> bytes:
+    """The header of one unfragmented, unmasked WebSocket frame of `n` bytes (RFC 6455 section 5.2)."""
     if n < 126:
-        head = bytes((0x80 | opcode, n))
-    elif n < 65536:
-        head = bytes((0x80 | opcode, 126)) + n.to_bytes(2, "big")
-    else:
-        head = bytes((0x80 | opcode, 127)) + n.to_bytes(8, "big")
-    return head + payload
+        return bytes((0x80 | opcode, n))
+    if n < 65536:
+        return bytes((0x80 | opcode, 126)) + n.to_bytes(2, "big")
+    return bytes((0x80 | opcode, 127)) + n.to_bytes(8, "big")
 
 
-class TurnWrites:
-    """A connection's transport whose writes within one turn of the event loop leave together.
-
-    A WebSocket answer is one frame per event, and the events of one reply from the node arrive
-    together: uvicorn writes each frame at once, a system call (and a wake-up of the client) per
-    event. Here they are joined and written when the turn's callbacks have run.
-    """
-
-    __slots__ = ("_parts", "_transport")
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        self._parts: list[bytes | bytearray | memoryview] = []
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        if not self._parts:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._parts.append(data)
-
-    def _flush(self) -> None:
-        parts, self._parts = self._parts, []
-        if parts and not self._transport.is_closing():
-            self._transport.write(parts[0] if len(parts) == 1 else b"".join(parts))
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(len(p) for p in self._parts)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
+def text_frames(texts: list[bytes]) -> bytes:
+    """Server text frames of `texts`, one each, as one piece."""
+    parts: list[bytes] = []
+    for text in texts:
+        parts.append(frame_head(0x1, len(text)))
+        parts.append(text)
+    return b"".join(parts)
 
 
 def ws_protocol_class(limits: HttpLimits) -> type[asyncio.Protocol]:
@@ -88,9 +55,6 @@ class LimitedWebSocketProtocol(WSProtocol):
 
     limits: HttpLimits = HttpLimits()
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(TurnWrites(transport))  # type: ignore[arg-type]
-
     async def send(self, message: Any) -> None:
         """A text or binary message of an open connection framed here: one header and the payload,
         as wsproto would frame it (the edge negotiates no extension: `ws_per_message_deflate` is
@@ -107,11 +71,12 @@ class LimitedWebSocketProtocol(WSProtocol):
             return
         texts = message.get(TEXTS)
         if texts is not None:
-            frame = b"".join(ws_frame(0x1, text.encode()) for text in texts)
+            frame = text_frames(texts)
         elif (text := message.get("text")) is not None:
-            frame = ws_frame(0x1, text.encode())
+            frame = text_frames([text.encode()])
         else:
-            frame = ws_frame(0x2, bytes(message.get("bytes") or b""))
+            payload = bytes(message.get("bytes") or b"")
+            frame = frame_head(0x2, len(payload)) + payload
         if not self.transport.is_closing():
             self.transport.write(frame)
 
