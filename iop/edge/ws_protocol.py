@@ -27,11 +27,15 @@ def frame_head(opcode: int, n: int) -> bytes:
     return bytes((0x80 | opcode, 127)) + n.to_bytes(8, "big")
 
 
+_TEXT_HEADS = [frame_head(0x1, n) for n in range(126)]
+
+
 def text_frames(texts: list[bytes]) -> bytes:
     """Server text frames of `texts`, one each, as one piece."""
     parts: list[bytes] = []
     for text in texts:
-        parts.append(frame_head(0x1, len(text)))
+        n = len(text)
+        parts.append(_TEXT_HEADS[n] if n < 126 else frame_head(0x1, n))
         parts.append(text)
     return b"".join(parts)
 

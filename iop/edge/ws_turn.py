@@ -168,18 +168,20 @@ class SseFrames:
     def _texts(self, data: bytes) -> list[bytes]:
         """The events of `data`, which starts with an event (and, but at the answer's end, ends with one)."""
         data = _utf8(data)
-        texts: list[bytes] = []
-        at = 0
-        for match in _EVENT.finditer(data):
-            if match.start() != at:
-                break
-            at = match.end()
-            self._text(match[1], match[2], texts)
-        if at < len(data):  # a shape the expression does not cover: comments, ids, several data lines
+        parts = _EVENT.split(data)  # [before, name, text, between, name, text, ..., after]
+        if any(parts[::3]):
+            # A shape the expression does not cover (comments, ids, several data lines): the parser.
             decoder = SseDecoder()
-            for event in decoder.feed(data[at:]) + decoder.finish():
+            texts: list[bytes] = []
+            for event in decoder.feed(data) + decoder.finish():
                 self._text(None if event.event is None else event.event.encode(), event.data, texts)
-        return texts
+            return texts
+        names, texts = parts[1::3], parts[2::3]
+        if not _ENDED.isdisjoint(names) or None in names:
+            for name, text in zip(names, texts, strict=True):
+                if name in _ENDED or (name is None and _ENDED_DATA.match(text)):
+                    self.ended = text
+        return [t for t in texts if t != b"[DONE]"] if b"[DONE]" in texts else texts
 
     def _text(self, name: bytes | None, text: bytes, texts: list[bytes]) -> None:
         if text == b"[DONE]":
