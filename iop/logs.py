@@ -135,6 +135,11 @@ class TurnHandler(logging.StreamHandler[TextIO]):
         finally:
             self.release()
 
+    @property
+    def shows_fields(self) -> bool:
+        """Whether a record's `fields` (an access line's) are in its line (JSON) or not (text)."""
+        return isinstance(self.formatter, JsonFormatter)
+
     def _put(self, line: str, levelno: int) -> None:
         if levelno < logging.WARNING:
             try:

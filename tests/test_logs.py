@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -207,11 +208,12 @@ def test_logs_a_line_goes_without_a_record_only_where_nothing_else_would_see_the
     assert logs.sole_handler(access, logging.INFO) is None
 
 
-async def test_logs_every_access_line_of_an_edge_stopped_by_sigterm_is_in_its_output(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fmt", logs.FORMATS)
+async def test_logs_every_access_line_of_an_edge_stopped_by_sigterm_is_in_its_output(tmp_path: Path, fmt: str) -> None:
     path = tmp_path / "deployment.yaml"
     path.write_text(DEPLOYMENT.format(store=tmp_path / "store"))
     ids: list[str] = []
-    async with iop_process("edge", "--config", str(path), "--log-format", "json", cwd=tmp_path) as edge:
+    async with iop_process("edge", "--config", str(path), "--log-format", fmt, cwd=tmp_path) as edge:
         url = (await edge.wait_line(r"iop edge listening on (http://\S+)")).group(1)
         nats_url = (await edge.wait_line(r"nats=(\S+)")).group(1)
         async with (
@@ -231,8 +233,14 @@ async def test_logs_every_access_line_of_an_edge_stopped_by_sigterm_is_in_its_ou
                 ids += await asyncio.gather(*(ask("sim" if i % 4 else "nope") for i in range(40)))
         await edge.stop(15)
         assert edge.proc.returncode == 0, edge.stderr[-20:]
-    logged = [json.loads(line) for line in edge.stderr if line.startswith("{")]
-    access_lines = [x for x in logged if x["logger"] == "iop.access"]
-    assert sorted(x["request_id"] for x in access_lines) == sorted(ids)
-    assert {x["status"] for x in access_lines} == {200, 404}
-    assert all(x["message"].startswith(x["request_id"] + " ") for x in access_lines)
+    if fmt == "json":
+        logged = [json.loads(line) for line in edge.stderr if line.startswith("{")]
+        access_lines = [x for x in logged if x["logger"] == "iop.access"]
+        assert all(x["message"].startswith(x["request_id"] + " ") for x in access_lines)
+        assert {x["status"] for x in access_lines} == {200, 404}
+        assert sorted(x["request_id"] for x in access_lines) == sorted(ids)
+    else:
+        texts = [line.split(" INFO iop.access: ", 1)[1] for line in edge.stderr if " INFO iop.access: " in line]
+        # `req_… alias-or-asked route node/provider status duration queue=… tokens=…`
+        assert {m.group(1) for t in texts if (m := re.search(r" (\d{3}) [\d.]+ms queue=", t))} == {"200", "404"}
+        assert sorted(t.split(" ", 1)[0] for t in texts) == sorted(ids)

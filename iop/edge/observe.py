@@ -171,19 +171,26 @@ class Observer:
         if self.ledger is not None and rec.status != 401:
             self.ledger.add(rec)
         if access_log.isEnabledFor(logging.INFO):
-            fields = access_fields(rec)
-            if trace.method:
-                fields["method"], fields["path"] = trace.method, trace.path
-            line = access_line(rec, trace.method, trace.path)
-            sole = logs.sole_handler(access_log, logging.INFO)
-            if sole is not None:  # the edge as `iop edge` sets it up: the line, and no record to make
-                sole.line(logging.INFO, access_log.name, line, fields)
-            else:  # the record `access_log.info` makes, less its walk up the stack for the caller's line
-                extra = {"fields": fields}
-                access_log.handle(
-                    access_log.makeRecord(access_log.name, logging.INFO, __file__, 0, line, (), None, "finish", extra)
-                )
+            _log_access(rec, trace)
         return rec
+
+
+def _log_access(rec: RequestRecord, trace: Trace) -> None:
+    line = access_line(rec, trace.method, trace.path)
+    sole = logs.sole_handler(access_log, logging.INFO)
+    if sole is not None and not sole.shows_fields:  # `iop edge`, text: the line, no record, no fields
+        sole.line(logging.INFO, access_log.name, line, {})
+        return
+    fields = access_fields(rec)
+    if trace.method:
+        fields["method"], fields["path"] = trace.method, trace.path
+    if sole is not None:  # `iop edge --log-format json`
+        sole.line(logging.INFO, access_log.name, line, fields)
+    else:  # the record `access_log.info` makes, less its walk up the stack for the caller's line
+        extra = {"fields": fields}
+        access_log.handle(
+            access_log.makeRecord(access_log.name, logging.INFO, __file__, 0, line, (), None, "_log_access", extra)
+        )
 
 
 _UNPRINTABLE = re.compile(rb"[^\x21-\x7e]")
