@@ -168,14 +168,25 @@ def test_logs_text_and_json_times_are_the_logging_module_s_with_the_second_kept(
 def test_logs_a_line_without_a_record_is_the_line_of_its_record(fmt: str) -> None:
     formatter = logs.handler(fmt).formatter
     assert isinstance(formatter, logs.TextFormatter | logs.JsonFormatter)
-    fields: dict[str, object] = {"request_id": "req_1", "status": 200, "queue_ms": 0.25, "key": None, "x": "\u00e9\n"}
-    for level in (logging.INFO, logging.DEBUG):
-        record = logging.Logger("iop.access").makeRecord(
-            "iop.access", level, __file__, 0, "req_1 m pool n/p 200", (), None, "f", {"fields": fields}
-        )
-        assert formatter.line(record.created, level, "iop.access", "req_1 m pool n/p 200", fields) == formatter.format(
-            record
-        )
+    plain: dict[str, object] = {
+        "request_id": "req_1",
+        "alias": 'a "quoted" \\ alias\t',
+        "status": 200,
+        "error": None,
+        "duration_ms": 1234.567,
+        "queue_ms": 0.001,
+        "ttfb_ms": 0.0,
+        "input_tokens": 120_000,
+        "cancelled": False,
+    }
+    # json escapes what msgspec writes as it is: non-ASCII, DEL.
+    for fields in (plain, {**plain, "alias": "caf\u00e9 \u2028"}, {**plain, "alias": "del\x7f"}):
+        for level in (logging.INFO, logging.DEBUG):
+            message = f"req_1 {fields['alias']} pool n/p 200"
+            record = logging.Logger("iop.access").makeRecord(
+                "iop.access", level, __file__, 0, message, (), None, "f", {"fields": fields}
+            )
+            assert formatter.line(record.created, level, "iop.access", message, fields) == formatter.format(record)
 
 
 def test_logs_a_line_goes_without_a_record_only_where_nothing_else_would_see_the_record() -> None:
