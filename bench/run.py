@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             to = TracingOptions(rounds=1 if a.quick else 3, seconds=1.5 if a.quick else 3.0, archive=a.archive)
             attempt("tracing", lambda: run_tracing(owned, workdir, to))
         if "wsturns" in only:
-            wo = WsTurnsOptions(rounds=2 if a.quick else 6, turns=10 if a.quick else 20)
+            wo = WsTurnsOptions(rounds=a.rounds or (2 if a.quick else 6), turns=10 if a.quick else 20)
             attempt("wsturns", lambda: run_wsturns(owned, workdir, wo))
         if "chain" in only:
             ch = ChainOptions.quick() if a.quick else ChainOptions()
