@@ -9,8 +9,10 @@ import random
 
 import msgspec
 import pytest
+from wsproto.frame_protocol import FrameProtocol
 
 from iop.edge import ws_turn
+from iop.edge.ws_protocol import text_frames
 from iop.errors import BadRequest
 from iop.openai.sse import SseDecoder
 
@@ -118,3 +120,9 @@ def test_the_final_event_gives_the_response_the_socket_keeps() -> None:
     assert ended is not None and not ended.compaction
     assert ws_turn.ended_of(b'{"response": {"status": "failed"}}') is None
     assert ws_turn.ended_of(b"not json") is None and ws_turn.ended_of(None) is None
+
+
+def test_text_frames_are_framed_as_wsproto_frames_them() -> None:
+    proto = FrameProtocol(client=False, extensions=[])
+    texts = [b"x" * n for n in (0, 1, 125, 126, 127, 300, 65535, 65536, 70000)]
+    assert text_frames(texts) == b"".join(proto.send_data(t.decode(), fin=True) for t in texts)

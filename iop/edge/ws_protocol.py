@@ -4,6 +4,7 @@ counted in the HTTP connection limits, framing the messages it sends itself."""
 from __future__ import annotations
 
 import asyncio
+import struct
 from typing import Any
 
 from uvicorn.protocols.utils import ClientDisconnected
@@ -28,6 +29,7 @@ def frame_head(opcode: int, n: int) -> bytes:
 
 
 _TEXT_HEADS = [frame_head(0x1, n) for n in range(126)]
+_TEXT_HEAD_16 = struct.Struct(">BBH").pack
 
 
 def text_frames(texts: list[bytes]) -> bytes:
@@ -35,7 +37,7 @@ def text_frames(texts: list[bytes]) -> bytes:
     parts: list[bytes] = []
     for text in texts:
         n = len(text)
-        parts.append(_TEXT_HEADS[n] if n < 126 else frame_head(0x1, n))
+        parts.append(_TEXT_HEADS[n] if n < 126 else _TEXT_HEAD_16(0x81, 126, n) if n < 65536 else frame_head(0x1, n))
         parts.append(text)
     return b"".join(parts)
 
