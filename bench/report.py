@@ -507,6 +507,11 @@ def render(result: dict[str, Any]) -> str:
                     for arm in ("http", "ws")
                 ],
             )
+            + (
+                f"\nWebSocket - HTTP, the same turn of the same round: p50 {_num(wt['ws_minus_http_p50_ms'], 3)} ms"
+                if "ws_minus_http_p50_ms" in wt
+                else ""
+            )
             + f"\nthe edge's CPU per turn (us, all rounds): HTTP {wt['edge_cpu_us_per_turn']['http']},"
             f" WebSocket {wt['edge_cpu_us_per_turn']['ws']}; foreign cores {fmt(wt['foreign_cores'])}"
         )

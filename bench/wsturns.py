@@ -253,5 +253,9 @@ def _summary(times: dict[str, list[list[float]]], busy: list[float], opts: WsTur
         "added_p50_ms": {arm: p(added(arm), 50) for arm in ("http", "ws")},
         "added_p90_ms": {arm: p(added(arm), 90) for arm in ("http", "ws")},
         "added_late_p50_ms": {arm: p(late(arm), 50) for arm in ("http", "ws")},
+        # The two arms' same turn of the same round (neighbours in time): steadier than two medians.
+        "ws_minus_http_p50_ms": p(
+            [w - h for sw, sh in zip(times["ws"], times["http"], strict=True) for w, h in zip(sw, sh, strict=True)], 50
+        ),
         "foreign_cores": spread(busy, 2),  # type: ignore[arg-type]
     }
