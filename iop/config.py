@@ -109,9 +109,7 @@ class QueueSettings(_Strict):
     """The wait queue in front of each pool."""
 
     timeout_s: Annotated[Seconds, Meta(description="Longest a pool request waits for a free slot (then 503).")] = 60.0
-    max_waiting: Annotated[int, Meta(ge=1, description="How many requests may wait per pool; one more gets 429.")] = (
-        1000
-    )
+    max_waiting: Annotated[int, Meta(ge=1, description="Requests that may wait per pool; one more gets 429.")] = 1000
     max_waiting_mb: Annotated[
         float,
         Meta(
@@ -121,6 +119,9 @@ class QueueSettings(_Strict):
         ),
     ] = 256.0
     fair_queueing: Annotated[bool, Meta(description="Fair between tenants (see docs); off: oldest first.")] = True
+    standby: Annotated[
+        int, Meta(ge=0, le=64, description="Requests per provider waiting in the broker while its slots are busy.")
+    ] = 1
 
 
 class HttpSettings(_Strict):

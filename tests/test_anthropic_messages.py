@@ -190,7 +190,7 @@ async def test_messages_upstream_failure_and_full_queue_are_anthropic_errors(
         held = [asyncio.create_task(client.messages.create(model="m", max_tokens=8, messages=HELLO)) for _ in range(2)]
         await up.wait_for(lambda u: u.in_flight == 1)
         pool = h.edge.scheduler.pools["m"]
-        await until(lambda: len(pool.waiters) == 1, h.edge.scheduler.changed)
+        await until(lambda: len(pool.waiters) + pool.standing == 1, h.edge.scheduler.changed)
         with pytest.raises(anthropic.RateLimitError) as full:
             await client.messages.create(model="m", max_tokens=8, messages=HELLO)
         assert full.value.body["error"]["type"] == "rate_limit_error"

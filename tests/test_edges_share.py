@@ -1,4 +1,7 @@
-"""Two edges on one pool: each sees the slots the other holds (from the nodes' heartbeats)."""
+"""Two edges on one pool: each sees the slots the other holds (from the nodes' heartbeats).
+
+These deployments bind every request when a slot frees (`standby: 0`): what they prove is where
+each edge's late binding puts a request; standby across edges is tests/test_standby.py's."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ async def test_an_edge_dispatches_where_the_other_edge_left_a_slot_free(nats_ser
     async with fake_upstream(gate=gate) as up_x, fake_upstream(gate=gate) as up_y:
         dep = deployment(f"""
 edge:
-  queue: {{timeout_s: 30, max_waiting: 100}}
+  queue: {{timeout_s: 30, max_waiting: 100, standby: 0}}
 models: [{{alias: m, pool: [x, y]}}]
 nodes:
   - id: n
@@ -47,7 +50,7 @@ nodes:
             # Two requests at the second edge: one goes to the free provider, the other waits in
             # this edge's FIFO (not in the broker behind the first edge's request).
             more = [asyncio.create_task(http2.post("/v1/chat/completions", json=ask(f"two{i}"))) for i in range(2)]
-            await until(lambda: len(s2.pools["m"].waiters) == 1, s2.changed)
+            await until(lambda: s2.waiting("m") == 1, s2.changed)
             assert s2.providers[free].in_flight == 1 and s2.providers[held].in_flight == 0
             await until(lambda: up_x.in_flight + up_y.in_flight == 2, e2.edge.registry.changed, timeout_s=5)
 
@@ -61,7 +64,7 @@ nodes:
 
 ONE_SLOT = """
 edge:
-  queue: {timeout_s: 30, max_waiting: 100}
+  queue: {timeout_s: 30, max_waiting: 100, standby: 0}
 models: [{alias: m, pool: [x]}]
 nodes:
   - id: n
@@ -91,7 +94,7 @@ async def test_a_slot_another_edge_frees_reaches_this_edges_waiter_without_a_hea
                 await up.wait_for(lambda u: u.in_flight == 1)
                 await eventually(lambda: _true(s2.providers["x"].elsewhere == 1))
                 second = asyncio.create_task(http2.post("/v1/chat/completions", json=ask(f"wait{i}")))
-                await until(lambda: len(s2.pools["m"].waiters) == 1, s2.changed)
+                await until(lambda: s2.waiting("m") == 1, s2.changed)
                 heartbeat = node_seen.last_seen_mono
                 up.gate.set()
                 await until(lambda: not s2.pools["m"].waiters, s2.changed)

@@ -93,7 +93,7 @@ async def test_embeddings_wait_for_the_pools_capacity(nats_server: EmbeddedNats)
         calls = [asyncio.create_task(client.embeddings.create(model="m", input=f"t{i}")) for i in range(5)]
         await up.wait_for(lambda u: u.in_flight == 2)
         pool = h.edge.scheduler.pools["m"]
-        await until(lambda: len(pool.waiters) == 3, h.edge.scheduler.changed)
+        await until(lambda: len(pool.waiters) + pool.standing == 3, h.edge.scheduler.changed)
         assert up.in_flight == 2  # capacity 2: the other three wait on the edge
         gate.set()
         done = await asyncio.gather(*calls)

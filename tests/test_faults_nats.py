@@ -49,13 +49,13 @@ async def test_nats_restart_waiting_requests_are_served_once(tmp_path: Path) -> 
                 for name in ("r3", "r4"):
                     running[name] = asyncio.create_task(http1.post("/v1/chat/completions", json=ask(name)))
                 pool = h1.edge.scheduler.pools["m"]
-                await until(lambda: len(pool.waiters) == 2, h1.edge.scheduler.changed)
+                await until(lambda: len(pool.waiters) + pool.standing == 2, h1.edge.scheduler.changed)
 
                 await server.stop()
                 down = time.monotonic()
                 # One more arrives while NATS is down.
                 running["r5"] = asyncio.create_task(http1.post("/v1/chat/completions", json=ask("r5")))
-                await until(lambda: len(pool.waiters) == 3, h1.edge.scheduler.changed)
+                await until(lambda: len(pool.waiters) + pool.standing == 3, h1.edge.scheduler.changed)
                 # The fault's length, not a synchronisation: down for longer than the edge's
                 # heartbeat timeout, so missing heartbeats must not be taken for lost nodes.
                 await asyncio.sleep(LOST_AFTER_S + 0.5)

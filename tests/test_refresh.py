@@ -125,7 +125,7 @@ async def test_lowering_capacity_under_load_takes_effect_at_the_upstream(nats_se
             info = await h.edge.js.consumer_info(wire.WORK_STREAM, wire.consumer_name("prov-a"))
             assert info.config.max_ack_pending == 1
             more = [asyncio.create_task(http.post("/v1/chat/completions", json=BODY)) for _ in range(4)]
-            await until(lambda: len(h.edge.scheduler.pools["m"].waiters) == 4, h.edge.scheduler.changed)
+            await until(lambda: h.edge.scheduler.waiting("m") == 4, h.edge.scheduler.changed)
             gate.set()
             assert all(x.status_code == 200 for x in await asyncio.gather(*running))  # in flight: not dropped
             a.peak = a.in_flight

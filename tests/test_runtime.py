@@ -216,8 +216,8 @@ async def test_queue_full_answers_429_with_retry_after(nats_server: EmbeddedNats
             running = [asyncio.create_task(http.post("/v1/chat/completions", json=body)) for _ in range(4)]
             await a.wait_for(lambda u: u.in_flight == 1)
             await b.wait_for(lambda u: u.in_flight == 1)
-            pool = h.edge.scheduler.pools["m"]
-            await until(lambda: len(pool.waiters) == 2, h.edge.scheduler.changed)
+            # Two wait: in the pool's queue, or in standby in the broker (edge.queue.standby).
+            await until(lambda: h.edge.scheduler.waiting("m") == 2, h.edge.scheduler.changed)
             r = await http.post("/v1/chat/completions", json=body)
             assert r.status_code == 429
             assert r.headers["retry-after"] == "1"
@@ -287,7 +287,7 @@ async def test_status_shows_the_catalog_once_with_live_counts(nats_server: Embed
 
             # Heartbeats carry the nodes' counts: wait for one that shows them all running.
             await until(lambda: live() == {"prov-a": 1, "prov-b": 2}, reg.changed)
-            await until(lambda: len(h.edge.scheduler.pools["m"].waiters) == 2, h.edge.scheduler.changed)
+            await until(lambda: h.edge.scheduler.waiting("m") == 2, h.edge.scheduler.changed)
             st = await h.status()
             assert sorted(st.providers()) == ["prov-a", "prov-b"]
             assert [n.id for n in st.nodes] == ["node-a", "node-b"]
@@ -370,10 +370,11 @@ nodes:
 async def test_waiting_requests_bodies_are_bounded_per_edge(nats_server: EmbeddedNats) -> None:
     # Before: every waiting request kept its whole body (16 waiting x 30 MiB = +745 MiB), bounded
     # only by max_waiting x max_body_mb (~47 GiB per pool with the defaults).
+    # (standby 0: the second request waits in the edge's queue, not in the broker, so its body counts.)
     gate = asyncio.Event()
     async with fake_upstream(gate=gate) as up:
         text = f"""
-edge: {{queue: {{max_waiting_mb: 0.5}}}}
+edge: {{queue: {{max_waiting_mb: 0.5, standby: 0}}}}
 models: [{{alias: m, pool: [p]}}]
 nodes:
   - id: n

@@ -352,14 +352,15 @@ async def test_ui_burst_fills_and_drains_the_pool(nats_server: EmbeddedNats, pag
         burst = [asyncio.create_task(ask()) for _ in range(14)]
         try:
             # Ten slots busy (2 + 4 + 4), four requests waiting: the bars are full and the count shows.
+            # Three of the four stand by in the broker, one per provider (edge.queue.standby: 1).
             # A provider's in-flight figure is what its node last reported, so each is waited for.
             await up.wait_for(lambda u: u.in_flight == 10)
             await page.until(
                 "const f = (s, n) => document.querySelector(s + ' [data-field=\"' + n + '\"]').textContent;"
                 f"return f('{pool}', 'waiting') === '4' && f('{pool}', 'running') === '10'"
-                " && f('[data-provider=\"gpu-a-vllm\"]', 'in_flight') === '4/4'"
-                " && f('[data-provider=\"gpu-b-vllm\"]', 'in_flight') === '4/4'"
-                " && f('[data-provider=\"mac-mlx-vllm\"]', 'in_flight') === '2/2'"
+                " && f('[data-provider=\"gpu-a-vllm\"]', 'in_flight') === '4/4 +1 queued'"
+                " && f('[data-provider=\"gpu-b-vllm\"]', 'in_flight') === '4/4 +1 queued'"
+                " && f('[data-provider=\"mac-mlx-vllm\"]', 'in_flight') === '2/2 +1 queued'"
                 f" && f('{pool} [data-tenant=\"\"]', 'tenant_load') === '4 waiting · 10 running'"
             )
             assert await page.js(WIDTHS) == [100, 100, 100]

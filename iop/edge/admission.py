@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine
 from time import monotonic
 from typing import Any
 
+from iop.edge import standby as standby_
 from iop.edge.affinity import Sessions
 from iop.edge.fairqueue import NOBODY, PRIORITIES, TenantQueue, Waiter, Who
 from iop.edge.leases import TenantLeases
@@ -32,13 +33,18 @@ GONE_RETRY_AFTER_S = 1
 class Admission:
     """The waiting side of the scheduler: grants, releases, and the pump that serves waiters."""
 
-    def __init__(self, max_waiting: int, max_waiting_bytes: int = 256 * 1024 * 1024, fair: bool = True) -> None:
+    def __init__(
+        self, max_waiting: int, max_waiting_bytes: int = 256 * 1024 * 1024, fair: bool = True, standby: int = 0
+    ) -> None:
         self.max_waiting = max_waiting
         self.max_waiting_bytes = max_waiting_bytes
         """Bound on the request bytes all waiting requests hold in memory together (every pool)."""
         self.waiting_bytes = 0
         self.fair = fair
         """Fair queueing between tenants (edge.queue.fair_queueing); off: arrival order."""
+        self.standby = standby
+        """Requests per provider that wait in the broker while all its slots are busy (edge.queue.standby,
+        iop/edge/standby.py); 0: every request is bound when a slot frees."""
         self.providers: dict[str, ProviderSlots] = {}
         self.pools: dict[str, PoolQueue] = {}
         self._order = itertools.count()
@@ -147,9 +153,9 @@ class Admission:
         retry_s = None if isinstance(pool, PinnedQueue) else self.retry_after(pool, exclude)
         if retry_s is not None:
             raise _pool_unavailable(alias, retry_s)
-        if len(pool.waiters) >= self.max_waiting:
+        if (ahead := len(pool.waiters) + pool.standing) >= self.max_waiting:
             raise QueueFull(
-                f"model '{alias}': {len(pool.waiters)} requests already wait for a free slot; retry later",
+                f"model '{alias}': {ahead} requests already wait for a free slot; retry later",
                 headers={"Retry-After": "1"},
             )
         if self.waiting_bytes + size > self.max_waiting_bytes:
@@ -172,7 +178,7 @@ class Admission:
         hold_over = loop.call_later(prefer_wait_s, self._hold_over, pool, waiter) if hold else None
         # The first in the order may hold out for its preferred provider, not take one it failed on,
         # or be at its max_concurrent while another is free: one behind may take that slot now.
-        if pool.best() is not None:
+        if pool.best() is not None or standby_.room(pool, self.standby):
             self._pump([pool])
         self._watch(loop, deadline, waiter)
         try:
@@ -201,8 +207,19 @@ class Admission:
         finally:
             if hold_over is not None:
                 hold_over.cancel()
-        pool.waits_s.append(loop.time() - queued_at)
+        if grant.standing:
+            grant.asked = queued_at  # its wait ends when its node starts it (`started`)
+        else:
+            pool.waits_s.append(loop.time() - queued_at)
         return grant
+
+    def started(self, grant: Grant) -> None:
+        """The node began a request granted in standby: it runs now, and held its slot from here."""
+        if grant.standing:
+            standby_.stood(grant)
+            grant.pool.waits_s.append(asyncio.get_running_loop().time() - grant.asked)
+            grant.at = monotonic()
+            self.changed.set()
 
     def _watch(self, loop: asyncio.AbstractEventLoop, deadline: float, waiter: Waiter) -> None:
         """Fail `waiter` with TimeoutError at `deadline` (the loop's clock) unless it is done by then.
@@ -302,25 +319,41 @@ class Admission:
 
     def _pump(self, pools: list[PoolQueue]) -> None:
         """Hand free slots to the waiters of the given pools whose turn it is (iop/edge/fairqueue.py);
-        between pools that share a provider, the oldest of their first waiters goes first."""
+        between pools that share a provider, the oldest of their first waiters goes first. With no
+        free slot left, the next waiters go to standby in the broker (iop/edge/standby.py)."""
         while True:
-            chosen: tuple[PoolQueue, Waiter, ProviderSlots] | None = None
-            for pool in pools:
-                if not pool.waiters or pool.best() is None:
-                    continue  # nobody waits, or nothing is free for anyone of this pool
-                if self.owed is not None and self.owed(pool):
-                    continue  # a tenant waiting on another edge is ahead: that edge takes the slot
-                found = pool.waiters.candidate(self._choose, self._gone, (pool, Scan()))
-                if found is not None and (chosen is None or found[0].turn < chosen[1].turn):
-                    chosen = (pool, *found)
+            chosen = self._next(pools, False)
+            standby = chosen is None and self.standby > 0
+            if standby:
+                chosen = self._next(pools, True)
             if chosen is None:
                 return
             pool, waiter, slot = chosen
             pool.waiters.remove(waiter, granted=True)
             self._left(waiter)
             assert waiter.tenant is not None
-            waiter.future.set_result(self._grant(slot, pool, waiter.tenant, waiter.tracked))
+            grant = self._grant(slot, pool, waiter.tenant, waiter.tracked)
+            if standby:
+                standby_.stand(grant)
+            waiter.future.set_result(grant)
             self.changed.set()
+
+    def _next(self, pools: list[PoolQueue], standby: bool) -> tuple[PoolQueue, Waiter, ProviderSlots] | None:
+        """The waiter whose turn it is and its slot: a free one, or (`standby`) a place in the broker."""
+        chosen: tuple[PoolQueue, Waiter, ProviderSlots] | None = None
+        choose = self._choose_standby if standby else self._choose
+        for pool in pools:
+            if not pool.waiters or not (standby_.room(pool, self.standby) if standby else pool.best() is not None):
+                continue  # nobody waits, or nothing is free for anyone of this pool
+            if self.owed is not None and self.owed(pool):
+                continue  # a tenant waiting on another edge is ahead: that edge takes the slot
+            found = pool.waiters.candidate(choose, self._gone, (pool, Scan()))
+            if found is not None and (chosen is None or found[0].turn < chosen[1].turn):
+                chosen = (pool, *found)
+        return chosen
+
+    def _choose_standby(self, ctx: tuple[PoolQueue, Scan], w: Waiter) -> ProviderSlots | None:
+        return standby_.place(self.router, self.providers, ctx[0], w, self.standby)
 
     def serve(self, alias: str) -> None:
         """Hand the free slots of pool `alias` to its waiters (something another edge said changed,
@@ -380,6 +413,9 @@ class Admission:
 
     def release(self, slot: ProviderSlots, grant: Grant | None = None) -> None:
         """A request's slot is free again; with its `grant`, so is its tenant's share."""
+        if grant is not None and grant.standing:
+            standby_.stood(grant)  # ended in the broker, never started (client gone, deadline, node lost)
+            self.changed.set()
         slot.in_flight -= 1
         slot.rerank()
         if self.on_count is not None:
@@ -438,7 +474,9 @@ class Admission:
                     self.changed.set()
 
     def waiting(self, alias: str) -> int:
-        return len(self.pools[alias].waiters)
+        """Requests of the pool not yet started: in its queue, or in standby in the broker."""
+        pool = self.pools[alias]
+        return len(pool.waiters) + pool.standing
 
 
 def _seen(pool: PoolQueue) -> bool:

@@ -92,6 +92,8 @@ class Attempt:
         if self.pool is not None and not self._ended and not self._started:
             self._started = True
             self.pool.run_started()
+            if self.grant is not None and self.scheduler is not None:
+                self.scheduler.started(self.grant)  # a standby: waiting until now, running from here
 
     def node_ended(self) -> None:
         """The node is done with the item (or lost): the slot is free now, before the client read it all."""
@@ -341,5 +343,6 @@ class DirectDispatch(_Dispatch):
 
 
 def _load(slot: ProviderSlots) -> int:
-    """The concurrency a request that just ended ran at (its own slot is already given back)."""
-    return slot.in_flight + slot.elsewhere + 1
+    """The concurrency a request that just ended ran at (its own slot is already given back; a
+    standby waiting in the broker is not running)."""
+    return min(slot.capacity, slot.in_flight + slot.elsewhere + 1)

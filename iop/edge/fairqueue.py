@@ -94,6 +94,8 @@ class TenantQueue:
     waiters: deque[Waiter] = field(default_factory=deque)
     running: int = 0
     """Its requests holding a slot granted from this pool (this edge's)."""
+    standing: int = 0
+    """Of those, the ones in standby: waiting in the broker, not yet started (iop/edge/standby.py)."""
     served: float = 0.0
     """Slot-seconds received, divided by weight (see the module's docstring)."""
     charged: float = 0.0
@@ -153,8 +155,12 @@ class FairQueue:
         return self._eligible
 
     def loads(self) -> list[tuple[str, str, int, int]]:
-        """(tenant, priority, waiting, running) of every tenant with requests here, most waiting first."""
-        rows = [(t.name, PRIORITIES[t.rank], len(t.waiters), t.running) for t in self.tenants.values()]
+        """(tenant, priority, waiting, running) of every tenant with requests here, most waiting first
+        (a standby waits until its node starts it)."""
+        rows = [
+            (t.name, PRIORITIES[t.rank], len(t.waiters) + t.standing, t.running - t.standing)
+            for t in self.tenants.values()
+        ]
         rows.sort(key=lambda r: (-r[2], -r[3], r[0]))
         return rows
 

@@ -212,8 +212,9 @@ class SlotShare:
         )
         slot = self.scheduler.providers.get(provider)
         if slot is not None and slot.connected and held > slot.elsewhere:
-            before = max(0, slot.in_flight + slot.elsewhere - slot.capacity)
-            over = max(0, slot.in_flight + held - slot.capacity)
+            limit = slot.capacity + self.scheduler.standby  # standby requests wait in the broker by design
+            before = max(0, slot.in_flight + slot.elsewhere - limit)
+            over = max(0, slot.in_flight + held - limit)
             if over > before:
                 self.oversubscribed[provider] = self.oversubscribed.get(provider, 0) + over - before
         self.scheduler.set_elsewhere(provider, held)

@@ -94,6 +94,13 @@ class ProviderSlots:
     def free(self) -> int:
         return self.capacity - self.in_flight - self.elsewhere if self.connected else 0
 
+    def standby_room(self, standby: int) -> bool:
+        """Whether one more request may wait in the broker for it: every slot is busy and fewer than
+        `standby` wait there already (iop/edge/admission.py's standby pass), breaker closed."""
+        if not self.connected or self.removed or self.drained or self.open_until or self.capacity <= 0:
+            return False
+        return self.capacity <= self.in_flight + self.elsewhere < self.capacity + standby
+
     def breaker(self, now: float) -> str:
         if not self.open_until:
             return "closed"
@@ -110,6 +117,13 @@ class Grant:
     """Set when the release will say so (the tenant's running count and its charge correct then)."""
     charge: float = 0.0
     at: float = field(default_factory=monotonic)
+    """When it began to hold the slot: the grant, or for a standby the node's start."""
+    standby: bool = False
+    """Granted while every slot of the provider was busy: the work waits in the broker for the next."""
+    standing: bool = False
+    """A standby not yet started by its node: shown as waiting (`Admission.waiting`), not running."""
+    asked: float = 0.0
+    """Loop time its request began to wait (a standby's queue wait ends when its node starts it)."""
 
 
 @dataclass(eq=False)
@@ -121,6 +135,8 @@ class PoolQueue:
     waiters: FairQueue = field(default_factory=FairQueue)
     running: int = 0
     """Requests of this pool that a node has started and not yet finished (this edge's)."""
+    standing: int = 0
+    """Its requests granted in standby that wait in the broker for their provider's next free slot."""
     peak_running: int = 0
     waits_s: deque[float] = field(default_factory=lambda: deque(maxlen=WAIT_SAMPLES))
     """How long recent admissions waited in this queue (0 for a slot taken at once)."""

@@ -122,7 +122,7 @@ def summary_of(src: StatusSources) -> StatusSummary:
                 retry_after_s=retry_after_of(sched, alias),
                 in_flight=running_there,
                 dispatched_in_flight=dispatched,
-                waiting=len(queue.waiters),
+                waiting=len(queue.waiters) + queue.standing,
                 running=queue.running,
                 queue_wait_p50_ms=p50_ms,
                 queue_wait_p95_ms=p95_ms,

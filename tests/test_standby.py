@@ -1,0 +1,205 @@
+"""Standby (edge.queue.standby): with every slot of a provider busy, the next request waits in the broker.
+
+The scheduler's side needs no NATS (its tests run on the loop alone); the broker's side runs on a
+real nats-server: a standby item is published while the provider is full, stays undelivered while
+`max_ack_pending` is reached, and the node's next pull takes it the moment an ack frees a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any
+
+from iop import wire
+from iop.edge.routing import Figures
+from iop.edge.scheduler import Scheduler
+from iop.nats import connection, streams
+from iop.nats.server import EmbeddedNats
+from tests.fakes import fake_upstream
+from tests.harness import broker_counts, deployment, deployment_running, eventually, until
+
+
+def scheduler(providers: dict[str, int], pools: dict[str, list[str]], standby: int = 1) -> Scheduler:
+    s = Scheduler(100, standby=standby)
+    for pid, capacity in providers.items():
+        s.add_provider(pid, f"node-{pid}", capacity)
+        s.set_connected(pid, True)
+    for alias, members in pools.items():
+        s.add_pool(alias, members)
+    return s
+
+
+def soon() -> float:
+    return asyncio.get_running_loop().time() + 5.0
+
+
+async def settled(task: asyncio.Task[Any]) -> bool:
+    """Whether `task` has its grant once the loop has run everything ready."""
+    for _ in range(5):
+        await asyncio.sleep(0)  # yield to the loop, not a timed wait
+    return task.done()
+
+
+async def test_a_full_provider_takes_one_more_request_in_standby() -> None:
+    s = scheduler({"p": 2}, {"m": ["p"]})
+    running = [await s.acquire_grant("m", soon()) for _ in range(2)]
+    assert not any(g.standby for g in running)
+    third = asyncio.create_task(s.acquire_grant("m", soon()))
+    fourth = asyncio.create_task(s.acquire_grant("m", soon()))
+    assert await settled(third) and not await settled(fourth)
+    g3 = third.result()
+    assert g3.standby and g3.slot.id == "p"
+    assert (s.providers["p"].in_flight, s.waiting("m"), len(s.pools["m"].waiters)) == (3, 2, 1)
+    s.release(running[0].slot, running[0])  # a slot frees: the standby runs, the next one stands by
+    g4 = await asyncio.wait_for(fourth, 5)
+    assert g4.standby and s.providers["p"].in_flight == 3
+
+
+async def test_without_standby_the_request_waits_for_a_free_slot() -> None:
+    s = scheduler({"p": 2}, {"m": ["p"]}, standby=0)
+    running = [await s.acquire_grant("m", soon()) for _ in range(2)]
+    third = asyncio.create_task(s.acquire_grant("m", soon()))
+    assert not await settled(third)
+    s.release(running[0].slot, running[0])
+    g3 = await asyncio.wait_for(third, 5)
+    assert not g3.standby and s.providers["p"].in_flight == 2
+
+
+async def test_standby_goes_to_the_provider_that_turns_over_first_never_a_much_slower_one() -> None:
+    s = scheduler({"fast": 2, "slow": 2}, {"m": ["fast", "slow"]})
+    s.router.figures["fast"] = Figures(held_s=0.2)  # a slot frees every 0.1 s
+    s.router.figures["slow"] = Figures(held_s=2.0)  # every 1 s: 10x the fast one's turn
+    running = [await s.acquire_grant("m", soon()) for _ in range(4)]
+    assert sorted(g.slot.id for g in running) == ["fast", "fast", "slow", "slow"]
+    standby = asyncio.create_task(s.acquire_grant("m", soon()))
+    later = asyncio.create_task(s.acquire_grant("m", soon()))
+    assert await settled(standby) and standby.result().slot.id == "fast"
+    assert not await settled(later)  # the slow provider takes none: the request stays late-bound
+    slow = next(g for g in running if g.slot.id == "slow")
+    s.release(slow.slot, slow)  # the slow one frees first after all: the late-bound request takes it
+    g = await asyncio.wait_for(later, 5)
+    assert (g.slot.id, g.standby) == ("slow", False)
+
+
+async def test_standby_counts_the_slots_other_edges_hold() -> None:
+    s = scheduler({"p": 2}, {"m": ["p"]})
+    s.set_elsewhere("p", 2)  # another edge holds both slots (and may hold the standby place too)
+    first = asyncio.create_task(s.acquire_grant("m", soon()))
+    assert await settled(first) and first.result().standby
+    second = asyncio.create_task(s.acquire_grant("m", soon()))
+    assert not await settled(second)
+    s.set_elsewhere("p", 3)  # the other edge's standby too: more than capacity + standby is never asked
+    assert not await settled(second)
+    second.cancel()
+
+
+async def test_a_pinned_request_never_stands_by() -> None:
+    s = scheduler({"p": 1}, {"m": ["p"]})
+    held = await s.acquire_grant("m", soon())
+    pinned = asyncio.create_task(s.acquire_pinned("p", soon()))
+    assert not await settled(pinned)
+    s.release(held.slot, held)
+    assert (await asyncio.wait_for(pinned, 5)).id == "p"
+
+
+async def test_a_request_holding_out_for_its_session_stands_by_only_there() -> None:
+    s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
+    ga = await s.acquire_grant("m", soon())
+    gb = await s.acquire_grant("m", soon())
+    assert {ga.slot.id, gb.slot.id} == {"a", "b"}
+    s.set_elsewhere("b", 1)  # b's standby place is another edge's
+    held_out = asyncio.create_task(s.acquire_grant("m", soon(), prefer="b", prefer_wait_s=5.0))
+    assert not await settled(held_out)
+    other = asyncio.create_task(s.acquire_grant("m", soon()))
+    assert await settled(other) and other.result().slot.id == "a" and other.result().standby
+    s.set_elsewhere("b", 0)
+    g = await asyncio.wait_for(held_out, 5)
+    assert (g.slot.id, g.standby) == ("b", True)
+
+
+async def test_the_broker_holds_a_standby_item_until_an_ack_frees_a_slot(nats_server: EmbeddedNats) -> None:
+    """What standby relies on: with max_ack_pending reached a published item is not delivered, and
+    the pull waiting for it receives it when an earlier one is acked."""
+    nc = await connection.connect(nats_server.url, "standby-test")
+    try:
+        js = nc.jetstream()
+        await streams.ensure_work_stream(js)
+        await streams.ensure_provider_consumer(js, "p", 1)
+        psub = await js.pull_subscribe_bind(durable=wire.consumer_name("p"), stream=wire.WORK_STREAM)
+        await js.publish(wire.work_subject("p"), b"first")
+        await js.publish(wire.work_subject("p"), b"standby")
+        (first,) = await psub.fetch(1, timeout=5)
+        assert first.data == b"first"
+        waiting_pull = asyncio.create_task(psub.fetch(1, timeout=5))
+        done, _ = await asyncio.wait({waiting_pull}, timeout=0.5)  # a bound on a wait that must not end
+        assert not done  # max_ack_pending 1 is reached: the standby item stays in the stream
+        await first.ack()
+        (standby,) = await asyncio.wait_for(waiting_pull, 5)
+        assert standby.data == b"standby"
+    finally:
+        await nc.close()
+
+
+ONE_SLOT = """
+models: [{{alias: m, pool: [p]}}]
+nodes:
+  - id: n
+    adapters: [{{id: up, type: openai, base_url: "{url}", api: both}}]
+    providers: [{{id: p, adapter: up, capacity: 1}}]
+"""
+
+
+def ask(content: str) -> dict[str, object]:
+    return {"model": "m", "messages": [{"role": "user", "content": content}]}
+
+
+async def test_a_standby_request_waits_in_the_broker_and_runs_when_the_slot_frees(nats_server: EmbeddedNats) -> None:
+    gate = asyncio.Event()
+    async with fake_upstream(gate=gate) as up:
+        dep = deployment(ONE_SLOT.format(url=up.url))
+        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+            sched = h.edge.scheduler
+            first = asyncio.create_task(http.post("/v1/chat/completions", json=ask("first")))
+            await up.wait_for(lambda u: u.in_flight == 1)
+            second = asyncio.create_task(http.post("/v1/chat/completions", json=ask("second")))
+            third = asyncio.create_task(http.post("/v1/chat/completions", json=ask("third")))
+            await until(lambda: sched.waiting("m") == 2, sched.changed)
+            # One stands by in the broker (published, undelivered: the consumer's one slot is taken),
+            # one waits in the edge's queue; the provider never runs more than its capacity.
+            assert len(sched.pools["m"].waiters) == 1 and sched.providers["p"].in_flight == 2
+            await eventually(lambda: _is(broker_counts(h.edge.js, "p"), (1, 1)))
+            (pool,) = (await h.status()).pools
+            assert (pool.waiting, pool.running) == (2, 1)
+            gate.set()
+            answers = await asyncio.gather(first, second, third)
+            assert [a.status_code for a in answers] == [200, 200, 200]
+            assert up.peak == 1
+            assert [b["messages"][0]["content"] for b in up.bodies] == ["first", "second", "third"]
+            assert sched.waiting("m") == 0 and sched.pools["m"].standing == 0
+
+
+async def test_a_client_that_leaves_while_its_request_stands_by_takes_it_out_of_the_broker(
+    nats_server: EmbeddedNats,
+) -> None:
+    gate = asyncio.Event()
+    async with fake_upstream(gate=gate) as up:
+        dep = deployment(ONE_SLOT.format(url=up.url))
+        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+            sched = h.edge.scheduler
+            first = asyncio.create_task(http.post("/v1/chat/completions", json=ask("first")))
+            await up.wait_for(lambda u: u.in_flight == 1)
+            gone = asyncio.create_task(http.post("/v1/chat/completions", json=ask("gone")))
+            await eventually(lambda: _is(broker_counts(h.edge.js, "p"), (1, 1)))
+            gone.cancel()  # the client leaves: its request is deleted from the stream, unrun
+            await eventually(lambda: _is(broker_counts(h.edge.js, "p"), (1, 0)))
+            await until(lambda: sched.providers["p"].in_flight == 1 and sched.waiting("m") == 0, sched.changed)
+            gate.set()
+            assert (await first).status_code == 200
+            after = await http.post("/v1/chat/completions", json=ask("after"))
+            assert after.status_code == 200
+            assert [b["messages"][0]["content"] for b in up.bodies] == ["first", "after"]
+
+
+async def _is(value: Awaitable[object], expected: object) -> bool:
+    return await value == expected
