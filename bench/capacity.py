@@ -25,7 +25,7 @@ from bench import load
 from bench.abtest import start_upstream
 from bench.measure import run_measured
 from bench.procs import Owned, cpu_s, free_port, http_json, log
-from bench.stack import openai_pool_node, start_stack
+from bench.stack import openai_pool_node, queue_extra, start_stack
 
 CAPACITIES = (2, 4, 4)
 
@@ -40,6 +40,8 @@ class CapacityOptions:
     max_seconds: float = 600.0
     storage: str = "file"
     archive: Path | None = None
+    standby: int | None = None
+    """edge.queue.standby (None: the edge's default)."""
 
 
 def run_capacity(owned: Owned, workdir: Path, opts: CapacityOptions) -> dict[str, Any]:
@@ -58,6 +60,7 @@ def run_capacity(owned: Owned, workdir: Path, opts: CapacityOptions) -> dict[str
         nodes=[openai_pool_node("pool-node", providers)],
         storage=opts.storage,
         archive=opts.archive,
+        edge_extra=queue_extra(opts.standby),
     )
     edge_port = int(stack.url.rsplit(":", 1)[1])
     base = f"http://127.0.0.1:{first_port}"
@@ -93,6 +96,7 @@ def run_capacity(owned: Owned, workdir: Path, opts: CapacityOptions) -> dict[str
         "seed": opts.seed,
         "streams": "every other request" if opts.stream_share == "half" else "none",
         "capacities": list(CAPACITIES),
+        "standby": opts.standby,
         "completed": m.load.count,
         "errors": m.load.errors,
         "rps": m.load.rps,

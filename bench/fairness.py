@@ -78,6 +78,8 @@ class FairnessOptions:
     admissions: int = 10_000
     storage: str = "file"
     archive: Path | None = None
+    standby: int | None = None
+    """edge.queue.standby (None: the edge's default)."""
 
 
 def run_fairness(owned: Owned, workdir: Path, opts: FairnessOptions) -> dict[str, Any]:
@@ -107,7 +109,8 @@ def run_fairness(owned: Owned, workdir: Path, opts: FairnessOptions) -> dict[str
                 archive=opts.archive,
                 edge_extra={
                     "api_keys_env": KEYS_ENV,
-                    "queue": {"timeout_s": 600, "max_waiting": 100_000, "fair_queueing": fair},
+                    "queue": {"timeout_s": 600, "max_waiting": 100_000, "fair_queueing": fair}
+                    | ({"standby": opts.standby} if opts.standby is not None else {}),
                 },
                 ready_headers={"authorization": f"Bearer {KEYS['quiet']}"},
             )

@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         help="event loop of edge and nodes: iop's default, or forced with IOP_LOOP",
     )
     ap.add_argument("--procs", type=int, default=1, help="load generator processes")
+    ap.add_argument("--standby", type=int, default=None, help="capacity, fairness: edge.queue.standby")
     ap.add_argument("--cap-requests", type=int, default=None, help="capacity: requests (default 10,000, quick 1,000)")
     ap.add_argument("--cap-latency", default="uniform:20:100", help="capacity: upstream latency (ms) spec")
     ap.add_argument(
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 stream_share=a.cap_streams,
                 storage=a.storage,
                 archive=a.archive,
+                standby=a.standby,
             )
             attempt("capacity", lambda: run_capacity(owned, workdir, cap))
         sc = ScaleOptions(
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 af.turns = 10
             attempt("affinity", lambda: run_affinity(owned, workdir, af))
         if "fairness" in only:
-            fq = FairnessOptions(storage=a.storage, archive=a.archive)
+            fq = FairnessOptions(storage=a.storage, archive=a.archive, standby=a.standby)
             if a.quick:
                 fq.flood_requests, fq.alone_requests = 200, 10
                 fq.admission_rounds, fq.admissions = 1, 3000

@@ -85,6 +85,14 @@ class Stack:
             self.owned.stop(p)
 
 
+def queue_extra(standby: int | None, **queue: Any) -> dict[str, Any] | None:
+    """`edge_extra` for `start_stack` that sets edge.queue fields (`standby` None: the edge's default)."""
+    if standby is None and not queue:
+        return None
+    q = {"timeout_s": 600, "max_waiting": 100_000} | queue
+    return {"queue": q | ({"standby": standby} if standby is not None else {})}
+
+
 def start_stack(
     owned: Owned,
     workdir: Path,
