@@ -82,6 +82,19 @@ async def test_standby_goes_to_the_provider_that_turns_over_first_never_a_much_s
     assert (g.slot.id, g.standby) == ("slow", False)
 
 
+async def test_standby_waits_until_every_full_provider_can_have_its_own() -> None:
+    s = scheduler({"a": 1, "b": 1}, {"m": ["a", "b"]})
+    running = [await s.acquire_grant("m", soon()) for _ in range(2)]
+    one = asyncio.create_task(s.acquire_grant("m", soon()))
+    # One waiting, two full providers: it stays late-bound, whichever frees first takes it.
+    assert not await settled(one)
+    two = asyncio.create_task(s.acquire_grant("m", soon()))
+    assert await settled(one) and await settled(two)
+    assert sorted(t.result().slot.id for t in (one, two)) == ["a", "b"]
+    assert all(t.result().standby for t in (one, two))
+    assert [s.providers[p].in_flight for p in ("a", "b")] == [2, 2] and running
+
+
 async def test_standby_counts_the_slots_other_edges_hold() -> None:
     s = scheduler({"p": 2}, {"m": ["p"]})
     s.set_elsewhere("p", 2)  # another edge holds both slots (and may hold the standby place too)

@@ -8,12 +8,14 @@ requests of its pools are published to it at once; the broker's `max_ack_pending
 undelivered until an ack frees a slot, and the node's next pull takes one at once.
 
 The broker still holds the provider to its capacity exactly. What a standby gives up is the late
-binding of those few requests: each waits for its own provider's next free slot. So a standby goes
-to the provider expected to free a slot first (the shortest turn: its slots' hold time over its
-capacity, as this edge measured it), never to one whose turn is more than `SLOWER` times the
-pool's shortest (a slow machine beside fast ones keeps its late binding), and a request that holds
-out for its session's provider waits for that one only. A client that leaves meanwhile takes its
-request out of the broker as before (iop/edge/publish.py `withdraw`).
+binding of those few requests: each waits for its own provider's next free slot. So standbys are
+placed only while at least as many requests wait as providers have room, so that a slot that frees
+finds its own provider's standby, not one standing by elsewhere (with fewer waiting, they stay
+late-bound). A standby goes to the provider expected to free a slot first (the shortest turn: its
+slots' hold time over its capacity, as this edge measured it), never to one whose turn is more than
+`SLOWER` times the pool's shortest (a slow machine beside fast ones keeps its late binding); a
+request that holds out for its session's provider waits for that one only. A client that leaves
+meanwhile takes its request out of the broker as before (iop/edge/publish.py `withdraw`).
 """
 
 from __future__ import annotations
@@ -53,13 +55,17 @@ def choice(router: Router, rooms: list[ProviderSlots], members: Iterable[Provide
 
 
 def room(pool: PoolQueue, n: int) -> bool:
-    """Whether a provider of the pool may take a request in standby (never a pinned queue's)."""
+    """Whether the pool's next waiter may stand by now: some provider has room, and at least as many
+    wait as providers have room, so each of them gets its own (never a pinned queue's). With fewer
+    waiting, they stay late-bound: one standing by at one provider while another frees first would
+    leave that slot idle while it waits."""
     if not n or isinstance(pool, PinnedQueue):
         return False
-    for p in pool.providers:  # noqa: SIM110 (a loop, not any(): no generator per admission)
+    rooms = 0
+    for p in pool.providers:
         if p.standby_room(n):
-            return True
-    return False
+            rooms += 1
+    return 0 < rooms <= pool.waiters.eligible_waiting
 
 
 def place(
