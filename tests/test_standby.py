@@ -95,6 +95,25 @@ async def test_standby_waits_until_every_full_provider_can_have_its_own() -> Non
     assert [s.providers[p].in_flight for p in ("a", "b")] == [2, 2] and running
 
 
+async def test_beside_another_active_tenant_only_a_tenant_with_nothing_running_stands_by() -> None:
+    s = scheduler({"p": 2}, {"m": ["p"]})
+    g1, g2 = [await s.acquire_grant("m", soon(), tenant="flood") for _ in range(2)]
+    g3 = await s.acquire_grant("m", soon(), tenant="flood")
+    assert g3.standby  # the pool's only tenant: its backlog stands by
+    quiet = asyncio.create_task(s.acquire_grant("m", soon(), tenant="quiet"))
+    flood = asyncio.create_task(s.acquire_grant("m", soon(), tenant="flood"))
+    assert not await settled(quiet)  # no room: the standby place is taken
+    s.release(g1.slot, g1)
+    s.started(g3)  # the standby took the freed slot; the place is free again, quiet's turn first
+    assert await settled(quiet) and quiet.result().standby
+    s.release(g2.slot, g2)
+    # Room again, but flood has a request here and quiet is active: flood's next is bound late, so
+    # it cannot sit in the broker ahead of a request quiet sends meanwhile.
+    assert not await settled(flood)
+    assert s.providers["p"].in_flight == 2 and s.pools["m"].standing == 1
+    flood.cancel()
+
+
 async def test_standby_counts_the_slots_other_edges_hold() -> None:
     s = scheduler({"p": 2}, {"m": ["p"]})
     s.set_elsewhere("p", 2)  # another edge holds both slots (and may hold the standby place too)

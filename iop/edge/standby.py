@@ -21,6 +21,7 @@ meanwhile takes its request out of the broker as before (iop/edge/publish.py `wi
 from __future__ import annotations
 
 from collections.abc import Iterable
+from time import monotonic
 
 from iop.edge.fairqueue import Waiter
 from iop.edge.routing import Router
@@ -72,7 +73,11 @@ def place(
     router: Router, providers: dict[str, ProviderSlots], pool: PoolQueue, w: Waiter, n: int
 ) -> ProviderSlots | None:
     """Where waiter `w` of `pool` stands by: its session's provider when it has room (only there
-    while it holds out for it), else `choice` among the pool's providers it may take."""
+    while it holds out for it), else `choice` among the pool's providers it may take. None for a
+    tenant that has a request here already while another tenant is active (`shared`)."""
+    t = w.tenant
+    if t is not None and t.running and shared(pool, t.name):
+        return None
     if w.prefer is not None:
         p = providers.get(w.prefer)
         if p is not None and pool in p.pools and p.id not in w.exclude and p.standby_room(n):
@@ -97,3 +102,27 @@ def stood(grant: Grant) -> None:
     grant.pool.standing -= 1
     if grant.tenant is not None:
         grant.tenant.standing -= 1
+
+
+RECENT_S = 1.0
+"""A tenant whose last request here ended this recently is still active (a client between turns)."""
+
+
+def shared(pool: PoolQueue, tenant: str) -> bool:
+    """Whether a tenant other than `tenant` is active in the pool: waiting, running, or ended lately.
+
+    Then only a tenant with nothing here yet may stand by: a standby is placed in the fair order
+    of its moment, before the next slot frees, so one of a busy tenant's would sit ahead of another
+    tenant's request that arrives meanwhile, and that request would wait for the slot after."""
+    tenants = pool.waiters.tenants
+    if len(tenants) > 1 or (tenants and tenant not in tenants):
+        return True
+    last, at, _, other_at = pool.ended
+    return monotonic() - (at if last != tenant else other_at) < RECENT_S
+
+
+def ended(pool: PoolQueue, tenant: str) -> None:
+    """A request of `tenant` ended in the pool (`shared` reads when)."""
+    last, at, other, other_at = pool.ended
+    now = monotonic()
+    pool.ended = (tenant, now, other, other_at) if tenant == last else (tenant, now, last, at)
