@@ -45,9 +45,11 @@ from iop.nats.server import EmbeddedNats
 from tests.harness import eventually, stream_messages, until
 
 
-def scheduler(providers: dict[str, int], pools: dict[str, list[str]], max_waiting: int = 100) -> Scheduler:
+def scheduler(
+    providers: dict[str, int], pools: dict[str, list[str]], max_waiting: int = 100, standby: int = 0
+) -> Scheduler:
     """A scheduler with every provider connected (on a node named after it)."""
-    s = Scheduler(max_waiting)
+    s = Scheduler(max_waiting, standby=standby)
     for pid, capacity in providers.items():
         s.add_provider(pid, f"node-{pid}", capacity)
         s.set_connected(pid, True)

@@ -8,26 +8,24 @@ real nats-server: a standby item is published while the provider is full, stays 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
 from typing import Any
+
+import httpx
 
 from iop import wire
 from iop.edge.routing import Figures
 from iop.edge.scheduler import Scheduler
 from iop.nats import connection, streams
 from iop.nats.server import EmbeddedNats
-from tests.fakes import fake_upstream
-from tests.harness import broker_counts, deployment, deployment_running, eventually, until
+from tests.fakes import FakeUpstream, fake_upstream
+from tests.harness import EdgeHandle, broker_counts, deployment, deployment_running, eventually, until
+from tests.test_scheduler import scheduler as connected_scheduler
 
 
 def scheduler(providers: dict[str, int], pools: dict[str, list[str]], standby: int = 1) -> Scheduler:
-    s = Scheduler(100, standby=standby)
-    for pid, capacity in providers.items():
-        s.add_provider(pid, f"node-{pid}", capacity)
-        s.set_connected(pid, True)
-    for alias, members in pools.items():
-        s.add_pool(alias, members)
-    return s
+    return connected_scheduler(providers, pools, standby=standby)
 
 
 def soon() -> float:
@@ -186,51 +184,58 @@ def ask(content: str) -> dict[str, object]:
     return {"model": "m", "messages": [{"role": "user", "content": content}]}
 
 
+@asynccontextmanager
+async def one_slot_held(
+    url: str,
+) -> AsyncIterator[tuple[EdgeHandle, httpx.AsyncClient, FakeUpstream, asyncio.Task[Any]]]:
+    """A provider of capacity 1 on a gated upstream, its slot held by a first request."""
+    async with (
+        fake_upstream(gate=asyncio.Event()) as up,
+        deployment_running(deployment(ONE_SLOT.format(url=up.url)), url) as h,
+        h.http() as http,
+    ):
+        first = asyncio.create_task(http.post("/v1/chat/completions", json=ask("first")))
+        await up.wait_for(lambda u: u.in_flight == 1)
+        yield h, http, up, first
+
+
 async def test_a_standby_request_waits_in_the_broker_and_runs_when_the_slot_frees(nats_server: EmbeddedNats) -> None:
-    gate = asyncio.Event()
-    async with fake_upstream(gate=gate) as up:
-        dep = deployment(ONE_SLOT.format(url=up.url))
-        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
-            sched = h.edge.scheduler
-            first = asyncio.create_task(http.post("/v1/chat/completions", json=ask("first")))
-            await up.wait_for(lambda u: u.in_flight == 1)
-            second = asyncio.create_task(http.post("/v1/chat/completions", json=ask("second")))
-            third = asyncio.create_task(http.post("/v1/chat/completions", json=ask("third")))
-            await until(lambda: sched.waiting("m") == 2, sched.changed)
-            # One stands by in the broker (published, undelivered: the consumer's one slot is taken),
-            # one waits in the edge's queue; the provider never runs more than its capacity.
-            assert len(sched.pools["m"].waiters) == 1 and sched.providers["p"].in_flight == 2
-            await eventually(lambda: _is(broker_counts(h.edge.js, "p"), (1, 1)))
-            (pool,) = (await h.status()).pools
-            assert (pool.waiting, pool.running) == (2, 1)
-            gate.set()
-            answers = await asyncio.gather(first, second, third)
-            assert [a.status_code for a in answers] == [200, 200, 200]
-            assert up.peak == 1
-            assert [b["messages"][0]["content"] for b in up.bodies] == ["first", "second", "third"]
-            assert sched.waiting("m") == 0 and sched.pools["m"].standing == 0
+    async with one_slot_held(nats_server.url) as (h, http, up, first):
+        sched = h.edge.scheduler
+        second = asyncio.create_task(http.post("/v1/chat/completions", json=ask("second")))
+        third = asyncio.create_task(http.post("/v1/chat/completions", json=ask("third")))
+        await until(lambda: sched.waiting("m") == 2, sched.changed)
+        # One stands by in the broker (published, undelivered: the consumer's one slot is taken),
+        # one waits in the edge's queue; the provider never runs more than its capacity.
+        assert len(sched.pools["m"].waiters) == 1 and sched.providers["p"].in_flight == 2
+        await eventually(lambda: _is(broker_counts(h.edge.js, "p"), (1, 1)))
+        (pool,) = (await h.status()).pools
+        assert (pool.waiting, pool.running) == (2, 1)
+        assert up.gate is not None
+        up.gate.set()
+        answers = await asyncio.gather(first, second, third)
+        assert [a.status_code for a in answers] == [200, 200, 200]
+        assert up.peak == 1
+        assert [b["messages"][0]["content"] for b in up.bodies] == ["first", "second", "third"]
+        assert sched.waiting("m") == 0 and sched.pools["m"].standing == 0
 
 
 async def test_a_client_that_leaves_while_its_request_stands_by_takes_it_out_of_the_broker(
     nats_server: EmbeddedNats,
 ) -> None:
-    gate = asyncio.Event()
-    async with fake_upstream(gate=gate) as up:
-        dep = deployment(ONE_SLOT.format(url=up.url))
-        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
-            sched = h.edge.scheduler
-            first = asyncio.create_task(http.post("/v1/chat/completions", json=ask("first")))
-            await up.wait_for(lambda u: u.in_flight == 1)
-            gone = asyncio.create_task(http.post("/v1/chat/completions", json=ask("gone")))
-            await eventually(lambda: _is(broker_counts(h.edge.js, "p"), (1, 1)))
-            gone.cancel()  # the client leaves: its request is deleted from the stream, unrun
-            await eventually(lambda: _is(broker_counts(h.edge.js, "p"), (1, 0)))
-            await until(lambda: sched.providers["p"].in_flight == 1 and sched.waiting("m") == 0, sched.changed)
-            gate.set()
-            assert (await first).status_code == 200
-            after = await http.post("/v1/chat/completions", json=ask("after"))
-            assert after.status_code == 200
-            assert [b["messages"][0]["content"] for b in up.bodies] == ["first", "after"]
+    async with one_slot_held(nats_server.url) as (h, http, up, first):
+        sched = h.edge.scheduler
+        gone = asyncio.create_task(http.post("/v1/chat/completions", json=ask("gone")))
+        await eventually(lambda: _is(broker_counts(h.edge.js, "p"), (1, 1)))
+        gone.cancel()  # the client leaves: its request is deleted from the stream, unrun
+        await eventually(lambda: _is(broker_counts(h.edge.js, "p"), (1, 0)))
+        await until(lambda: sched.providers["p"].in_flight == 1 and sched.waiting("m") == 0, sched.changed)
+        assert up.gate is not None
+        up.gate.set()
+        assert (await first).status_code == 200
+        after = await http.post("/v1/chat/completions", json=ask("after"))
+        assert after.status_code == 200
+        assert [b["messages"][0]["content"] for b in up.bodies] == ["first", "after"]
 
 
 async def _is(value: Awaitable[object], expected: object) -> bool:
