@@ -13,10 +13,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+from nats.aio.msg import Msg
 
 from iop import wire
+from iop.edge.fairshare import loads
 from iop.edge.routing import Figures
 from iop.edge.scheduler import Scheduler
+from iop.edge.share import SlotShare
 from iop.nats import connection, streams
 from iop.nats.server import EmbeddedNats
 from tests.fakes import FakeUpstream, fake_upstream
@@ -110,6 +113,24 @@ async def test_beside_another_active_tenant_only_a_tenant_with_nothing_running_s
     assert not await settled(flood)
     assert s.providers["p"].in_flight == 2 and s.pools["m"].standing == 1
     flood.cancel()
+
+
+async def test_a_tenant_another_edge_announces_keeps_this_edges_busy_tenant_from_standing_by() -> None:
+    s = scheduler({"p": 1}, {"m": ["p"]})
+    share = SlotShare(s, "edge-a")
+    held = await s.acquire_grant("m", soon(), tenant="flood")
+    # Edge B says its tenant `quiet` has a request standing by there (running, none in B's queue).
+    other = wire.EdgeSlots("edge-b", True, {}, {"m": [("quiet", 1, 1.0, 0, 1)]})
+    await share._on_slots(Msg(None, subject=wire.EDGE_SLOTS_SUBJECT, data=wire.encode(other)))  # type: ignore[arg-type]
+    flood = asyncio.create_task(s.acquire_grant("m", soon(), tenant="flood"))
+    assert not await settled(flood)  # bound late: it must not sit in the broker ahead of quiet's next
+    s.release(held.slot, held)
+    assert (await asyncio.wait_for(flood, 5)).standby is False
+    # A tenant with nothing running here still stands by; with none in this edge's queue, the edge
+    # still announces its tenants while one stands by (the other edges keep clear of them).
+    standing = asyncio.create_task(s.acquire_grant("m", soon(), tenant="quiet"))
+    assert await settled(standing) and standing.result().standby and not s.pools["m"].waiters
+    assert sorted(loads(s.pools["m"])) == [("flood", 1, 1.0, 0, 1), ("quiet", 1, 1.0, 0, 1)]
 
 
 async def test_standby_counts_the_slots_other_edges_hold() -> None:

@@ -424,7 +424,7 @@ class Admission:
             del self.providers[slot.id]
             self.changed.set()
         if grant is not None and grant.tenant is not None:
-            standby_.ended(grant.pool, grant.tenant.name)
+            standby_.active(grant.pool, grant.tenant.name)
             grant.pool.waiters.end(grant.tenant, monotonic() - grant.at, grant.charge)
             self._tenant_changed(grant.pool, grant.tenant)
             grant.tenant = None  # given back once, whoever calls again

@@ -33,8 +33,9 @@ Load = tuple[str, int, float, int, int]
 
 
 def loads(pool: PoolQueue) -> list[Load]:
-    """This edge's tenants of `pool` as the other edges hear them (only while some of them wait)."""
-    if not pool.waiters:
+    """This edge's tenants of `pool` as the other edges hear them (only while some of them wait, in
+    its queue or in standby: the others' standbys keep clear of an active tenant, iop/edge/standby.py)."""
+    if not pool.waiters and not pool.standing:
         return []
     return [
         (t.name, t.rank, t.weight, len(t.waiters) if t.eligible else 0, t.running)

@@ -23,6 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from iop import wire
+from iop.edge import standby
 from iop.edge.fairshare import FairShare, Load, loads
 from iop.edge.junk import Junk
 from iop.edge.scheduler import Scheduler
@@ -167,6 +168,10 @@ class SlotShare:
                 log.warning("edge %s announces fewer than no slots held: counted as none", m.edge)
             m = wire.EdgeSlots(m.edge, m.full, {p: max(0, n) for p, n in m.held.items()}, m.waiting)
         known = self.announced.get(m.edge)
+        for alias, rows in m.waiting.items():
+            if (pool := self.scheduler.pools.get(alias)) is not None:
+                for row in rows:
+                    standby.active(pool, row[0])  # active there: not to be stood ahead of here
         if m.full or (m.waiting and known is not None):
             # (A change from an edge not yet heard in full waits for its full word: only an edge
             # heard in full is forgotten when it falls silent.)

@@ -138,8 +138,8 @@ class PoolQueue:
     standing: int = 0
     """Its requests granted in standby that wait in the broker for their provider's next free slot."""
     ended: tuple[str, float, str, float] = ("", -1e9, "", -1e9)
-    """The tenants whose requests ended here last, with when (monotonic): the latest, and the latest
-    other than it (iop/edge/standby.py: whether another tenant is active)."""
+    """The tenants last seen active (a request ended here, another edge announced it), with when
+    (monotonic): the latest, and the latest other than it (iop/edge/standby.py `shared`)."""
     peak_running: int = 0
     waits_s: deque[float] = field(default_factory=lambda: deque(maxlen=WAIT_SAMPLES))
     """How long recent admissions waited in this queue (0 for a slot taken at once)."""

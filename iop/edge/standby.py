@@ -109,7 +109,8 @@ RECENT_S = 1.0
 
 
 def shared(pool: PoolQueue, tenant: str) -> bool:
-    """Whether a tenant other than `tenant` is active in the pool: waiting, running, or ended lately.
+    """Whether a tenant other than `tenant` is active in the pool: waiting or running here, ended
+    here lately, or waiting or running on another edge lately (its announcements, iop/edge/share.py).
 
     Then only a tenant with nothing here yet may stand by: a standby is placed in the fair order
     of its moment, before the next slot frees, so one of a busy tenant's would sit ahead of another
@@ -121,8 +122,9 @@ def shared(pool: PoolQueue, tenant: str) -> bool:
     return monotonic() - (at if last != tenant else other_at) < RECENT_S
 
 
-def ended(pool: PoolQueue, tenant: str) -> None:
-    """A request of `tenant` ended in the pool (`shared` reads when)."""
+def active(pool: PoolQueue, tenant: str) -> None:
+    """`tenant` was active in the pool just now: a request of it ended here, or another edge
+    announced it waiting or running (`shared` reads when)."""
     last, at, other, other_at = pool.ended
     now = monotonic()
     pool.ended = (tenant, now, other, other_at) if tenant == last else (tenant, now, last, at)
