@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import runpy
+import shutil
 import signal
 import statistics
 import sys
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 turns[arm] += _turns(json.loads((out / "marks.json").read_text()))
     finally:
         owned.stop_all()
+        shutil.rmtree(out, ignore_errors=True)
 
     def p50(rows: list[dict[str, float]], a: str, b: str | None = None) -> str:
         values = [r[a] - (r[b] if b else 0.0) for r in rows if a in r and (b is None or b in r)]
