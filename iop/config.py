@@ -177,6 +177,7 @@ class ResponsesSettings(_Strict):
     )
     max_sockets_per_key: Annotated[int, Meta(ge=1, description="WebSockets one client key holds open on an edge.")] = 64
     max_background_per_key: Annotated[int, Meta(ge=1, description="Background responses of one key on an edge.")] = 64
+    cache_mb: Annotated[int, Meta(ge=0, description="MiB of stored turns (JSON) an edge holds in memory; 0: none")] = 64
 
 
 class EdgeSettings(_Strict):

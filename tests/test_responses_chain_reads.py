@@ -65,7 +65,8 @@ async def direct_gets(nc: NATS, responses: Responses, body: dict[str, Any], owne
 
 
 async def test_a_thirty_turn_chain_is_read_in_two_direct_gets(nc: NATS) -> None:
-    responses = Responses(await ResponseStore.open(nc, config.ResponsesSettings()))
+    # An edge without the cache of stored turns (tests/test_responses_cache.py reads with it).
+    responses = Responses(await ResponseStore.open(nc, config.ResponsesSettings(cache_mb=0)))
     ids = await chain_of(responses, 30)
     gets, turn = await direct_gets(nc, responses, {"model": "m", "previous_response_id": ids[-1], "input": "go"}, OWNER)
     assert gets == 2  # the previous response, then every earlier one at once (one a turn: 30)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -197,15 +198,17 @@ class Responses:
         """The input and output items of `previous` and every response before it, oldest first, and their ids.
 
         The previous response names all its ancestors, so they are read in one batched direct get:
-        two round trips to NATS for a conversation of up to 512 turns, one more per 512 after that.
+        two round trips to NATS for a conversation of up to 512 turns, one more per 512 after that;
+        turns in this edge's cache (iop/responses/cache.py) are not read, after one round trip for both.
         """
-        last = await self._stored(previous, owner)
+        since = time.monotonic()
+        last = await self._stored(previous, owner, since)
         if max_bytes is not None and last.size > max_bytes:
             raise _too_large(last.size, max_bytes)  # before the chain is read
         chain = [*last.chain, previous]
         if len(chain) > MAX_CHAIN:
             raise BadRequest(f"the conversation is longer than {MAX_CHAIN} responses", param="previous_response_id")
-        found = await self.store.responses(owner, last.chain) if self.store is not None else []
+        found = await self.store.responses(owner, last.chain, since) if self.store is not None else []
         earlier = [stored if stored is not None else _gone(at) for at, stored in zip(last.chain, found, strict=True)]
         history: list[Any] = []
         for stored in (*earlier, last):
@@ -213,8 +216,8 @@ class Responses:
             history += stored.response.get("output") or []
         return history, chain
 
-    async def _stored(self, response_id: str, owner: str) -> Stored:
-        stored = await self.store.response(owner, response_id) if self.store is not None else None
+    async def _stored(self, response_id: str, owner: str, since: float | None = None) -> Stored:
+        stored = await self.store.response(owner, response_id, since) if self.store is not None else None
         return stored if stored is not None else _gone(response_id)
 
 

@@ -8,7 +8,8 @@ id>` (a background response's events as they were streamed, iop/responses/live.p
 background response runs `w.<owner>.<id>` and `l.<owner>.<id>` (its work and its lease,
 iop/responses/takeover.py). A value larger than one
 NATS message is kept in parts (`<key>.1`, `<key>.2`, …) written before the key that names them.
-The bucket's age and byte limits bound it; NATS drops the oldest first.
+The bucket's age and byte limits bound it; NATS drops the oldest first. Records this edge wrote or
+read are also kept in memory (iop/responses/cache.py) while the store still holds them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import functools
 import hashlib
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any, ParamSpec, TypeVar
 
 import msgspec
@@ -31,7 +34,8 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from iop import config
 from iop.errors import BusError, Unavailable
-from iop.nats import streams
+from iop.nats import connection, streams
+from iop.responses.cache import Entry, Freshness, TurnCache, gone_subject
 
 log = logging.getLogger("iop.responses")
 
@@ -46,6 +50,10 @@ _SUBJECT = f"$KV.{BUCKET}."
 _BATCH = 512
 """Keys one direct get may name (the server answers more than 1,024 with 413)."""
 _TIMEOUT_S = 5.0
+_CHANGING = frozenset({"queued", "in_progress"})
+"""Statuses of a record that is still to be written again (a background response): never cached."""
+Got = tuple[bytes, int, float]
+"""A value read, with the stream sequence and the time of its oldest message (-1, 0.0: not known)."""
 
 
 def owner_of(secret: bytes | None) -> str:
@@ -102,10 +110,12 @@ _item = msgspec.json.Decoder(dict[str, Any]).decode
 class ResponseStore:
     """Reads and writes stored responses; every call names the owner it acts for."""
 
-    def __init__(self, kv: Any, max_value: int, nc: NATS | None = None) -> None:
+    def __init__(self, kv: Any, max_value: int, nc: NATS | None = None, fresh: Freshness | None = None) -> None:
         self.kv = kv
         self.max_value = max(1024, max_value - _HEADROOM)
         self._nc = nc
+        self.fresh = fresh
+        """The records kept in memory and when they may be served (None: every read goes to NATS)."""
         self._batched = True
         """Direct gets of many keys answered (a server before 2.11, or a user not allowed them: one a key)."""
 
@@ -133,22 +143,43 @@ class ResponseStore:
                 n, sized_by = info.config.num_replicas or 1, "edge.responses.max_bytes"
                 problem = streams.stream_problem(f"KV bucket {BUCKET}", settings.max_bytes, n, exc, sized_by)
                 raise BusError(problem) from exc
-        return cls(kv, nc.max_payload, nc)
+        fresh = None
+        if settings.cache_mb > 0:
+            fresh = Freshness(nc, TurnCache(settings.cache_mb << 20, settings.max_age), f"KV_{BUCKET}")
+            await fresh.start()
+        return cls(kv, nc.max_payload, nc, fresh)
+
+    async def response(self, owner: str, response_id: str, since: float | None = None) -> Stored | None:
+        return (await self.responses(owner, [response_id], since))[0]
 
     @_reachable
-    async def response(self, owner: str, response_id: str) -> Stored | None:
-        raw = await self._get(f"r.{owner}.{response_id}") if valid_id(response_id) else None
-        return _stored(raw) if raw is not None else None
-
-    @_reachable
-    async def responses(self, owner: str, response_ids: list[str]) -> list[Stored | None]:
+    async def responses(self, owner: str, response_ids: list[str], since: float | None = None) -> list[Stored | None]:
         """Several stored responses (a conversation's earlier turns) in one request to NATS per 512.
 
         None for each one that is not there: never kept, deleted, aged out, or another owner's.
+        Those in this edge's cache come from memory once it is known fresh for a lookup that began
+        at `since` (monotonic; default now): lookups of one request share that check.
         """
         keys = [f"r.{owner}.{i}" if valid_id(i) else "" for i in response_ids]
-        found = await self._get_many([k for k in keys if k])
-        return [_stored(found[k]) if k in found else None for k in keys]
+        out: list[Stored | None] = [None] * len(keys)
+        fresh = self.fresh
+        pairs = list(zip(keys, response_ids, strict=True))
+        cached = fresh is not None and any(k and fresh.cache.get(owner, i) is not None for k, i in pairs)
+        if fresh is not None and cached and await fresh.check(time.monotonic() if since is None else since):
+            out = [fresh.cache.get(owner, i) if k else None for k, i in pairs]
+        missing = [k for k, o in zip(keys, out, strict=True) if k and o is None]
+        if not missing:
+            return out
+        ticket = fresh.ticket() if fresh is not None else None
+        found = await self._get_many(missing)
+        for n, (k, i) in enumerate(zip(keys, response_ids, strict=True)):
+            got = found.get(k) if out[n] is None and k else None
+            if got is None:
+                continue
+            stored = out[n] = _stored(got[0])
+            if fresh is not None and ticket is not None and got[1] >= 0 and _cacheable(stored):
+                fresh.put(owner, i, Entry(stored, len(got[0]), got[2], got[1]), ticket)
+        return out
 
     @_reachable
     async def item(self, owner: str, item_id: str) -> dict[str, Any] | None:
@@ -159,12 +190,17 @@ class ResponseStore:
     async def keep(self, owner: str, stored: Stored, items: list[dict[str, Any]]) -> bool:
         """Keep `stored` and index `items` (the new ones it holds) by id; False when its id cannot be kept."""
         response_id = stored.response.get("id")
-        if not valid_id(response_id):
+        if not isinstance(response_id, str) or not valid_id(response_id):
             return False
         puts = [self._put(f"i.{owner}.{item['id']}", _encode(item)) for item in items if valid_id(item.get("id"))]
         await asyncio.gather(*puts)
         # The response last: whoever finds it finds its items too.
-        await self._put(f"r.{owner}.{response_id}", _encode(stored))
+        data, fresh = _encode(stored), self.fresh
+        ticket, stamp = (fresh.ticket() if fresh is not None else None), time.time()
+        seq = await self._put(f"r.{owner}.{response_id}", data)
+        if fresh is not None and ticket is not None and _cacheable(stored):
+            # A copy of its own, as a read would give: the caller's objects go on to the client.
+            fresh.put(owner, response_id, Entry(_stored(data), len(data), stamp, seq), ticket)
         return True
 
     @_reachable
@@ -196,10 +232,18 @@ class ResponseStore:
         stored = await self.response(owner, response_id)
         if stored is None:
             return False
+        if self.fresh is not None:
+            self.fresh.cache.forget(owner, response_id)
         ids = [i.get("id") for i in (*stored.input, *stored.response.get("output", []))]
         await asyncio.gather(*(self._delete(f"i.{owner}.{i}") for i in ids if valid_id(i)))
         await self._delete(f"e.{owner}.{response_id}")
         await self._delete(f"r.{owner}.{response_id}")
+        if self.fresh is not None:
+            self.fresh.cache.forget(owner, response_id)  # a read of this edge that raced the deletion
+        if self._nc is not None:
+            # Every edge forgets it before this one answers: the server has the announcement.
+            await self._nc.publish(gone_subject(owner, response_id), b"")
+            await connection.flush(self._nc)
         return True
 
     @_reachable
@@ -258,17 +302,17 @@ class ResponseStore:
             return None  # a part aged out (or was dropped for bytes) before its head: the whole is gone
         return b"".join(c.value or b"" for c in chunks)
 
-    async def _get_many(self, keys: list[str]) -> dict[str, bytes]:
-        """The values of those of `keys` that are there, as `_get` reads each one."""
-        heads: dict[str, bytes] = {}
+    async def _get_many(self, keys: list[str]) -> dict[str, Got]:
+        """The values of those of `keys` that are there, as `_get` reads each one (its parts joined)."""
+        heads: dict[str, Got] = {}
         for n in range(0, len(keys), _BATCH):
             got = await self._last_of(keys[n : n + _BATCH])
             if got is None:  # a server (or bucket) without batched direct gets: one request a key
                 values = await asyncio.gather(*(self._get(k) for k in keys))
-                return {k: v for k, v in zip(keys, values, strict=True) if v is not None}
+                return {k: (v, -1, 0.0) for k, v in zip(keys, values, strict=True) if v is not None}
             heads.update(got)
-        found = {k: v[1:] for k, v in heads.items() if v[:1] == b"="}
-        split = {k: int(v[1:]) for k, v in heads.items() if v[:1] == b"#"}
+        found = {k: (v[1:], seq, at) for k, (v, seq, at) in heads.items() if v[:1] == b"="}
+        split = {k: int(v[1:]) for k, (v, _, _) in heads.items() if v[:1] == b"#"}
         if split:
             names = [f"{k}.{n}" for k, parts in split.items() for n in range(1, parts + 1)]
             batches = await asyncio.gather(
@@ -277,15 +321,18 @@ class ResponseStore:
             chunks = {k: v for batch in batches for k, v in batch.items()}
             for k, parts in split.items():
                 pieces = [chunks.get(f"{k}.{n}") for n in range(1, parts + 1)]
-                if all(p is not None for p in pieces):  # else a part aged out before its head: all gone
-                    found[k] = b"".join(p for p in pieces if p is not None)
+                whole = [p for p in pieces if p is not None]
+                if len(whole) == parts:  # else a part aged out before its head: all gone
+                    _, seq, at = heads[k]
+                    seq = -1 if seq < 0 or any(p[1] < 0 for p in whole) else min(seq, *(p[1] for p in whole))
+                    found[k] = (b"".join(p[0] for p in whole), seq, min(at, *(p[2] for p in whole)))
         return found
 
-    async def _get_many_raw(self, keys: list[str]) -> dict[str, bytes]:
+    async def _get_many_raw(self, keys: list[str]) -> dict[str, Got]:
         got = await self._last_of(keys)
         if got is None:
             values = await asyncio.gather(*(self._raw(k) for k in keys))
-            return {k: v for k, v in zip(keys, values, strict=True) if v is not None}
+            return {k: (v, -1, 0.0) for k, v in zip(keys, values, strict=True) if v is not None}
         return got
 
     async def _raw(self, key: str) -> bytes | None:
@@ -294,13 +341,13 @@ class ResponseStore:
         except (KeyNotFoundError, NotFoundError):
             return None
 
-    async def _last_of(self, keys: list[str]) -> dict[str, bytes] | None:
+    async def _last_of(self, keys: list[str]) -> dict[str, Got] | None:
         """The last value of each key, deleted ones left out, in one direct get (None: not answered so)."""
         if not keys:
             return {}
         if self._nc is None or not self._batched:
             return None
-        nc, found = self._nc, dict[str, bytes]()
+        nc, found = self._nc, dict[str, Got]()
         done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
         async def one(msg: Any) -> None:
@@ -310,7 +357,8 @@ class ResponseStore:
                 if not done.done():
                     done.set_result(status)
             elif headers.get("KV-Operation") is None:  # a DEL or PURGE marker: the key is gone
-                found[headers.get("Nats-Subject", "")[len(_SUBJECT) :]] = msg.data
+                key = headers.get("Nats-Subject", "")[len(_SUBJECT) :]
+                found[key] = (msg.data, int(headers.get("Nats-Sequence", -1)), _time(headers.get("Nats-Time-Stamp")))
 
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox, cb=one, pending_bytes_limit=1 << 31)
@@ -331,13 +379,14 @@ class ResponseStore:
             self._batched = False
         return None
 
-    async def _put(self, key: str, data: bytes) -> None:
+    async def _put(self, key: str, data: bytes) -> int:
+        """Write `key` (in parts when it is large); the stream sequence of its first message."""
         if len(data) < self.max_value:
-            await self.kv.put(key, b"=" + data)
-            return
+            return int(await self.kv.put(key, b"=" + data))
         chunks = [data[i : i + self.max_value] for i in range(0, len(data), self.max_value)]
-        await asyncio.gather(*(self.kv.put(f"{key}.{n}", c) for n, c in enumerate(chunks, 1)))
+        seqs = await asyncio.gather(*(self.kv.put(f"{key}.{n}", c) for n, c in enumerate(chunks, 1)))
         await self.kv.put(key, b"#%d" % len(chunks))
+        return int(min(seqs))
 
     async def _delete(self, key: str) -> None:
         try:
@@ -348,3 +397,16 @@ class ResponseStore:
         if value[:1] == b"#":
             await asyncio.gather(*(self.kv.purge(f"{key}.{n}") for n in range(1, int(value[1:]) + 1)))
         await self.kv.purge(key)
+
+
+def _cacheable(stored: Stored) -> bool:
+    """A record no edge writes again (a background response may still be cancelled or taken over)."""
+    return not stored.response.get("background") and stored.response.get("status") not in _CHANGING
+
+
+def _time(stamp: str | None) -> float:
+    """A message's `Nats-Time-Stamp` as Unix time; 0.0 (long expired) when there is none."""
+    try:
+        return datetime.fromisoformat(stamp).timestamp() if stamp else 0.0
+    except ValueError:
+        return 0.0

@@ -1,0 +1,229 @@
+"""Stored turns this edge wrote or read, kept in memory, so a conversation it serves expands without NATS.
+
+Keyed by (owner, response id): an owner's lookup reaches only its own entries, as in the store.
+An entry is the decoded record exactly as a read returns it, with the stream sequence and time of
+its oldest message. It is served only while the store still holds it:
+
+- a DELETE on any edge: the deleting edge forgets it before it answers and announces it on
+  `iop.responses.gone.<owner>.<id>` (edges only: a node may neither publish nor hear it); each edge
+  forgets what it hears;
+- age: an entry older than the bucket's `max_age` is gone, by this edge's clock;
+- bytes: NATS drops the oldest messages first, so an entry whose sequence is below the bucket's
+  first one is gone (the first sequence is read at most a second before a hit);
+- a lost connection: deletions may have been missed meanwhile, so a reconnect empties the cache.
+
+A hit therefore costs one round trip to NATS (a ping, or the bucket's state once a second): every
+announcement published before the request arrived is heard first. Requests that arrive while
+one round trip is on its way share the next. Records that may still change (a background response,
+one queued or in progress) are not kept. The bound (`edge.responses.cache_mb`) counts the
+records' JSON bytes, least recently used out first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from iop.nats import connection
+
+log = logging.getLogger("iop.responses")
+
+GONE_ROOT = "iop.responses.gone"
+"""`<root>.<owner>.<response id>`: a stored response deleted (published by an edge after the deletion)."""
+_INFO_EVERY_S = 1.0
+"""How old the bucket's first sequence and age limit may be at a hit."""
+_REMEMBERED = 4096
+"""Deletions remembered for reads in flight (an older read is not kept: it may have raced one)."""
+_TIMEOUT_S = 5.0
+
+
+def gone_subject(owner: str, response_id: str) -> str:
+    return f"{GONE_ROOT}.{owner}.{response_id}"
+
+
+class _State(msgspec.Struct):
+    first_seq: int = 0
+
+
+class _Config(msgspec.Struct):
+    max_age: int = 0
+    """Nanoseconds (0: no limit)."""
+
+
+class _Info(msgspec.Struct):
+    state: _State
+    config: _Config
+    """Both required: an error's answer (no state) is not taken for an empty bucket without limits."""
+
+
+_info = msgspec.json.Decoder(_Info).decode
+
+
+@dataclass(slots=True)
+class Entry:
+    stored: Any
+    """The decoded record (`store.Stored`); shared by every reader, who never changes it."""
+    size: int
+    stamp: float
+    """Unix time of its oldest message (its parts are written before it)."""
+    seq: int
+    """Stream sequence of its oldest message."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """Taken before a read: what it finds is kept only if nothing it read was deleted meanwhile."""
+
+    epoch: int
+    reconnects: int
+
+
+class TurnCache:
+    """The entries and their bound; NATS is `Freshness`'s business."""
+
+    def __init__(self, max_bytes: int, max_age_s: float) -> None:
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        """The bucket's age limit as last read (0: none)."""
+        self.first_seq = 0
+        self.entries: OrderedDict[tuple[str, str], Entry] = OrderedDict()
+        self.bytes = 0
+        self.epoch = 0
+        """Counts forgets and clears: a read's ticket older than one that touched its keys keeps nothing."""
+        self._forgotten: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._floor = 0
+        """Tickets before this epoch keep nothing (the deletions they raced may no longer be remembered)."""
+
+    def get(self, owner: str, response_id: str) -> Any:
+        """The record, while it may still be in the store; None otherwise."""
+        key = (owner, response_id)
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        if entry.seq < self.first_seq or (self.max_age_s > 0 and time.time() >= entry.stamp + self.max_age_s):
+            self._drop(key)
+            return None
+        self.entries.move_to_end(key)
+        return entry.stored
+
+    def put(self, owner: str, response_id: str, entry: Entry, ticket: Ticket, reconnects: int) -> None:
+        key = (owner, response_id)
+        if (
+            entry.size > self.max_bytes
+            or ticket.reconnects != reconnects
+            or ticket.epoch < self._floor
+            or self._forgotten.get(key, -1) >= ticket.epoch
+        ):
+            return
+        self._drop(key)
+        self.entries[key] = entry
+        self.bytes += entry.size
+        while self.bytes > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+
+    def forget(self, owner: str, response_id: str) -> None:
+        key = (owner, response_id)
+        self._drop(key)
+        self.epoch += 1
+        self._forgotten[key] = self.epoch
+        self._forgotten.move_to_end(key)
+        if len(self._forgotten) > _REMEMBERED:
+            _, self._floor = self._forgotten.popitem(last=False)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self._forgotten.clear()
+        self.bytes = 0
+        self.epoch += 1
+        self._floor = self.epoch
+
+    def ticket(self, reconnects: int) -> Ticket:
+        return Ticket(self.epoch, reconnects)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry.size
+
+
+class Freshness:
+    """Whether the cache may answer now: the deletions announced so far heard, the connection unbroken."""
+
+    def __init__(self, nc: NATS, cache: TurnCache, stream: str) -> None:
+        self.nc = nc
+        self.cache = cache
+        self._info_subject = f"$JS.API.STREAM.INFO.{stream}"
+        self._reconnects = self.reconnects
+        self._info_at = -_INFO_EVERY_S
+        self._checked_from = -1.0
+        """When the last successful check began (monotonic)."""
+        self._running: tuple[float, asyncio.Future[bool]] | None = None
+
+    @property
+    def reconnects(self) -> int:
+        return int(self.nc.stats["reconnects"])
+
+    async def start(self) -> None:
+        await self.nc.subscribe(f"{GONE_ROOT}.>", cb=self._heard)
+
+    async def _heard(self, msg: Msg) -> None:
+        # No await here: a check's round trip, answered after this announcement, resumes after it.
+        parts = msg.subject.split(".")
+        if len(parts) == 5:
+            self.cache.forget(parts[3], parts[4])
+
+    def ticket(self) -> Ticket:
+        return self.cache.ticket(self.reconnects)
+
+    def put(self, owner: str, response_id: str, entry: Entry, ticket: Ticket) -> None:
+        self.cache.put(owner, response_id, entry, ticket, self.reconnects)
+
+    async def check(self, since: float) -> bool:
+        """True when a lookup that began at `since` (monotonic) may be answered from the cache."""
+        if not self.nc.is_connected:
+            return False
+        if self._checked_from >= since and self._reconnects == self.reconnects:
+            return True
+        running = self._running
+        if running is not None and running[0] >= since:
+            return await asyncio.shield(running[1])
+        began = time.monotonic()
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._running = (began, done)
+        ok = False
+        try:
+            ok = await self._round_trip(began)
+        finally:
+            done.set_result(ok)
+            if self._running is not None and self._running[1] is done:
+                self._running = None
+        return ok
+
+    async def _round_trip(self, began: float) -> bool:
+        try:
+            if began - self._info_at >= _INFO_EVERY_S:
+                reply = await self.nc.request(self._info_subject, b"", timeout=_TIMEOUT_S)
+                info = _info(reply.data)
+                self.cache.first_seq = max(self.cache.first_seq, info.state.first_seq)
+                self.cache.max_age_s = info.config.max_age / 1e9
+                self._info_at = began
+            else:
+                await connection.flush(self.nc)
+        except Exception as exc:  # NATS unreachable, or an answer not understood: the store decides
+            log.debug("response cache: not checked (%s)", type(exc).__name__)
+            return False
+        if self._reconnects != self.reconnects:
+            # Deletions announced while the connection was down were missed.
+            self.cache.clear()
+            self._reconnects = self.reconnects
+            return False
+        self._checked_from = max(self._checked_from, began)
+        return True

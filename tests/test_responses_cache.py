@@ -1,0 +1,180 @@
+"""The edge's cache of stored turns (iop/responses/cache.py): a chain this edge wrote or read expands
+without reading the store, and the cache never serves what the store no longer holds, nor another
+owner's. Two edges are two connections to one real nats-server, each with its own store and cache."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from iop import config
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
+from iop.responses.cache import Entry, TurnCache
+from iop.responses.expand import PreviousResponseNotFound, Responses
+from iop.responses.store import ResponseStore, Stored, owner_of
+from tests.harness import eventually
+from tests.test_responses_chain_reads import OTHER, OWNER, chain_of, direct_gets
+
+
+@pytest.fixture
+async def ncs(nats_server: EmbeddedNats) -> AsyncIterator[tuple[NATS, NATS]]:
+    a = await connection.connect(nats_server.url, "edge-a")
+    b = await connection.connect(nats_server.url, "edge-b")
+    try:
+        yield a, b
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def edge(nc: NATS, **settings: Any) -> Responses:
+    return Responses(await ResponseStore.open(nc, config.ResponsesSettings(**settings)))
+
+
+def body(previous: str) -> dict[str, Any]:
+    return {"model": "m", "previous_response_id": previous, "input": "go"}
+
+
+def contents(outcome: Any) -> list[Any]:
+    return [i["content"] for i in outcome.body["input"]]
+
+
+async def test_a_chain_this_edge_wrote_expands_without_a_store_read_and_only_for_its_owner(
+    ncs: tuple[NATS, NATS],
+) -> None:
+    a, b = ncs
+    on_a, on_b = await edge(a), await edge(b)
+    ids = await chain_of(on_a, 30)
+    whole = [c for t in range(30) for c in (f"u{t}", f"a{t}")] + ["go"]
+    gets, turn = await direct_gets(a, on_a, body(ids[-1]), OWNER)
+    assert gets == 0 and contents(turn) == whole and turn.chain == ids
+    # Another owner on the same edge hits nothing: a miss, read from the store, is not found.
+    gets, other = await direct_gets(a, on_a, body(ids[-1]), OTHER)
+    assert isinstance(other, PreviousResponseNotFound) and gets == 1
+    assert on_a.store is not None and await on_a.store.response(OTHER, ids[3]) is None
+    # Another edge reads the chain once (two direct gets), then has it too.
+    gets, turn = await direct_gets(b, on_b, body(ids[-1]), OWNER)
+    assert gets == 2 and contents(turn) == whole
+    gets, turn = await direct_gets(b, on_b, body(ids[-1]), OWNER)
+    assert gets == 0 and contents(turn) == whole
+
+
+async def test_a_turn_deleted_on_one_edge_is_refused_at_once_on_another_that_had_it(ncs: tuple[NATS, NATS]) -> None:
+    a, b = ncs
+    on_a, on_b = await edge(a), await edge(b)
+    assert on_a.store is not None and on_b.store is not None
+    ids = await chain_of(on_a, 8)
+    await on_b.expand(body(ids[-1]), OWNER)  # B has read the chain: it is in B's cache
+    assert (await direct_gets(b, on_b, body(ids[-1]), OWNER))[0] == 0
+    assert await on_a.store.delete(OWNER, ids[3])
+    # No wait: the deletion was announced before A answered, and B's hit waits for what is announced.
+    _, refused = await direct_gets(b, on_b, body(ids[-1]), OWNER)
+    assert isinstance(refused, PreviousResponseNotFound) and ids[3] in str(refused)
+    assert await on_b.store.response(OWNER, ids[3]) is None
+    # And the other way round; the deleting edge itself forgets before it answers.
+    assert on_a.store.fresh is not None and (OWNER, ids[6]) in on_a.store.fresh.cache.entries  # A wrote it
+    assert await on_b.store.delete(OWNER, ids[6])
+    for responses in (on_a, on_b):
+        with pytest.raises(PreviousResponseNotFound, match=ids[6]):
+            await responses.expand(body(ids[6]), OWNER)
+    assert await on_a.store.response(OWNER, ids[6]) is None
+
+
+async def test_an_edge_that_reconnects_serves_nothing_it_held(nats_server: EmbeddedNats) -> None:
+    a = await connection.connect(nats_server.url, "edge-a")
+    try:
+        on_a = await edge(a)
+        assert on_a.store is not None
+        ids = await chain_of(on_a, 6)
+        # A deletion this edge does not hear of (as one announced while its connection was down):
+        # the cache still has the turn...
+        await on_a.store.kv.purge(f"r.{OWNER}.{ids[2]}")
+        assert (await direct_gets(a, on_a, body(ids[-1]), OWNER))[0] == 0
+        await nats_server.stop()
+        await nats_server.start()
+
+        async def back() -> bool:
+            return a.is_connected and a.stats["reconnects"] == 1
+
+        await eventually(back, timeout_s=20)
+        # ...until the connection is back: then it has nothing, and reads the store.
+        gets, refused = await direct_gets(a, on_a, body(ids[-1]), OWNER)
+        assert isinstance(refused, PreviousResponseNotFound) and ids[2] in str(refused) and gets > 0
+        assert on_a.store.fresh is not None
+        assert {i for _, i in on_a.store.fresh.cache.entries} == {*ids} - {ids[2]}  # as read again
+    finally:
+        await a.close()
+
+
+async def test_an_expired_turn_is_not_served_from_the_cache(ncs: tuple[NATS, NATS]) -> None:
+    a, _ = ncs
+    on_a = await edge(a, max_age=1.0)
+    uncached = ResponseStore((await ResponseStore.open(a, config.ResponsesSettings(max_age=1.0))).kv, a.max_payload, a)
+    ids = await chain_of(on_a, 4)
+    assert (await direct_gets(a, on_a, body(ids[-1]), OWNER))[0] == 0
+
+    async def aged_out() -> bool:
+        return await uncached.response(OWNER, ids[0]) is None
+
+    await eventually(aged_out, timeout_s=20)
+    with pytest.raises(PreviousResponseNotFound):
+        await on_a.expand(body(ids[-1]), OWNER)
+
+
+async def test_the_cache_stays_within_its_bound_and_the_chain_whole(ncs: tuple[NATS, NATS]) -> None:
+    a, _ = ncs
+    on_a = await edge(a, cache_mb=1)
+    assert on_a.store is not None and on_a.store.fresh is not None
+    cache = on_a.store.fresh.cache
+    ids = await chain_of(on_a, 12)
+    for n in range(12, 40):  # 28 more turns of ~60 KB each: 1.7 MB of JSON
+        turn = await on_a.expand({"model": "m", "previous_response_id": ids[-1], "input": f"u{n}"}, OWNER)
+        answer = {"id": f"resp_{n}", "output": [{"type": "message", "id": f"msg_{n}", "content": "y" * 60_000}]}
+        await on_a.keep(OWNER, turn, answer)
+        ids.append(f"resp_{n}")
+        assert cache.bytes <= 1 << 20
+    assert cache.bytes == sum(e.size for e in cache.entries.values()) > (1 << 20) - 70_000
+    assert (OWNER, ids[-1]) in cache.entries and len(cache.entries) < 40  # the least recently used went
+    gets, turn = await direct_gets(a, on_a, body(ids[-1]), OWNER)
+    assert gets == 1 and len(turn.body["input"]) == 2 * 40 + 1  # the evicted turns read in one batch
+    assert cache.bytes <= 1 << 20
+
+
+async def test_background_and_unfinished_records_are_never_cached(ncs: tuple[NATS, NATS]) -> None:
+    a, _ = ncs
+    on_a = await edge(a)
+    store = on_a.store
+    assert store is not None and store.fresh is not None
+    await store.keep(OWNER, Stored({"id": "resp_bg", "background": True, "status": "completed"}, []), [])
+    await store.keep(OWNER, Stored({"id": "resp_q", "status": "queued"}, []), [])
+    await store.keep(OWNER, Stored({"id": "resp_done", "status": "completed"}, []), [])
+    assert set(store.fresh.cache.entries) == {(OWNER, "resp_done")}
+    assert [s.response["id"] if s else None for s in await store.responses(OWNER, ["resp_bg", "resp_q"])] == [
+        "resp_bg",
+        "resp_q",
+    ]
+    assert set(store.fresh.cache.entries) == {(OWNER, "resp_done")}
+
+
+def test_a_read_that_raced_a_deletion_or_a_reconnect_keeps_nothing() -> None:
+    cache = TurnCache(1 << 20, 60.0)
+    owner = owner_of(b"sk-a")
+    entry = Entry(Stored({"id": "resp_1"}, []), 10, 1e18, 1)
+    before = cache.ticket(0)
+    cache.forget(owner, "resp_1")  # announced while the read was on its way
+    cache.put(owner, "resp_1", entry, before, 0)
+    assert not cache.entries
+    cache.put(owner, "resp_2", entry, before, 1)  # the connection came back meanwhile
+    assert not cache.entries
+    cache.put(owner, "resp_2", entry, cache.ticket(1), 1)
+    assert cache.get(owner, "resp_2") is entry.stored and cache.get(OTHER, "resp_2") is None
+    cache.first_seq = 2  # NATS dropped the oldest messages (the bucket's bytes)
+    assert cache.get(owner, "resp_2") is None and cache.bytes == 0
+    old = Entry(entry.stored, 10, time.time() - 61.0, 5)  # written 61 s ago, kept 60
+    cache.put(owner, "resp_3", old, cache.ticket(1), 1)
+    assert (owner, "resp_3") in cache.entries and cache.get(owner, "resp_3") is None and cache.bytes == 0
