@@ -36,6 +36,7 @@ from iop.nats.bundle import nats_server_path
 from iop.nats.server import EmbeddedNats
 from iop.node import policy as node_policy
 from iop.node.runtime import NodeRuntime
+from iop.responses.cache import GONE_ROOT, gone_subject
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, eventually, iop_process, running_edge, running_node, until
 
@@ -746,6 +747,7 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                         "iop.reply.>",
                         wire.EDGE_SLOTS_SUBJECT,  # what each edge holds is the edges' business
                         "iop.responses.bg.>",  # a background response's events (iop/responses/live.py)
+                        f"{GONE_ROOT}.>",  # which stored responses were deleted (iop/responses/cache.py)
                     ):
                         await a.nc.subscribe(subject)
                         await a.refused(f'permissions violation for subscription to "{subject.lower()}"')
@@ -768,6 +770,7 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                         "$KV.iop_responses.r.anonymous.resp_1",
                         "iop.responses.bg.resp_1.cancel",  # cancel a background response
                         "iop.responses.bg.resp_1.since",  # or ask for its events
+                        gone_subject("anonymous", "resp_1"),  # make the edges forget a stored response
                         "$JS.API.STREAM.CREATE.EVIL",
                         f"$JS.API.CONSUMER.MSG.NEXT.{wire.WORK_STREAM}.{wire.consumer_name('b-prov')}",
                     ]
