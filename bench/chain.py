@@ -4,7 +4,10 @@ In this process, as bench/fairness.py measures admission: a nats-server of its o
 the edge's own `ResponseStore` and `Responses`. Chains of 1, 10 and 50 agent-like turns are built
 as the edge builds them (`Responses.expand`, then `Responses.keep` with the answer): each turn a
 user message or a function_call_output of 1-2 KB of source code, its answer a function_call and a
-short message. At the end of each chain the next turn's expansion is timed, one at a time:
+short message. At the end of each chain the next turn's expansion is timed, one at a time, on three edges in
+turn (blocks of 10): the one that wrote the chain (its cache warm), another whose cache is
+emptied before each expansion (cold: every turn read from the store), and one without the cache
+(`cache_mb: 0`, the read path before it):
 
     wall          p50 / p99 of `Responses.expand(previous_response_id=last)` (ms)
     cpu           this process's CPU per expansion (time.process_time), ms
@@ -110,49 +113,75 @@ async def _build(responses: Responses, owner: str, turns: int, chain: int) -> st
     return last
 
 
+ARMS = ("warm", "cold", "off")
+"""warm: this edge wrote the turns (its cache holds them); cold: another edge wrote them and this
+edge's cache is emptied before each expansion (every turn read from the store, then cached);
+off: `cache_mb: 0`, every turn read from the store (the path before the cache)."""
+_BLOCK = 10
+"""Expansions of one arm in a row before the next arm's: the arms share the machine's state."""
+
+
 async def _measure(store_dir: Path, opts: ChainOptions) -> list[dict[str, Any]]:
     server = EmbeddedNats("127.0.0.1:0", store_dir)
     await server.start()
     out: list[dict[str, Any]] = []
+    conns: list[Any] = []
     try:
-        nc = await connection.connect(server.url, "bench-chain")
-        settings = config.ResponsesSettings()
-        responses = Responses(await ResponseStore.open(nc, settings))
+        for name in ARMS:
+            conns.append(await connection.connect(server.url, f"bench-chain-{name}"))
+        edges = {
+            name: Responses(await ResponseStore.open(nc, config.ResponsesSettings(cache_mb=0 if name == "off" else 64)))
+            for name, nc in zip(ARMS, conns, strict=True)
+        }
+        cold = edges["cold"].store
+        assert cold is not None and cold.fresh is not None
         owner = owner_of(b"sk-bench-chain")
         pid = server.pid
         assert pid is not None
         for n in opts.lengths:
-            last = await _build(responses, owner, n, n)
+            last = await _build(edges["warm"], owner, n, n)  # the warm edge writes the chain
             rng = random.Random(10_000 + n)
             body = {"model": MODEL, "previous_response_id": last, "input": _turn_input(rng, n)}
-            turn = await responses.expand(body, owner)  # once unmeasured: the same bytes every time
+            turn = await edges["off"].expand(body, owner)  # once unmeasured: the same bytes every time
             size = len(msgspec.json.encode(turn.body["input"]))
             items = len(turn.body["input"])
-            walls: list[float] = []
-            ticks0, t_wall0 = machine_ticks(), time.monotonic()
-            nats0, cpu0 = cpu_s(pid), time.process_time()
-            for _ in range(opts.expansions):
-                t0 = time.perf_counter()
-                await responses.expand(body, owner)
-                walls.append((time.perf_counter() - t0) * 1000)
-            cpu, nats = time.process_time() - cpu0, cpu_s(pid) - nats0
+            await edges["warm"].expand(body, owner)
+            walls: dict[str, list[float]] = {a: [] for a in ARMS}
+            cpu = dict.fromkeys(ARMS, 0.0)
+            nats = dict.fromkeys(ARMS, 0.0)
+            ticks0, t_wall0, cpu_all0, nats_all0 = machine_ticks(), time.monotonic(), time.process_time(), cpu_s(pid)
+            for _ in range(0, opts.expansions, _BLOCK):
+                for arm in ARMS:
+                    nats0 = cpu_s(pid)
+                    for _ in range(_BLOCK):
+                        if arm == "cold":
+                            cold.fresh.cache.clear()
+                        cpu0, t0 = time.process_time(), time.perf_counter()
+                        await edges[arm].expand(body, owner)
+                        walls[arm].append((time.perf_counter() - t0) * 1000)
+                        cpu[arm] += time.process_time() - cpu0
+                    nats[arm] += cpu_s(pid) - nats0
             wall = max(1e-9, time.monotonic() - t_wall0)
-            other = max(0.0, busy_cores(ticks0, machine_ticks()) - (cpu + nats) / wall)
-            walls.sort()
-            row = {
-                "turns": n,
-                "items": items,
-                "input_bytes": size,
-                "wall_p50_ms": round(statistics.median(walls), 3),
-                "wall_p99_ms": round(walls[min(len(walls) - 1, int(len(walls) * 0.99))], 3),
-                "cpu_ms": round(cpu / opts.expansions * 1000, 3),
-                "nats_cpu_ms": round(nats / opts.expansions * 1000, 3),
-                "other_cores": round(other, 3),
-            }
-            out.append(row)
-            log(f"chain {n} turns: {row}")
-        await nc.close()
+            mine = time.process_time() - cpu_all0 + cpu_s(pid) - nats_all0
+            other = max(0.0, busy_cores(ticks0, machine_ticks()) - mine / wall)
+            for arm in ARMS:
+                done = sorted(walls[arm])
+                row = {
+                    "turns": n,
+                    "cache": arm,
+                    "items": items,
+                    "input_bytes": size,
+                    "wall_p50_ms": round(statistics.median(done), 3),
+                    "wall_p99_ms": round(done[min(len(done) - 1, int(len(done) * 0.99))], 3),
+                    "cpu_ms": round(cpu[arm] / len(done) * 1000, 3),
+                    "nats_cpu_ms": round(nats[arm] / len(done) * 1000, 3),
+                    "other_cores": round(other, 3),
+                }
+                out.append(row)
+                log(f"chain {n} turns, cache {arm}: {row}")
     finally:
+        for nc in conns:
+            await nc.close()
         await server.stop()
     return out
 
@@ -161,6 +190,7 @@ def render_chain(d: dict[str, Any]) -> str:
     rows = [
         [
             str(r["turns"]),
+            r.get("cache", "off"),
             str(r["items"]),
             f"{r['input_bytes']:,}",
             f"{r['wall_p50_ms']:.3f}",
@@ -171,9 +201,20 @@ def render_chain(d: dict[str, Any]) -> str:
         ]
         for r in d["lengths"]
     ]
-    head = ["turns", "items", "input bytes", "wall p50 ms", "wall p99 ms", "CPU ms", "nats CPU ms", "other cores"]
+    head = [
+        "turns",
+        "cache",
+        "items",
+        "input bytes",
+        "wall p50 ms",
+        "wall p99 ms",
+        "CPU ms",
+        "nats CPU ms",
+        "other cores",
+    ]
     out = (
         f"Stored-state expansion: `previous_response_id` at the end of a chain, {d['expansions']} expansions "
-        "one at a time (this process's CPU and the nats-server's, per expansion)\n" + table(head, rows)
+        "one at a time per arm, the arms alternating (this process's CPU and the nats-server's, per expansion; "
+        "cache warm: this edge wrote the turns, cold: another edge did, off: cache_mb 0)\n" + table(head, rows)
     )
     return out  # its target is judged with the others (bench/report.py targets())

@@ -67,7 +67,14 @@ def targets(result: dict[str, Any]) -> list[Target]:
     tc = sc.get("tracing")
     if tc:
         out.append(at_most("tracing at 10 %: added CPU per request", tc["cost"]["10%"]["added_us"], 30.0, "us"))
-    ch = next((r for r in (sc.get("chain") or {}).get("lengths", []) if r["turns"] == 50), None)
+    ch = next(
+        (
+            r
+            for r in (sc.get("chain") or {}).get("lengths", [])
+            if r["turns"] == 50 and r.get("cache", "warm") == "warm"
+        ),
+        None,
+    )
     if ch:
         out.append(at_most("50-turn chain expansion p50", ch["wall_p50_ms"], 1.0, "ms"))
     wt = sc.get("wsturns")
