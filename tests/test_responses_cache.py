@@ -17,8 +17,18 @@ from iop.nats.server import EmbeddedNats
 from iop.responses.cache import Entry, TurnCache
 from iop.responses.expand import PreviousResponseNotFound, Responses
 from iop.responses.store import ResponseStore, Stored, owner_of
-from tests.harness import eventually
+from tests.fakes import fake_upstream
+from tests.harness import deployment, eventually, running_edge, running_node
 from tests.test_responses_chain_reads import OTHER, OWNER, chain_of, direct_gets
+
+HTTP_DEPLOYMENT = """
+edge: {{api_keys_env: IOP_TEST_KEYS}}
+models: [{{alias: m, pool: [p]}}]
+nodes:
+  - id: n
+    adapters: [{{id: up, type: openai, base_url: "{url}", api: chat}}]
+    providers: [{{id: p, adapter: up, model: served-model, capacity: 2}}]
+"""
 
 
 @pytest.fixture
@@ -178,3 +188,39 @@ def test_a_read_that_raced_a_deletion_or_a_reconnect_keeps_nothing() -> None:
     old = Entry(entry.stored, 10, time.time() - 61.0, 5)  # written 61 s ago, kept 60
     cache.put(owner, "resp_3", old, cache.ticket(1), 1)
     assert (owner, "resp_3") in cache.entries and cache.get(owner, "resp_3") is None and cache.bytes == 0
+
+
+async def test_over_http_a_delete_on_one_edge_breaks_the_chain_on_another_at_once(
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IOP_TEST_KEYS", "a:sk-cache-a-0123456789, b:sk-cache-b-0123456789")
+    a_key = {"authorization": "Bearer sk-cache-a-0123456789"}
+    b_key = {"authorization": "Bearer sk-cache-b-0123456789"}
+    async with fake_upstream() as up:
+        dep = deployment(HTTP_DEPLOYMENT.format(url=up.url))
+        async with (
+            running_node(dep, "n", nats_server.url),
+            running_edge(dep, nats_server.url) as one,
+            running_edge(dep, nats_server.url) as other,
+            one.http() as on_one,
+            other.http() as on_other,
+        ):
+            ids: list[str] = []
+            for text in ("first", "second", "third"):
+                ask: dict[str, Any] = {"model": "m", "input": text}
+                if ids:
+                    ask["previous_response_id"] = ids[-1]
+                r = await on_one.post("/v1/responses", json=ask, headers=a_key)
+                assert r.status_code == 200, r.text
+                ids.append(r.json()["id"])
+            then = {"model": "m", "input": "fourth", "previous_response_id": ids[-1]}
+            assert (await on_other.post("/v1/responses", json=then, headers=a_key)).status_code == 200  # read there
+            r = await on_one.post("/v1/responses", json=then, headers=b_key)  # another key, on the edge that wrote it
+            assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found"
+            # The middle turn: its messages are not the bucket's first, so only the announcement tells.
+            assert (await on_one.delete(f"/v1/responses/{ids[1]}", headers=a_key)).status_code == 200
+            r = await on_other.post("/v1/responses", json=then, headers=a_key)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found", r.text
+            assert ids[1] in r.json()["error"]["message"]
+            assert (await on_other.get(f"/v1/responses/{ids[1]}", headers=a_key)).status_code == 404
+            assert (await on_other.get(f"/v1/responses/{ids[0]}", headers=a_key)).status_code == 200
