@@ -347,6 +347,8 @@ class ResponseStore:
             return {}
         if self._nc is None or not self._batched:
             return None
+        if len(keys) == 1:
+            return await self._last_one(self._nc, keys[0])
         nc, found = self._nc, dict[str, Got]()
         done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
@@ -378,6 +380,17 @@ class ResponseStore:
             log.warning("response store: batched direct gets unanswered (%s); reading one key at a time", status)
             self._batched = False
         return None
+
+    async def _last_one(self, nc: NATS, key: str) -> dict[str, Got] | None:
+        """One key's last value: a direct get of its subject (one reply, through the shared inbox)."""
+        msg = await nc.request(f"{_DIRECT}.{_SUBJECT}{key}", b"", timeout=_TIMEOUT_S)
+        headers = msg.headers or {}
+        status = headers.get("Status")
+        if status is not None:
+            return {} if status == "404" else None
+        if headers.get("KV-Operation") is not None:  # a DEL or PURGE marker: the key is gone
+            return {}
+        return {key: (msg.data, int(headers.get("Nats-Sequence", -1)), _time(headers.get("Nats-Time-Stamp")))}
 
     async def _put(self, key: str, data: bytes) -> int:
         """Write `key` (in parts when it is large); the stream sequence of its first message."""
