@@ -13,7 +13,7 @@ from iop.nats.server import EmbeddedNats
 from iop.node.adapters.mock import mock_token
 from iop.statusview import render_status
 from tests.fakes import fake_upstream
-from tests.harness import deployment, deployment_running, running_edge, running_node, until
+from tests.harness import deployment, deployment_running, eventually, running_edge, running_node, until
 
 
 def two_provider_yaml(url_a: str, url_b: str, cap_a: int = 1, cap_b: int = 2, queue: str = "") -> str:
@@ -268,6 +268,38 @@ nodes:
                 r2 = await http.post("/v1/chat/completions", json={**body, "stream": False})
             assert r2.status_code == 200
             assert up.total == 2
+
+
+async def test_a_client_leaving_a_whole_answer_cancels_its_request_with_no_task_watching(
+    nats_server: EmbeddedNats,
+) -> None:
+    gate = asyncio.Event()
+    async with fake_upstream(gate=gate) as up:
+        text = f"""
+models: [{{alias: m, pool: [p]}}]
+nodes:
+  - id: n
+    adapters: [{{id: up, type: openai, base_url: "{up.url}", api: both}}]
+    providers: [{{id: p, adapter: up, capacity: 1}}]
+"""
+        async with deployment_running(deployment(text), nats_server.url) as h, h.http() as http:
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+            gone = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+            await up.wait_for(lambda u: u.in_flight == 1)
+            # The connection itself cancels the request when its client leaves: no task per request
+            # waits in receive() for the disconnect.
+            watching = [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "watch_disconnect"]  # type: ignore[union-attr]
+            assert watching == []
+            gone.cancel()
+            sched = h.edge.scheduler
+
+            async def slot_free() -> bool:  # while the upstream still holds the call
+                return sched.providers["p"].in_flight == 0 and h.edge.observer.records == 1
+
+            await eventually(slot_free)
+            gate.set()
+            r = await http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200
 
 
 async def test_status_shows_the_catalog_once_with_live_counts(nats_server: EmbeddedNats) -> None:

@@ -33,6 +33,7 @@ from iop.edge.bodies import ReceivingBodies
 from iop.edge.channel import Channel
 from iop.edge.dispatch import Attempt, DirectDispatch, PoolDispatch
 from iop.edge.heads import Head, check_mixed_pool, parse_head
+from iop.edge.http import WATCH, ClientWatch
 from iop.edge.keys import EdgeKeys
 from iop.edge.limits import Admission, Limiter
 from iop.edge.observe import REQUEST_ID, Observer, Trace, new_request_id
@@ -139,7 +140,7 @@ class ApiEndpoint:
                 if turn.background and not head.stream:
                     await self._background(body, head, scope, owner, turn, out)
                     return
-            await self._serve(body, head, scope, receive, out)
+            await self._serve(body, head, scope, receive, out, scope.get(WATCH))
         except RequestError as exc:
             trace.error = exc.code
             if admitting:
@@ -244,8 +245,19 @@ class ApiEndpoint:
         if trace.span is not None:
             spans.finish(trace, rec)
 
-    async def _serve(self, body: bytes, head: Head, scope: Scope, receive: Receive, out: TrackedSend) -> None:
-        """Dispatch the request and relay its answer; each try of the dispatch is one `async with`."""
+    async def _serve(
+        self,
+        body: bytes,
+        head: Head,
+        scope: Scope,
+        receive: Receive,
+        out: TrackedSend,
+        watch: ClientWatch | None = None,
+    ) -> None:
+        """Dispatch the request and relay its answer; each try of the dispatch is one `async with`.
+
+        `watch`: the connection's, which cancels the task if the client leaves; without one a task
+        waits on `receive` for the disconnect (another server, a background response's no client)."""
         edge, trace = self.edge, out.trace
         dispatch = self._dispatch(body, head, scope, trace)
         admission: Admission | None = None
@@ -262,7 +274,11 @@ class ApiEndpoint:
             out.headers = admission.headers(self.api)
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.create_task(watch_disconnect(receive, task))
+        if watch is not None:
+            watch.start(task)
+            watcher = None
+        else:
+            watcher = asyncio.create_task(watch_disconnect(receive, task))
         try:
             async for attempt in dispatch:
                 async with attempt:  # a retryable failure before the client saw anything: the next provider
@@ -277,7 +293,10 @@ class ApiEndpoint:
             if task.cancelling():
                 task.uncancel()
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
+            elif watch is not None:
+                watch.stop()
             if admission is not None:
                 usage = trace.report.usage if trace.report is not None else None
                 used = usage.input_tokens + usage.output_tokens if usage is not None else None

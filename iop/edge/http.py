@@ -19,7 +19,7 @@ import asyncio
 import logging
 import resource
 import socket
-from typing import Any
+from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -134,6 +134,41 @@ class HeadWithBody:
         return getattr(self._transport, name)
 
 
+WATCH = "iop.watch"
+"""Scope key of a request's `ClientWatch`, on requests this protocol serves."""
+
+
+class ClientWatch:
+    """Cancels a request's task if its client leaves before the answer is complete.
+
+    What a task per request blocked in `receive()` did (`asgi.watch_disconnect`): the connection
+    calls `gone()` where uvicorn marks its request disconnected, so no task, future or loop turn
+    is spent on a client that stays.
+    """
+
+    __slots__ = ("_cycle", "_task")
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+        self._task: asyncio.Task[Any] | None = None
+
+    def start(self, task: asyncio.Task[Any]) -> None:
+        """Watch for `task` until `stop()`; a client already gone cancels it at once."""
+        self._task = task
+        cycle = self._cycle
+        cycle.flow.resume_reading()  # as receive() does: a connection's close is read to be seen
+        if cycle.disconnected:
+            task.cancel()
+
+    def stop(self) -> None:
+        self._task = None
+
+    def gone(self) -> None:
+        if self._task is not None and self._cycle.disconnected:
+            self._task.cancel()
+            self._task = None
+
+
 def protocol_class(limits: HttpLimits) -> type[asyncio.Protocol]:
     """A protocol class bound to `limits`, for `uvicorn.Config(http=...)`."""
 
@@ -160,6 +195,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._discarded = 0
         self._lingers = False
         self._timer: asyncio.TimerHandle | None = None
+        self._watch: ClientWatch | None = None
+        """The latest request's: uvicorn marks only that one disconnected when the client leaves."""
 
     # The connection
 
@@ -184,6 +221,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.limits.open -= 1
         self.limits.closed.set()
         super().connection_lost(exc)
+        self._gone()
 
     def data_received(self, data: bytes) -> None:
         if self._refusing:
@@ -248,7 +286,11 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             return  # data_received sends the refusal when the parser returns
         self._body_open = True
         self._arm(self.limits.body_idle_timeout_s)
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not before:  # a request to answer (not a WebSocket's upgrade)
+            self._watch = ClientWatch(self.cycle)
+            cast(dict[str, Any], self.scope)[WATCH] = self._watch
 
     def on_body(self, body: bytes) -> None:
         if not self._refusing and self._pending is None:
@@ -287,6 +329,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             # The application may be waiting for more body: tell it the client is gone.
             self.cycle.disconnected = True
             self.cycle.message_event.set()
+            self._gone()
         if self.cycle is not None and self.cycle.response_started:
             # An answer was already sent or is on its way (e.g. a 401 before the body was read): end it.
             self.transport.close()
@@ -310,6 +353,11 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self._timer = self.loop.call_later(LINGER_S, self.transport.close)
         else:
             self.transport.close()
+
+    def _gone(self) -> None:
+        """The request uvicorn marked disconnected (its latest) is over: cancel its task."""
+        if self._watch is not None:
+            self._watch.gone()
 
     def _timed_out(self) -> None:
         self._timer = None
