@@ -261,3 +261,21 @@ async def test_a_client_that_leaves_while_its_request_stands_by_takes_it_out_of_
 
 async def _is(value: Awaitable[object], expected: object) -> bool:
     return await value == expected
+
+
+async def test_a_request_standing_by_past_the_queue_timeout_fails_unrun(nats_server: EmbeddedNats) -> None:
+    gate = asyncio.Event()
+    async with fake_upstream(gate=gate) as up:
+        dep = deployment("edge: {queue: {timeout_s: 0.5}}\n" + ONE_SLOT.format(url=up.url))
+        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+            first = asyncio.create_task(http.post("/v1/chat/completions", json=ask("first")))
+            await up.wait_for(lambda u: u.in_flight == 1)
+            # Published to the broker, never delivered: the node never starts it within the timeout.
+            late = await http.post("/v1/chat/completions", json=ask("late"))
+            assert late.status_code == 503 and late.json()["error"]["code"] == "queue_timeout"
+            assert h.edge.scheduler.pools["m"].standing == 0
+            gate.set()
+            assert (await first).status_code == 200
+            after = await http.post("/v1/chat/completions", json=ask("after"))
+            assert after.status_code == 200
+            assert [b["messages"][0]["content"] for b in up.bodies] == ["first", "after"]

@@ -33,6 +33,9 @@ log = logging.getLogger("iop.edge")
 
 Answer = wire.Started | wire.Chunk | wire.Done | wire.Failure
 
+_LATE = object()
+"""Queued on a channel when its request's start deadline passes (`Relay.replies`)."""
+
 
 class Relay:
     """One wildcard subscription receives every reply for this edge; a dict routes it to its request."""
@@ -211,44 +214,48 @@ class Relay:
         request has waited longer than the queue timeout allows.
         """
         expected = 0
-        q = ch.queue
-        while True:
-            if not ch.started and start_deadline is not None:
-                try:
-                    async with asyncio.timeout_at(start_deadline):
-                        reply = await q.get()
-                except TimeoutError:
-                    raise Unavailable(
-                        "the request was not started within the queue timeout", code="queue_timeout"
-                    ) from None
-            else:
+        q: asyncio.Queue[Any] = ch.queue
+        # The deadline is a timer that queues _LATE, not an asyncio.timeout around the wait: no
+        # Timeout, task lookup and reschedule for every request that starts in time.
+        late = None
+        if not ch.started and start_deadline is not None:
+            late = asyncio.get_running_loop().call_at(start_deadline, q.put_nowait, _LATE)
+        try:
+            while True:
                 reply = q.get_nowait() if not q.empty() else await q.get()
-            if isinstance(reply, wire.Chunk):
-                if reply.seq != expected:
-                    raise RelayGap("part of the answer was lost between node and edge")
-                expected += 1
-                if reply.headers:
-                    ch.headers.update(reply.headers)
-                yield reply.data
-                # Back here only once the HTTP side has sent the chunk (uvicorn's send waits while
-                # the socket is full): that is when the node may send more.
-                size = len(reply.data)
-                ch.taken_chunks += 1
-                ch.taken_bytes += size
-                ch.buffered_bytes -= size
-                if (
-                    ch.taken_chunks - ch.credited_chunks >= wire.CREDIT_EVERY_CHUNKS
-                    or ch.taken_bytes - ch.credited_bytes >= wire.CREDIT_EVERY_BYTES
-                ):
-                    await self._grant(ch)
-            elif isinstance(reply, wire.Done):
-                if reply.chunks != expected:
-                    raise RelayGap("part of the answer was lost between node and edge")
-                return
-            elif isinstance(reply, wire.Failure):
-                err = error_of(reply)
-                err.ended_stream = reply.ended and reply.chunks == expected
-                raise err
+                if reply is _LATE:
+                    if ch.started:
+                        continue  # started in time: the timer fired before its Started was read
+                    raise Unavailable("the request was not started within the queue timeout", code="queue_timeout")
+                if isinstance(reply, wire.Chunk):
+                    if reply.seq != expected:
+                        raise RelayGap("part of the answer was lost between node and edge")
+                    expected += 1
+                    if reply.headers:
+                        ch.headers.update(reply.headers)
+                    yield reply.data
+                    # Back here only once the HTTP side has sent the chunk (uvicorn's send waits while
+                    # the socket is full): that is when the node may send more.
+                    size = len(reply.data)
+                    ch.taken_chunks += 1
+                    ch.taken_bytes += size
+                    ch.buffered_bytes -= size
+                    if (
+                        ch.taken_chunks - ch.credited_chunks >= wire.CREDIT_EVERY_CHUNKS
+                        or ch.taken_bytes - ch.credited_bytes >= wire.CREDIT_EVERY_BYTES
+                    ):
+                        await self._grant(ch)
+                elif isinstance(reply, wire.Done):
+                    if reply.chunks != expected:
+                        raise RelayGap("part of the answer was lost between node and edge")
+                    return
+                elif isinstance(reply, wire.Failure):
+                    err = error_of(reply)
+                    err.ended_stream = reply.ended and reply.chunks == expected
+                    raise err
+        finally:
+            if late is not None:
+                late.cancel()
 
     def close(self, ch: Channel) -> None:
         """Forget the request; if the node may still work on it, cancel it there."""
