@@ -383,7 +383,7 @@ class _Recorded(asyncio.Transport):
 async def test_a_response_head_is_sent_with_its_body_in_one_write() -> None:
     head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
     rec = _Recorded()
-    conn = HeadWithBody(rec)
+    conn = HeadWithBody(rec, asyncio.get_running_loop())
     conn.write(head)
     assert rec.sent == [] and conn.get_write_buffer_size() == len(head)
     conn.write(b"{}")

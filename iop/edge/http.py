@@ -99,10 +99,11 @@ class HeadWithBody:
     out at once, as before.
     """
 
-    __slots__ = ("_held", "_transport")
+    __slots__ = ("_held", "_loop", "_transport")
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
+        self._loop = loop
         self._held = b""
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -110,7 +111,7 @@ class HeadWithBody:
             data, self._held = self._held + data, b""
         elif data[:9] == _HEAD_START and data[-4:] == _HEAD_END:
             self._held = bytes(data)
-            asyncio.get_running_loop().call_soon(self._release)
+            self._loop.call_soon(self._release)
             return
         self._transport.write(data)
 
@@ -201,7 +202,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     # The connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(HeadWithBody(transport))  # type: ignore[arg-type]
+        super().connection_made(HeadWithBody(transport, self.loop))  # type: ignore[arg-type]
         self.limits.open += 1
         if len(self.connections) > self.limits.max_connections:
             self._refuse(
