@@ -370,6 +370,9 @@ async def test_with_replicas_3_the_qualification_bucket_is_made_r3(cluster: Clus
             info = await h.edge.js.stream_info("KV_" + RESULTS_BUCKET)
             assert info.config.num_replicas == 3
             assert info.cluster is not None and len(info.cluster.replicas or []) == 2
+            # A deletion's announcement is not ordered across the cluster's servers: no turn cache.
+            store = h.edge.responses.store
+            assert store is not None and store.fresh is None
 
 
 async def test_edges_started_together_on_a_fresh_cluster_all_come_up(tmp_path: Path) -> None:

@@ -144,7 +144,12 @@ class ResponseStore:
                 problem = streams.stream_problem(f"KV bucket {BUCKET}", settings.max_bytes, n, exc, sized_by)
                 raise BusError(problem) from exc
         fresh = None
-        if settings.cache_mb > 0:
+        # In a NATS cluster a deletion's announcement crosses a route, unordered against the round
+        # trip a hit makes to this edge's server: the cache could answer for a deleted turn.
+        clustered = info.cluster is not None and info.cluster.name is not None
+        if settings.cache_mb > 0 and clustered:
+            log.info("stored turns are not cached: NATS is a cluster (edge.responses.cache_mb applies to one server)")
+        elif settings.cache_mb > 0:
             fresh = Freshness(nc, TurnCache(settings.cache_mb << 20, settings.max_age), f"KV_{BUCKET}")
             await fresh.start()
         return cls(kv, nc.max_payload, nc, fresh)
