@@ -47,6 +47,17 @@ nodes:
 MOCK_TEXT = "".join(mock_token(i) for i in range(5))
 
 
+def one_provider(url: str, capacity: int, edge: str = "") -> str:
+    """A deployment of one pool `m` of one provider `p` on node `n`; `edge`: the edge's settings."""
+    return (f"edge: {{{edge}}}\n" if edge else "") + (
+        "models: [{alias: m, pool: [p]}]\n"
+        "nodes:\n"
+        "  - id: n\n"
+        f'    adapters: [{{id: up, type: openai, base_url: "{url}", api: both}}]\n'
+        f"    providers: [{{id: p, adapter: up, capacity: {capacity}}}]\n"
+    )
+
+
 async def test_chat_and_responses_through_a_pool_to_an_openai_upstream(nats_server: EmbeddedNats) -> None:
     async with fake_upstream() as a, fake_upstream() as b:
         dep = deployment(two_provider_yaml(a.url, b.url))
@@ -249,13 +260,7 @@ async def test_queue_timeout_fails_and_never_reaches_an_upstream(nats_server: Em
 
 async def test_client_disconnect_mid_stream_frees_the_slot(nats_server: EmbeddedNats) -> None:
     async with fake_upstream(tokens=1000, token_interval_s=0.01) as up:
-        text = f"""
-models: [{{alias: m, pool: [p]}}]
-nodes:
-  - id: n
-    adapters: [{{id: up, type: openai, base_url: "{up.url}", api: both}}]
-    providers: [{{id: p, adapter: up, capacity: 1}}]
-"""
+        text = one_provider(up.url, 1)
         async with deployment_running(deployment(text), nats_server.url) as h:
             body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
             async with h.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -275,13 +280,7 @@ async def test_a_client_leaving_a_whole_answer_cancels_its_request_with_no_task_
 ) -> None:
     gate = asyncio.Event()
     async with fake_upstream(gate=gate) as up:
-        text = f"""
-models: [{{alias: m, pool: [p]}}]
-nodes:
-  - id: n
-    adapters: [{{id: up, type: openai, base_url: "{up.url}", api: both}}]
-    providers: [{{id: p, adapter: up, capacity: 1}}]
-"""
+        text = one_provider(up.url, 1)
         async with deployment_running(deployment(text), nats_server.url) as h, h.http() as http:
             body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
             gone = asyncio.create_task(http.post("/v1/chat/completions", json=body))
@@ -372,13 +371,7 @@ async def test_a_pool_whose_every_breaker_is_open_answers_503_at_once_and_status
     nats_server: EmbeddedNats,
 ) -> None:
     async with fake_upstream(fail_status=500) as bad:
-        text = f"""
-models: [{{alias: m, pool: [p]}}]
-nodes:
-  - id: n
-    adapters: [{{id: up, type: openai, base_url: "{bad.url}", api: both}}]
-    providers: [{{id: p, adapter: up, capacity: 3}}]
-"""
+        text = one_provider(bad.url, 3)
         async with deployment_running(deployment(text), nats_server.url) as h, h.http() as http:
             body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
             for _ in range(3):
@@ -405,14 +398,7 @@ async def test_waiting_requests_bodies_are_bounded_per_edge(nats_server: Embedde
     # (standby 0: the second request waits in the edge's queue, not in the broker, so its body counts.)
     gate = asyncio.Event()
     async with fake_upstream(gate=gate) as up:
-        text = f"""
-edge: {{queue: {{max_waiting_mb: 0.5, standby: 0}}}}
-models: [{{alias: m, pool: [p]}}]
-nodes:
-  - id: n
-    adapters: [{{id: up, type: openai, base_url: "{up.url}", api: both}}]
-    providers: [{{id: p, adapter: up, capacity: 1}}]
-"""
+        text = one_provider(up.url, 1, edge="queue: {max_waiting_mb: 0.5, standby: 0}")
         async with deployment_running(deployment(text), nats_server.url) as h, h.http() as http:
 
             def body(kib: int) -> dict[str, object]:
@@ -442,13 +428,7 @@ nodes:
 
 async def test_a_failing_sole_provider_gives_a_clear_502(nats_server: EmbeddedNats) -> None:
     async with fake_upstream(fail_status=503) as bad:
-        text = f"""
-models: [{{alias: m, pool: [p]}}]
-nodes:
-  - id: n
-    adapters: [{{id: up, type: openai, base_url: "{bad.url}", api: both}}]
-    providers: [{{id: p, adapter: up, capacity: 1}}]
-"""
+        text = one_provider(bad.url, 1)
         async with deployment_running(deployment(text), nats_server.url) as h, h.http() as http:
             r = await http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user"}]})
             assert r.status_code == 502
