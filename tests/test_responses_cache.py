@@ -20,15 +20,7 @@ from iop.responses.store import ResponseStore, Stored, owner_of
 from tests.fakes import fake_upstream
 from tests.harness import deployment, eventually, running_edge, running_node
 from tests.test_responses_chain_reads import OTHER, OWNER, chain_of, direct_gets
-
-HTTP_DEPLOYMENT = """
-edge: {{api_keys_env: IOP_TEST_KEYS}}
-models: [{{alias: m, pool: [p]}}]
-nodes:
-  - id: n
-    adapters: [{{id: up, type: openai, base_url: "{url}", api: chat}}]
-    providers: [{{id: p, adapter: up, model: served-model, capacity: 2}}]
-"""
+from tests.test_responses_ownership import YAML as OWNED_DEPLOYMENT
 
 
 @pytest.fixture
@@ -197,7 +189,7 @@ async def test_over_http_a_delete_on_one_edge_breaks_the_chain_on_another_at_onc
     a_key = {"authorization": "Bearer sk-cache-a-0123456789"}
     b_key = {"authorization": "Bearer sk-cache-b-0123456789"}
     async with fake_upstream() as up:
-        dep = deployment(HTTP_DEPLOYMENT.format(url=up.url))
+        dep = deployment(OWNED_DEPLOYMENT.format(url=up.url))
         async with (
             running_node(dep, "n", nats_server.url),
             running_edge(dep, nats_server.url) as one,
