@@ -32,7 +32,7 @@ import msgspec
 from bench import fixtures
 from bench.procs import Owned, busy_cores, cpu_s, log, machine_ticks
 from bench.report import table
-from iop import config
+from iop import edgeconf
 from iop.nats import connection
 from iop.nats.server import EmbeddedNats
 from iop.responses.expand import Responses
@@ -130,7 +130,9 @@ async def _measure(store_dir: Path, opts: ChainOptions) -> list[dict[str, Any]]:
         for name in ARMS:
             conns.append(await connection.connect(server.url, f"bench-chain-{name}"))
         edges = {
-            name: Responses(await ResponseStore.open(nc, config.ResponsesSettings(cache_mb=0 if name == "off" else 64)))
+            name: Responses(
+                await ResponseStore.open(nc, edgeconf.ResponsesSettings(cache_mb=0 if name == "off" else 64))
+            )
             for name, nc in zip(ARMS, conns, strict=True)
         }
         cold = edges["cold"].store

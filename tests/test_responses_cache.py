@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from iop import config
+from iop import edgeconf
 from iop.nats import connection
 from iop.nats.server import EmbeddedNats
 from iop.responses.cache import Entry, TurnCache
@@ -35,7 +35,7 @@ async def ncs(nats_server: EmbeddedNats) -> AsyncIterator[tuple[NATS, NATS]]:
 
 
 async def edge(nc: NATS, **settings: Any) -> Responses:
-    return Responses(await ResponseStore.open(nc, config.ResponsesSettings(**settings)))
+    return Responses(await ResponseStore.open(nc, edgeconf.ResponsesSettings(**settings)))
 
 
 def body(previous: str) -> dict[str, Any]:
@@ -116,7 +116,9 @@ async def test_an_edge_that_reconnects_serves_nothing_it_held(nats_server: Embed
 async def test_an_expired_turn_is_not_served_from_the_cache(ncs: tuple[NATS, NATS]) -> None:
     a, _ = ncs
     on_a = await edge(a, max_age=1.0)
-    uncached = ResponseStore((await ResponseStore.open(a, config.ResponsesSettings(max_age=1.0))).kv, a.max_payload, a)
+    uncached = ResponseStore(
+        (await ResponseStore.open(a, edgeconf.ResponsesSettings(max_age=1.0))).kv, a.max_payload, a
+    )
     ids = await chain_of(on_a, 4)
     assert (await direct_gets(a, on_a, body(ids[-1]), OWNER))[0] == 0
 

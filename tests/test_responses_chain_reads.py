@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from iop import config
+from iop import edgeconf
 from iop.nats import connection
 from iop.nats.server import EmbeddedNats
 from iop.responses.expand import PreviousResponseNotFound, Responses
@@ -66,7 +66,7 @@ async def direct_gets(nc: NATS, responses: Responses, body: dict[str, Any], owne
 
 async def test_a_thirty_turn_chain_is_read_in_two_direct_gets(nc: NATS) -> None:
     # An edge without the cache of stored turns (tests/test_responses_cache.py reads with it).
-    responses = Responses(await ResponseStore.open(nc, config.ResponsesSettings(cache_mb=0)))
+    responses = Responses(await ResponseStore.open(nc, edgeconf.ResponsesSettings(cache_mb=0)))
     ids = await chain_of(responses, 30)
     gets, turn = await direct_gets(nc, responses, {"model": "m", "previous_response_id": ids[-1], "input": "go"}, OWNER)
     assert gets == 2  # the previous response, then every earlier one at once (one a turn: 30)
@@ -76,7 +76,7 @@ async def test_a_thirty_turn_chain_is_read_in_two_direct_gets(nc: NATS) -> None:
 
 
 async def test_a_turn_kept_in_parts_is_whole_in_the_chain(nc: NATS) -> None:
-    opened = await ResponseStore.open(nc, config.ResponsesSettings())
+    opened = await ResponseStore.open(nc, edgeconf.ResponsesSettings())
     responses = Responses(ResponseStore(opened.kv, 8192, nc))
     ids = await chain_of(responses, 6, big=20_000)
     turn = await responses.expand({"model": "m", "previous_response_id": ids[-1], "input": "go"}, OWNER)
@@ -87,7 +87,7 @@ async def test_a_turn_kept_in_parts_is_whole_in_the_chain(nc: NATS) -> None:
 
 
 async def test_a_deleted_missing_or_anothers_earlier_turn_breaks_the_chain(nc: NATS) -> None:
-    store = await ResponseStore.open(nc, config.ResponsesSettings())
+    store = await ResponseStore.open(nc, edgeconf.ResponsesSettings())
     responses = Responses(store)
     ids = await chain_of(responses, 8)
     body = {"model": "m", "previous_response_id": ids[-1], "input": "go"}
@@ -113,7 +113,7 @@ async def test_a_deleted_missing_or_anothers_earlier_turn_breaks_the_chain(nc: N
 
 
 async def test_a_store_without_its_connection_reads_a_chain_one_turn_at_a_time(nc: NATS) -> None:
-    opened = await ResponseStore.open(nc, config.ResponsesSettings())
+    opened = await ResponseStore.open(nc, edgeconf.ResponsesSettings())
     responses = Responses(ResponseStore(opened.kv, nc.max_payload))
     ids = await chain_of(responses, 5)
     gets, turn = await direct_gets(nc, responses, {"model": "m", "previous_response_id": ids[-1], "input": "go"}, OWNER)

@@ -278,9 +278,9 @@ async def test_responses_store_off_accepts_store_and_keeps_nothing(nats_server: 
 async def test_responses_store_keeps_a_response_larger_than_one_nats_message(nats_server: EmbeddedNats) -> None:
     nc = await connection.connect(nats_server.url, "test-store", wait_s=5)
     try:
-        from iop import config
+        from iop import edgeconf
 
-        store = await ResponseStore.open(nc, config.ResponsesSettings())
+        store = await ResponseStore.open(nc, edgeconf.ResponsesSettings())
         store.max_value = 2048  # parts of 2 KiB, as a 1 MiB max_payload would cut a 200K-token prompt
         items = [{"type": "message", "role": "user", "content": "x" * 5000, "id": "msg_big"}]
         response = {"id": "resp_big", "object": "response", "output": []}
@@ -299,9 +299,9 @@ async def test_responses_store_keeps_a_response_larger_than_one_nats_message(nat
 async def test_responses_store_ids_that_are_not_one_key_token_are_unknown(nats_server: EmbeddedNats, bad: str) -> None:
     nc = await connection.connect(nats_server.url, "test-store", wait_s=5)
     try:
-        from iop import config
+        from iop import edgeconf
 
-        store = await ResponseStore.open(nc, config.ResponsesSettings())
+        store = await ResponseStore.open(nc, edgeconf.ResponsesSettings())
         await store.keep("o", Stored({"id": "resp_1", "object": "response", "output": []}, []), [])
         assert await store.response("o", bad) is None and await store.item("o", bad) is None
         assert await store.owners_of(bad) == []
@@ -393,11 +393,11 @@ async def test_responses_store_a_deleted_earlier_turn_breaks_the_chain(nats_serv
 
 
 async def test_responses_store_unreachable_is_503_never_a_traceback(nats_server: EmbeddedNats) -> None:
-    from iop import config
+    from iop import edgeconf
     from iop.errors import Unavailable
 
     nc = await connection.connect(nats_server.url, "test-store", wait_s=5)
-    store = await ResponseStore.open(nc, config.ResponsesSettings())
+    store = await ResponseStore.open(nc, edgeconf.ResponsesSettings())
     await nc.close()
     for call in (store.response("o", "resp_1"), store.item("o", "msg_1"), store.listing(10)):
         with pytest.raises(Unavailable) as refused:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from iop import config
+from iop import edgeconf
 from iop.errors import RequestError
 
 
@@ -70,7 +70,7 @@ class PerKey:
 class ResponseCaps(Collector):
     """The edge's per-key bounds of sockets and background responses, and their metrics."""
 
-    def __init__(self, settings: Callable[[], config.ResponsesSettings]) -> None:
+    def __init__(self, settings: Callable[[], edgeconf.ResponsesSettings]) -> None:
         self.sockets = PerKey(
             "websockets",
             lambda: settings().max_sockets_per_key,

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import msgspec
 
-from iop import config
+from iop import edgeconf
 from iop.errors import BadRequest, NotFound
 from iop.openai import compaction
 from iop.responses.caps import ResponseCaps
@@ -77,7 +77,7 @@ class Responses:
         self, store: ResponseStore | None, caps: ResponseCaps | None = None, sealer: compaction.Sealer | None = None
     ) -> None:
         self.store = store
-        self.caps = caps if caps is not None else ResponseCaps(config.ResponsesSettings)
+        self.caps = caps if caps is not None else ResponseCaps(edgeconf.ResponsesSettings)
         """What each client key holds open on this edge (iop/responses/caps.py)."""
         self.sealer = sealer if sealer is not None else compaction.Sealer.random()
         """Opens the compaction items a stored conversation holds (a compaction answer's output)."""

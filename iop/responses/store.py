@@ -32,7 +32,7 @@ from nats.aio.client import Client as NATS
 from nats.js import api as js_api
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from iop import config
+from iop import edgeconf
 from iop.errors import BusError, Unavailable
 from iop.nats import connection, streams
 from iop.responses.cache import Entry, Freshness, TurnCache, gone_subject
@@ -126,7 +126,7 @@ class ResponseStore:
         return self._nc
 
     @classmethod
-    async def open(cls, nc: NATS, settings: config.ResponsesSettings, replicas: int | None = None) -> ResponseStore:
+    async def open(cls, nc: NATS, settings: edgeconf.ResponsesSettings, replicas: int | None = None) -> ResponseStore:
         """The store, its bucket created (or brought to `settings`' limits) with the deployment's replicas."""
         js = nc.jetstream()
         cfg = js_api.KeyValueConfig(
