@@ -29,6 +29,8 @@ table with medians [min..max] and every target with PASS/MISS and its gap, and w
     chain       stored-state expansion: previous_response_id at the end of 1-, 10- and 50-turn chains
     wsturns     one agent session of 20 turns replayed over WebSocket mode and over HTTP through
                 iop, and over HTTP to the upstream directly: the added time per turn
+    messages    a Claude-Code-like turn (2 KB, 800 KB) as /v1/messages through iop against the same
+                chat request through iop and direct: the translation's cost, end to end and in process
 
 Everything listens on 127.0.0.1; every load is bounded in count and time; only processes started
 here are ended, by PID, also on Ctrl-C.
@@ -56,6 +58,7 @@ from bench.fairedges import FairEdgesOptions, run_fairedges
 from bench.fairness import FairnessOptions, run_fairness
 from bench.lifecycle import LifecycleOptions, run_lifecycle
 from bench.limits import LimitsOptions, run_limits
+from bench.messages import MessagesOptions, render_messages, run_messages
 from bench.procs import REPO, Owned, git_state, install_signal_handlers, loadavg, log, machine
 from bench.report import judge, render
 from bench.routing import RoutingOptions, run_routing
@@ -82,6 +85,7 @@ SCENARIOS = (
     "tracing",
     "wsturns",
     "chain",
+    "messages",
 )
 
 
@@ -112,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--body-sizes", default=None, help="bodies: comma-separated body bytes (default 1000,100000,800000,3000000)"
     )
-    ap.add_argument("--body-pairs", type=int, default=None, help="bodies: direct/iop pairs per cell (20, quick 10)")
+    ap.add_argument(
+        "--body-pairs",
+        type=int,
+        default=None,
+        help="bodies: direct/iop pairs per cell (20, quick 10); messages: triples (100, quick 30)",
+    )
     ap.add_argument("--routing-rates", default=None, help="routing: offered loads, req/s (default 1,2,4,8)")
     ap.add_argument("--routing-requests", type=int, default=None, help="routing: least requests per run (60)")
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/<date>.json)")
@@ -122,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.render is not None:
         saved = json.loads(a.render.read_text())
         judge(saved)
-        print(render(saved))
+        print(_render(saved))
         return 0
     only = {x.strip() for x in a.only.split(",") if x.strip()}
     if unknown := only - set(SCENARIOS):
@@ -245,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         if "chain" in only:
             ch = ChainOptions.quick() if a.quick else ChainOptions()
             attempt("chain", lambda: run_chain(owned, workdir, ch))
+        if "messages" in only:
+            mo = MessagesOptions(storage=a.storage, archive=a.archive)
+            mo.requests = a.body_pairs or (30 if a.quick else 100)
+            attempt("messages", lambda: run_messages(owned, workdir, mo))
         if "lifecycle" in only:
             lc = LifecycleOptions(archive=a.archive, swaps=2 if a.quick else 6)
             attempt("lifecycle", lambda: run_lifecycle(owned, workdir, lc))
@@ -265,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         result["meta"]["loadavg_end"] = loadavg()
         result["meta"]["duration_s"] = round(time.monotonic() - t0, 1)
         judge(result)
-        result["table"] = render(result)
+        result["table"] = _render(result)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
         if not a.keep:
@@ -275,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, why in failures.items():
         print(f"FAILED {name}: {why.splitlines()[0]}")
     return 1 if failures or result["meta"].get("interrupted") else 0
+
+
+def _render(result: dict[str, Any]) -> str:
+    out = render(result)
+    if msg := result.get("scenarios", {}).get("messages"):
+        out += "\n\n" + render_messages(msg)
+    return out
 
 
 if __name__ == "__main__":
