@@ -14,8 +14,9 @@ Added = arm - direct of the same triple; the translation's own cost = messages -
 triple (p50 and p99 over the triples). CPU of edge, node and nats-server per request of each arm,
 read from /proc around every request (what a request leaves the processes to do after its last
 byte is charged to the next one, whose arm rotates). Then, in this process, the translation alone:
-the request as the node does it (a body that just arrived decoded, translated, encoded and
-dropped) and each step repeated alone, count_tokens' estimate, the whole
+the request as the node translated it until now (a body that just arrived decoded, translated,
+encoded and dropped) and each step repeated alone, the request translated as bytes
+(`chat_body_of`: its texts kept as the client's JSON), count_tokens' estimate, the whole
 answer, and a stream's events (the bench upstream's text answer, and a tool call in 40 pieces as
 Claude Code's turns end).
 """
@@ -43,7 +44,7 @@ from bench.upstream import chat_events, chat_whole
 from iop import heap
 from iop.anthropic.answer import chat_to_messages_answer
 from iop.anthropic.count import estimate_input_tokens
-from iop.anthropic.request import messages_to_chat_request
+from iop.anthropic.request import chat_body_of, messages_to_chat_request
 from iop.anthropic.stream import ChatToMessagesStream
 
 ARMS = ("direct", "chat", "messages")
@@ -314,6 +315,7 @@ def in_process(sizes: list[int]) -> dict[str, Any]:
         row = {
             "bytes": len(body),
             "request_us": _us(node),
+            "bytes_us": _us(lambda b=body: chat_body_of(bytes(bytearray(b)))),  # type: ignore[misc]
             "decode_us": _us(lambda b=body: _decode(b)),  # type: ignore[misc]
             "translate_us": _us(lambda r=request: messages_to_chat_request(r)),  # type: ignore[misc]
             "encode_us": _us(lambda c=chat.body: _encode(c)),  # type: ignore[misc]
@@ -321,6 +323,7 @@ def in_process(sizes: list[int]) -> dict[str, Any]:
             "count_tokens_us": _us(lambda r=request: estimate_input_tokens(messages_to_chat_request(r).body)),  # type: ignore[misc]
         }
         row["request_us_per_mb"] = round((row["request_us"] - row["copy_us"]) * 1e6 / len(body), 1)
+        row["bytes_us_per_mb"] = round((row["bytes_us"] - row["copy_us"]) * 1e6 / len(body), 1)
         requests.append(row)
     whole = chat_whole("fake-model", TOKENS)
     answers: dict[str, Any] = {
@@ -338,7 +341,7 @@ def in_process(sizes: list[int]) -> dict[str, Any]:
     for r in requests:
         log(
             f"messages in process {r['bytes']:>9,} B: request {r['request_us']:.1f} µs"
-            f" ({r['request_us_per_mb']:.0f} µs/MB);"
+            f" ({r['request_us_per_mb']:.0f} µs/MB), as bytes {r['bytes_us']:.1f} ({r['bytes_us_per_mb']:.0f} µs/MB);"
             f" alone: decode {r['decode_us']:.1f} translate {r['translate_us']:.1f} encode {r['encode_us']:.1f};"
             f" count_tokens {r['count_tokens_us']:.1f}"
         )
@@ -386,6 +389,7 @@ def render_messages(d: dict[str, Any]) -> str:
         [
             f"{r['bytes']:,}",
             f"{r['request_us']:.1f} ({r['request_us_per_mb']:.0f} per MB)",
+            f"{r['bytes_us']:.1f} ({r['bytes_us_per_mb']:.0f} per MB)",
             f"{r['decode_us']:.1f}",
             f"{r['translate_us']:.1f}",
             f"{r['encode_us']:.1f}",
@@ -394,7 +398,7 @@ def render_messages(d: dict[str, Any]) -> str:
         for r in ip.get("requests", [])
     ]
     if req_rows:
-        head = ["bytes", "request, as the node does it", "decode alone", "translate alone", "encode alone"]
+        head = ["bytes", "request, decoded", "request, as bytes", "decode alone", "translate alone", "encode alone"]
         out += "\n\nThe translation alone, in process (CPU µs; alone: each step repeated on the same objects)\n"
         out += table([*head, "count_tokens estimate"], req_rows)
         a = ip["answers"]

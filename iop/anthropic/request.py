@@ -270,3 +270,207 @@ def _document_text(source: object, path: str) -> str:
     if isinstance(source, Mapping) and source.get("type") == "text":
         return _str(source, "data", path)
     raise BadRequest(f"{path}: only plain-text documents can be sent to this model", param=path)
+
+
+# --- the same translation on the body's bytes --------------------------------------------------------
+# What a chat server needs of a turn is its structure; its texts (tool outputs, prompts, the system
+# prompt: nearly all of an agent's body) only move from one key to another. Here they stay the
+# client's JSON (msgspec.Raw) from the body into the chat body, neither decoded nor re-encoded.
+# A body of any other shape (or a wrong one) is translated decoded, which names what is wrong.
+
+_NULL = msgspec.Raw(b"null")
+_EMPTY = msgspec.Raw(b'""')
+
+
+class _RawBlock(msgspec.Struct):
+    type: str
+    text: msgspec.Raw = _NULL
+    id: Any = None
+    name: Any = None
+    input: msgspec.Raw = msgspec.Raw(b"{}")
+    tool_use_id: Any = None
+    content: msgspec.Raw = _NULL
+    is_error: Any = None
+    source: Any = None
+
+
+class _RawTurn(msgspec.Struct):
+    role: Any = None
+    content: msgspec.Raw = _NULL
+
+
+class _RawRequest(msgspec.Struct):
+    messages: list[_RawTurn]
+    system: msgspec.Raw = _NULL
+    # The small fields, decoded: the decoded translation takes them.
+    model: Any = None
+    max_tokens: Any = None
+    temperature: Any = None
+    top_p: Any = None
+    top_k: Any = None
+    stop_sequences: Any = None
+    stream: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+
+
+_raw_request = msgspec.json.Decoder(_RawRequest).decode
+_raw_blocks = msgspec.json.Decoder(list[_RawBlock]).decode
+_decode = msgspec.json.Decoder().decode
+
+
+class _Decoded(Exception):
+    """This body takes the decoded translation."""
+
+
+def chat_body_of(body: bytes, model: str | None = None) -> tuple[bytes, list[str]]:
+    """The chat body (bytes) for a Messages body, and the server tools it dropped: what
+    `messages_to_chat_request` gives for the decoded body, its texts kept as the client's bytes."""
+    try:
+        raw = _raw_request(body)
+        messages = _raw_system(raw.system)
+        if not raw.messages:
+            raise _Decoded
+        for turn in raw.messages:
+            messages.extend(_raw_turn(turn))
+    except (_Decoded, BadRequest, msgspec.DecodeError, RecursionError):
+        return _decoded(body, model)  # its error names the path of what is wrong
+    rest = {name: getattr(raw, name) for name in _RawRequest.__struct_fields__[2:]}
+    rest["messages"] = [{"role": "user", "content": ""}]  # a stand-in: the turns are translated above
+    chat = messages_to_chat_request(rest, model)
+    chat.body["messages"] = messages
+    return _encode(chat.body), chat.dropped_tools
+
+
+def _decoded(body: bytes, model: str | None) -> tuple[bytes, list[str]]:
+    request = _decode(body)
+    if not isinstance(request, Mapping):
+        raise BadRequest("the request body must be a JSON object")
+    chat = messages_to_chat_request(request, model)
+    return _encode(chat.body), chat.dropped_tools
+
+
+def _is_str(raw: msgspec.Raw) -> bool:
+    return memoryview(raw)[0] == 0x22  # "
+
+
+def _is_list(raw: msgspec.Raw) -> bool:
+    return memoryview(raw)[0] == 0x5B  # [
+
+
+def _join(texts: list[msgspec.Raw], sep: bytes) -> msgspec.Raw:
+    """JSON strings joined as their texts would be (`sep` already escaped)."""
+    if len(texts) == 1:
+        return texts[0]
+    return msgspec.Raw(b'"' + sep.join(bytes(memoryview(t)[1:-1]) for t in texts) + b'"')
+
+
+def _texts(blocks: list[_RawBlock], skip: bool = False) -> list[msgspec.Raw]:
+    out = []
+    for block in blocks:
+        if block.type != "text" or not _is_str(block.text):
+            raise _Decoded
+        head = bytes(memoryview(block.text)[:40])
+        maybe = head.startswith(b'"' + _BILLING.encode()) or b"\\" in head
+        if skip and maybe and _decode(block.text).startswith(_BILLING):
+            continue
+        out.append(block.text)
+    return out
+
+
+def _raw_text_of(content: msgspec.Raw, skip: bool = False) -> msgspec.Raw:
+    if _is_str(content):
+        return content
+    if not _is_list(content):
+        raise _Decoded
+    texts = _texts(_raw_blocks(content), skip)
+    return _join(texts, b"\\n") if texts else _EMPTY
+
+
+def _raw_system(system: msgspec.Raw) -> list[dict[str, Any]]:
+    if system == _NULL:
+        return []
+    text = _raw_text_of(system, skip=True)
+    return [{"role": "system", "content": text}] if text != _EMPTY else []
+
+
+def _raw_turn(turn: _RawTurn) -> list[dict[str, Any]]:
+    role, content = turn.role, turn.content
+    if role == "system":
+        return [{"role": "system", "content": _raw_text_of(content)}]
+    if role not in ("user", "assistant"):
+        raise _Decoded
+    if _is_str(content):
+        return [{"role": role, "content": content}]
+    if not _is_list(content):
+        raise _Decoded
+    blocks = _raw_blocks(content)
+    return [_raw_assistant(blocks)] if role == "assistant" else _raw_user(blocks)
+
+
+def _raw_assistant(blocks: list[_RawBlock]) -> dict[str, Any]:
+    texts: list[msgspec.Raw] = []
+    calls: list[dict[str, Any]] = []
+    for block in blocks:
+        if block.type == "text":
+            texts += _texts([block])
+        elif block.type == "tool_use":
+            if not isinstance(block.id, str) or not isinstance(block.name, str):
+                raise _Decoded
+            arguments = _encode(_decode(block.input)).decode()  # a call's input: small, and compact here
+            fn = {"name": block.name, "arguments": arguments}
+            calls.append({"id": block.id, "type": "function", "function": fn})
+        elif block.type not in ("thinking", "redacted_thinking"):
+            raise _Decoded
+    message: dict[str, Any] = {"role": "assistant", "content": _join(texts, b"") if texts else None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _raw_user(blocks: list[_RawBlock]) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for block in blocks:
+        if block.type == "tool_result":
+            if not isinstance(block.tool_use_id, str):
+                raise _Decoded
+            text = _raw_result_text(block.content)
+            if block.is_error is True:
+                text = msgspec.Raw(b'"Error: ' + bytes(memoryview(text)[1:])) if text != _EMPTY else _raw_str("Error")
+            results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
+        elif block.type == "text":
+            parts.append({"type": "text", "text": _texts([block])[0]})
+        elif block.type == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block.source, "source")}})
+        elif block.type == "document":
+            parts.append({"type": "text", "text": _raw_str(_document_text(block.source, "source"))})
+        else:
+            raise _Decoded
+    out = results
+    if parts:
+        if all(p["type"] == "text" for p in parts):
+            out.append({"role": "user", "content": _join([p["text"] for p in parts], b"\\n")})
+        else:
+            out.append({"role": "user", "content": parts})
+    return out
+
+
+def _raw_result_text(content: msgspec.Raw) -> msgspec.Raw:
+    if content == _NULL:
+        return _EMPTY
+    if _is_str(content):
+        return content
+    if not _is_list(content):
+        raise _Decoded
+    texts = []
+    for block in _raw_blocks(content):
+        if block.type == "image":
+            texts.append(_raw_str("[image]"))
+        else:
+            texts += _texts([block])
+    return _join(texts, b"\\n") if texts else _EMPTY
+
+
+def _raw_str(text: str) -> msgspec.Raw:
+    return msgspec.Raw(_encode(text))
