@@ -209,7 +209,7 @@ async def test_scheduler_waiters_time_out_in_deadline_order_whatever_their_arriv
     free(s, got)
     assert (s.waiting("m"), s.providers["p"].in_flight) == (0, 0)
     # Nobody waits: no deadline is kept (a drained burst's futures are not held until they expire).
-    assert not s._deadlines and s._expiry is None
+    assert not len(s._deadlines) and not s._deadlines.armed
 
 
 async def test_scheduler_bounds_the_bytes_waiting_requests_hold() -> None:

@@ -8,7 +8,6 @@ whether they are usable (catalog, connections, breakers) is iop/edge/scheduler.p
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import math
 from collections.abc import Callable, Coroutine
@@ -17,6 +16,7 @@ from typing import Any
 
 from iop.edge import standby as standby_
 from iop.edge.affinity import Sessions
+from iop.edge.deadlines import Deadlines
 from iop.edge.fairqueue import NOBODY, PRIORITIES, TenantQueue, Waiter, Who
 from iop.edge.leases import TenantLeases
 from iop.edge.routing import Ask, Router, Scan
@@ -48,12 +48,8 @@ class Admission:
         self.providers: dict[str, ProviderSlots] = {}
         self.pools: dict[str, PoolQueue] = {}
         self._order = itertools.count()
-        self._deadlines: list[tuple[float, int, asyncio.Future[Grant]]] = []
-        """(deadline, order, future) of the waiters, soonest first: one loop timer for them all
-        (`_expire`); an entry whose waiter left already goes when it surfaces, or at a compaction."""
-        self._expiry: asyncio.TimerHandle | None = None
-        self._expiry_at = math.inf
-        self._compact_at = 64
+        self._deadlines = Deadlines()
+        """One loop timer for every waiter's deadline (iop/edge/deadlines.py)."""
         self._queued = 0
         """Waiters in every queue (`_deadlines` is emptied when none is left)."""
         self._connected = asyncio.Event()
@@ -180,7 +176,7 @@ class Admission:
         # or be at its max_concurrent while another is free: one behind may take that slot now.
         if pool.best() is not None or standby_.room(pool, self.standby):
             self._pump([pool])
-        self._watch(loop, deadline, waiter)
+        self._deadlines.watch(loop, deadline, waiter.order, waiter.future)
         try:
             grant: Grant = await waiter.future
         except BaseException as exc:
@@ -220,41 +216,6 @@ class Admission:
             grant.pool.waits_s.append(asyncio.get_running_loop().time() - grant.asked)
             grant.at = monotonic()
             self.changed.set()
-
-    def _watch(self, loop: asyncio.AbstractEventLoop, deadline: float, waiter: Waiter) -> None:
-        """Fail `waiter` with TimeoutError at `deadline` (the loop's clock) unless it is done by then.
-
-        One timer for every waiter instead of one each (asyncio.timeout, or a call_at per waiter):
-        a timer costs an allocation, a push on the loop's heap and a cancel on every admission."""
-        if waiter.future.done():
-            return  # granted by the pump that followed its arrival
-        heap = self._deadlines
-        while heap and heap[0][2].done():
-            heapq.heappop(heap)  # granted or gone: the usual case, as deadlines follow arrivals
-        heapq.heappush(heap, (deadline, waiter.order, waiter.future))
-        if len(heap) >= self._compact_at:
-            heap[:] = [e for e in heap if not e[2].done()]
-            heapq.heapify(heap)
-            self._compact_at = max(64, 2 * len(heap))
-        if deadline < self._expiry_at:
-            if self._expiry is not None:
-                self._expiry.cancel()
-            self._expiry, self._expiry_at = loop.call_at(deadline, self._expire), deadline
-
-    def _expire(self) -> None:
-        """The soonest deadline came: its waiters (and any other one due) end in TimeoutError."""
-        loop = asyncio.get_running_loop()
-        # The loop's timers may fire a hair early (uvloop's are whole milliseconds), as asyncio.timeout's.
-        due = loop.time() + 0.001
-        heap = self._deadlines
-        while heap and (heap[0][0] <= due or heap[0][2].done()):
-            future = heapq.heappop(heap)[2]
-            if not future.done():
-                future.set_exception(TimeoutError())
-        self._expiry, self._expiry_at = None, math.inf
-        if heap:
-            self._expiry_at = heap[0][0]
-            self._expiry = loop.call_at(self._expiry_at, self._expire)
 
     def _grant(self, slot: ProviderSlots, pool: PoolQueue, tenant: TenantQueue | None, tracked: bool) -> Grant:
         self._take(slot, pool)
@@ -377,13 +338,8 @@ class Admission:
         """A waiter left the queue (granted, refused, gone): its bytes no longer count."""
         if waiter.queued:
             self._queued -= 1
-            if not self._queued and self._deadlines:
-                # Nobody waits: no deadline is left to watch (a drained burst keeps none of its futures).
+            if not self._queued:
                 self._deadlines.clear()
-                self._compact_at = 64
-                if self._expiry is not None:
-                    self._expiry.cancel()
-                self._expiry, self._expiry_at = None, math.inf
         self.waiting_bytes -= waiter.size
         waiter.size = 0
         waiter.queued = False
