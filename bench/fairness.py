@@ -80,6 +80,9 @@ class FairnessOptions:
     archive: Path | None = None
     standby: int | None = None
     """edge.queue.standby (None: the edge's default)."""
+    anticipate_ms: float | None = None
+    """edge.queue.anticipate_ms (None: the edge's default)."""
+    arms: tuple[str, ...] = ("alone", "fair", "fifo")
 
 
 def run_fairness(owned: Owned, workdir: Path, opts: FairnessOptions) -> dict[str, Any]:
@@ -99,6 +102,8 @@ def run_fairness(owned: Owned, workdir: Path, opts: FairnessOptions) -> dict[str
     runs: dict[str, Any] = {}
     try:
         for name, fair in (("alone", True), ("fair", True), ("fifo", False)):
+            if name not in opts.arms:
+                continue
             stack = start_stack(
                 owned,
                 workdir,
@@ -110,7 +115,8 @@ def run_fairness(owned: Owned, workdir: Path, opts: FairnessOptions) -> dict[str
                 edge_extra={
                     "api_keys_env": KEYS_ENV,
                     "queue": {"timeout_s": 600, "max_waiting": 100_000, "fair_queueing": fair}
-                    | ({"standby": opts.standby} if opts.standby is not None else {}),
+                    | ({"standby": opts.standby} if opts.standby is not None else {})
+                    | ({"anticipate_ms": opts.anticipate_ms} if opts.anticipate_ms is not None else {}),
                 },
                 ready_headers={"authorization": f"Bearer {KEYS['quiet']}"},
             )
@@ -143,7 +149,8 @@ def run_fairness(owned: Owned, workdir: Path, opts: FairnessOptions) -> dict[str
         "flood_rate_per_s": round(_flood_rate(opts), 1),
         "flood_requests": opts.flood_requests,
         "runs": runs,
-        "admission": admission_cpu(opts, workdir),
+        "anticipate_ms": opts.anticipate_ms,
+        "admission": admission_cpu(opts, workdir) if opts.admission_rounds else None,
     }
 
 

@@ -107,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--procs", type=int, default=1, help="load generator processes")
     ap.add_argument("--standby", type=int, default=None, help="capacity, fairness: edge.queue.standby")
+    ap.add_argument("--anticipate", type=float, default=None, help="fairness: edge.queue.anticipate_ms")
+    ap.add_argument(
+        "--fairness-arms", default="alone,fair,fifo", help="fairness: which runs (alone, fair, fifo), comma-separated"
+    )
+    ap.add_argument("--no-admission", action="store_true", help="fairness: skip the admission CPU rounds")
     ap.add_argument("--cap-requests", type=int, default=None, help="capacity: requests (default 10,000, quick 1,000)")
     ap.add_argument("--cap-latency", default="uniform:20:100", help="capacity: upstream latency (ms) spec")
     ap.add_argument(
@@ -221,7 +226,15 @@ def main(argv: list[str] | None = None) -> int:
                 af.turns = 10
             attempt("affinity", lambda: run_affinity(owned, workdir, af))
         if "fairness" in only:
-            fq = FairnessOptions(storage=a.storage, archive=a.archive, standby=a.standby)
+            fq = FairnessOptions(
+                storage=a.storage,
+                archive=a.archive,
+                standby=a.standby,
+                anticipate_ms=a.anticipate,
+                arms=tuple(a.fairness_arms.split(",")),
+            )
+            if a.no_admission:
+                fq.admission_rounds = 0
             if a.quick:
                 fq.flood_requests, fq.alone_requests = 200, 10
                 fq.admission_rounds, fq.admissions = 1, 3000
