@@ -35,6 +35,15 @@ class QueueSettings(_Strict):
     standby: Annotated[
         int, Meta(ge=0, le=64, description="Requests per provider waiting in the broker while its slots are busy.")
     ] = 1
+    anticipate_ms: Annotated[
+        float,
+        Meta(
+            ge=0,
+            le=1000,
+            description="How long a slot freed by a tenant that asks again at once is kept for its next "
+            "request while others wait; 0: never.",
+        ),
+    ] = 10.0
 
 
 class HttpSettings(_Strict):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Coroutine
 from time import monotonic
 from typing import Any
 
+from iop.edge import anticipate
 from iop.edge import standby as standby_
 from iop.edge.affinity import Sessions
 from iop.edge.deadlines import Deadlines
@@ -34,7 +35,12 @@ class Admission:
     """The waiting side of the scheduler: grants, releases, and the pump that serves waiters."""
 
     def __init__(
-        self, max_waiting: int, max_waiting_bytes: int = 256 * 1024 * 1024, fair: bool = True, standby: int = 0
+        self,
+        max_waiting: int,
+        max_waiting_bytes: int = 256 * 1024 * 1024,
+        fair: bool = True,
+        standby: int = 0,
+        anticipate_s: float = 0.0,
     ) -> None:
         self.max_waiting = max_waiting
         self.max_waiting_bytes = max_waiting_bytes
@@ -45,6 +51,9 @@ class Admission:
         self.standby = standby
         """Requests per provider that wait in the broker while all its slots are busy (edge.queue.standby,
         iop/edge/standby.py); 0: every request is bound when a slot frees."""
+        self.anticipate_s = anticipate_s
+        """How long a slot is kept for a tenant that asks again at once (edge.queue.anticipate_ms,
+        iop/edge/anticipate.py); 0: never."""
         self.providers: dict[str, ProviderSlots] = {}
         self.pools: dict[str, PoolQueue] = {}
         self._order = itertools.count()
@@ -58,7 +67,7 @@ class Admission:
         self.sessions = Sessions()
         """Prefix-cache affinity: the provider each session used last (the dispatch reads and feeds it)."""
         self.on_count: Callable[[ProviderSlots], None] | None = None
-        """Called when a provider's `in_flight` changed (iop/edge/share.py tells the other edges)."""
+        """Called when a provider's `in_flight` or `kept` changed (iop/edge/share.py tells the other edges)."""
         self.router = Router()
         """Which free provider a request gets (iop/edge/routing.py), and what it knows of each one's speed."""
         self.router.wake = self.serve
@@ -134,6 +143,8 @@ class Admission:
         queue = pool.waiters
         known = queue.tenants.get(who[0])
         may_run = known.eligible if known is not None else who[3] is None or who[3] > 0
+        if tracked and pool.returns and (kept := self._kept(pool, who, exclude, may_run, ask)) is not None:
+            return kept
         # Anyone who may take a slot before it waits already: a free slot is theirs, not this one's.
         if not queue.eligible_waiting and (not tracked or may_run):
             slot = self._choice(pool, exclude, prefer, hold, ask)
@@ -208,6 +219,34 @@ class Admission:
         else:
             pool.waits_s.append(loop.time() - queued_at)
         return grant
+
+    def _kept(self, pool: PoolQueue, who: Who, exclude: frozenset[str], may_run: bool, ask: Ask | None) -> Grant | None:
+        """The slot kept for this request's tenant, if the pool kept one (iop/edge/anticipate.py)."""
+        anticipate.asked(pool, who[0], self.anticipate_s)
+        slot = anticipate.take(pool, who[0]) if pool.kept else None
+        if slot is None:
+            return None
+        if not may_run or slot.id in exclude or not slot.usable(monotonic()):
+            self._counted(slot)
+            self._pump(slot.pools)  # it may not take it: the next waiter may
+            return None
+        if ask is not None:
+            ask.reason = "kept"
+        pool.waits_s.append(0.0)
+        t = pool.waiters.tenant(*who)
+        pool.waiters.lift(t)
+        return self._grant(slot, pool, t, True)
+
+    def _lapsed(self, pool: PoolQueue, tenant: str) -> None:
+        slot = anticipate.lapsed(pool, tenant)
+        if slot is not None:
+            self._counted(slot)
+            self._pump(slot.pools)
+
+    def _counted(self, slot: ProviderSlots) -> None:
+        """A provider's `in_flight` or `kept` changed: the other edges hear of it (iop/edge/share.py)."""
+        if self.on_count is not None:
+            self.on_count(slot)
 
     def started(self, grant: Grant) -> None:
         """The node began a request granted in standby: it runs now, and held its slot from here."""
@@ -347,8 +386,7 @@ class Admission:
     def _take(self, slot: ProviderSlots, pool: PoolQueue) -> None:
         slot.in_flight += 1
         slot.rerank()
-        if self.on_count is not None:
-            self.on_count(slot)
+        self._counted(slot)
         slot.dispatched += 1
         # A pinned request (qualification) says nothing to the breaker, so it is never its trial.
         if slot.open_until and not isinstance(pool, PinnedQueue):
@@ -369,21 +407,24 @@ class Admission:
 
     def release(self, slot: ProviderSlots, grant: Grant | None = None) -> None:
         """A request's slot is free again; with its `grant`, so is its tenant's share."""
+        ran = grant is None or not grant.standing
         if grant is not None and grant.standing:
             standby_.stood(grant)  # ended in the broker, never started (client gone, deadline, node lost)
             self.changed.set()
         slot.in_flight -= 1
         slot.rerank()
-        if self.on_count is not None:
-            self.on_count(slot)
+        self._counted(slot)
         if slot.removed and slot.in_flight == 0 and self.providers.get(slot.id) is slot:
             del self.providers[slot.id]
             self.changed.set()
         if grant is not None and grant.tenant is not None:
-            standby_.active(grant.pool, grant.tenant.name)
-            grant.pool.waiters.end(grant.tenant, monotonic() - grant.at, grant.charge)
-            self._tenant_changed(grant.pool, grant.tenant)
+            t = grant.tenant
+            standby_.active(grant.pool, t.name)
+            grant.pool.waiters.end(t, monotonic() - grant.at, grant.charge)
+            self._tenant_changed(grant.pool, t)
             grant.tenant = None  # given back once, whoever calls again
+            if self.anticipate_s and ran:
+                anticipate.ended(grant.pool, t, slot, self.anticipate_s, self._lapsed)
         self._pump(slot.pools)
 
     def trial_over(self, slot: ProviderSlots) -> None:

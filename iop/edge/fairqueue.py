@@ -255,6 +255,25 @@ class FairQueue:
         self._push(t)
         self._forget_idle(t)
 
+    def leads(self, rank: int) -> bool:
+        """Whether a tenant of class `rank` that starts waiting now would be the next slot's: no
+        higher class waits and no lower one is owed its turn, and every tenant of its class that
+        waits has received more service than the newcomer is placed at (the virtual time)."""
+        if not self.fair or self._starving:
+            return False
+        for r in range(rank):
+            if self._class_waits(r):
+                return False
+        heap = self._heaps[rank]
+        while heap and not self._current(heap):
+            pass
+        return not heap or heap[0][0] > self._vclock
+
+    def lift(self, t: TenantQueue) -> None:
+        """`t` (nothing waiting) takes a slot ahead of those who wait: placed first where it would have
+        been, had it waited (a kept slot, iop/edge/anticipate.py)."""
+        self._lift(t)
+
     def candidate(
         self, choose: Callable[[C, Waiter], S | None], gone: Callable[[C, Waiter], None], ctx: C
     ) -> tuple[Waiter, S] | None:

@@ -319,8 +319,15 @@ class _LiveCollector(Collector):
         tenant_running = GaugeMetricFamily(
             "iop_tenant_running", "A tenant's requests holding a slot of a pool.", labels=["tenant", "pool"]
         )
+        kept = CounterMetricFamily(
+            "iop_pool_kept",
+            "Slots kept a moment for a tenant that asks again at once, by outcome (taken, lapsed).",
+            labels=["alias", "outcome"],
+        )
         for alias, pool in scheduler.pools.items():
             waiting.add_metric([alias], scheduler.waiting(alias))
+            for outcome, n in pool.kept_outcomes.items():
+                kept.add_metric([alias, outcome], n)
             for tenant, _, w, r in pool.waiters.loads():
                 tenant_waiting.add_metric([tenant, alias], w)
                 tenant_running.add_metric([tenant, alias], r)
@@ -360,7 +367,7 @@ class _LiveCollector(Collector):
         for j in self.undecodable:
             junk.add_metric([j.kind], j.count)
         yield from (capacity, in_flight, elsewhere, over, drained, waiting, tenant_waiting, tenant_running, nodes)
-        yield from (lease_here, lease_all)
+        yield from (lease_here, lease_all, kept)
         yield from (dropped, pending, nats, up, spans, junk)
         yield from _server_metrics(registry)
 

@@ -169,6 +169,7 @@ class Refresher:
         self.scheduler.max_waiting_bytes = int(new.edge.queue.max_waiting_mb * 1024 * 1024)
         self.scheduler.fair = new.edge.queue.fair_queueing
         self.scheduler.standby = new.edge.queue.standby
+        self.scheduler.anticipate_s = new.edge.queue.anticipate_ms / 1000
         draining = self.scheduler.apply(
             {
                 pid: (ref.node.id, ref.provider.capacity)

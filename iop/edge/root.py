@@ -100,7 +100,9 @@ class Edge:
         """Set when the edge starts to stop: open streams (status pages, usage tails) end at once."""
 
         q = settings.queue
-        self.scheduler = Scheduler(q.max_waiting, int(q.max_waiting_mb * 1024 * 1024), q.fair_queueing, q.standby)
+        self.scheduler = Scheduler(
+            q.max_waiting, int(q.max_waiting_mb * 1024 * 1024), q.fair_queueing, q.standby, q.anticipate_ms / 1000
+        )
         catalog = self.current.catalog
         for pid, ref in catalog.providers.items():
             if ref.provider.capacity is not None:

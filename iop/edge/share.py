@@ -1,7 +1,8 @@
 """Edges on one NATS tell each other the provider slots they hold, so each dispatches where one is free.
 
 Each edge counts its own requests per provider exactly (the scheduler's `in_flight`: dispatched,
-not yet ended). It announces them on `wire.EDGE_SLOTS_SUBJECT` in the loop turn after they change
+not yet ended), and the slots it keeps a moment for a tenant that asks again at once
+(iop/edge/anticipate.py). It announces them on `wire.EDGE_SLOTS_SUBJECT` in the loop turn after they change
 (the changed providers only) and all of them every `EDGE_SLOTS_FULL_S`; every edge adds the
 others' announced counts into each provider's `elsewhere`. A slot another edge frees therefore
 reaches this edge's waiters one NATS hop later, not at the node's next heartbeat (up to 1 s).
@@ -137,11 +138,11 @@ class SlotShare:
             waiting: dict[str, list[Load]] = {}
             if full:
                 next_full = loop.time() + wire.EDGE_SLOTS_FULL_S
-                held = {p.id: p.in_flight for p in providers.values() if p.in_flight}
+                held = {p.id: p.in_flight + p.kept for p in providers.values() if p.in_flight + p.kept}
                 waiting = {a: r for a, r in self._waiting(None).items() if r}
                 self._forget_silent()
             elif self._listened(monotonic()):
-                held = {pid: p.in_flight if (p := providers.get(pid)) else 0 for pid in self._dirty}
+                held = {pid: p.in_flight + p.kept if (p := providers.get(pid)) else 0 for pid in self._dirty}
                 waiting = self._waiting(self._dirty_pools)
             else:
                 held = {}

@@ -7,6 +7,7 @@ depends on (a dispatch, a release, a heartbeat's `elsewhere`, a breaker, a refre
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 from time import monotonic
@@ -15,7 +16,7 @@ from iop.edge.fairqueue import FairQueue, TenantQueue, Waiter
 from iop.edge.freeslots import FreeSlots
 from iop.edge.routing import Ask, PoolRules, Router
 
-__all__ = ["Grant", "PinnedQueue", "PoolQueue", "ProviderSlots", "Waiter"]
+__all__ = ["Grant", "Kept", "PinnedQueue", "PoolQueue", "ProviderSlots", "Waiter"]
 
 WAIT_SAMPLES = 512
 """Queue waits kept per pool (the most recent admissions) for the p50/p95 that /status shows."""
@@ -35,6 +36,8 @@ class ProviderSlots:
     in_flight: int = 0
     elsewhere: int = 0
     """Slots other edges hold, from the node's last heartbeat (at most one interval old)."""
+    kept: int = 0
+    """Free slots kept a moment for the tenant whose request just left them (iop/edge/anticipate.py)."""
     connected: bool = False
     seen: bool = False
     """Connected at least once since this edge started (before that, requests wait a grace period)."""
@@ -80,11 +83,13 @@ class ProviderSlots:
             return None
         if self.open_until:
             return _BROKEN
-        free = self.capacity - self.in_flight - self.elsewhere
+        free = self.capacity - self.in_flight - self.elsewhere - self.kept
         return free if free > 0 else None
 
     def usable(self, now: float) -> bool:
-        if not self.connected or self.removed or self.drained or self.in_flight + self.elsewhere >= self.capacity:
+        if not self.connected or self.removed or self.drained:
+            return False
+        if self.in_flight + self.elsewhere + self.kept >= self.capacity:
             return False
         if self.open_until:
             return now >= self.open_until and not self.trial
@@ -92,7 +97,7 @@ class ProviderSlots:
 
     @property
     def free(self) -> int:
-        return self.capacity - self.in_flight - self.elsewhere if self.connected else 0
+        return self.capacity - self.in_flight - self.elsewhere - self.kept if self.connected else 0
 
     def standby_room(self, standby: int) -> bool:
         """Whether one more request may wait in the broker for it: every slot is busy and fewer than
@@ -126,6 +131,14 @@ class Grant:
     """Loop time its request began to wait (a standby's queue wait ends when its node starts it)."""
 
 
+@dataclass(eq=False, slots=True)
+class Kept:
+    """A slot of `slot` kept free for one tenant until `timer` fires (iop/edge/anticipate.py)."""
+
+    slot: ProviderSlots
+    timer: asyncio.TimerHandle
+
+
 @dataclass(eq=False)
 class PoolQueue:
     """The requests waiting for one alias, in the order they get a slot (iop/edge/fairqueue.py)."""
@@ -140,6 +153,13 @@ class PoolQueue:
     ended: tuple[str, float, str, float] = ("", -1e9, "", -1e9)
     """The tenants last seen active (a request ended here, another edge announced it), with when
     (monotonic): the latest, and the latest other than it (iop/edge/standby.py `shared`)."""
+    kept: dict[str, Kept] = field(default_factory=dict)
+    """Tenant: the slot kept for its next request (iop/edge/anticipate.py)."""
+    returns: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Tenant: since when it has had nothing here (-1: it has), and the share of its recent requests
+    that came back within `edge.queue.anticipate_ms`, -1 before the first (iop/edge/anticipate.py)."""
+    kept_outcomes: dict[str, int] = field(default_factory=dict)
+    """Kept slots by what became of them: `taken` by their tenant, `lapsed` to the next waiter."""
     peak_running: int = 0
     waits_s: deque[float] = field(default_factory=lambda: deque(maxlen=WAIT_SAMPLES))
     """How long recent admissions waited in this queue (0 for a slot taken at once)."""
@@ -244,6 +264,6 @@ class PinnedQueue(PoolQueue):
 
     def best(self, exclude: frozenset[str] = frozenset()) -> ProviderSlots | None:
         p = self.providers[0]
-        if p.connected and not p.removed and p.in_flight + p.elsewhere < p.capacity:
+        if p.connected and not p.removed and p.in_flight + p.elsewhere + p.kept < p.capacity:
             return p
         return None
