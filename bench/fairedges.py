@@ -42,6 +42,8 @@ class FairEdgesOptions:
     alone_requests: int = 20
     max_seconds: float = 60.0
     archive: Path | None = None
+    anticipate_ms: float | None = None
+    """edge.queue.anticipate_ms (None: the edge's default)."""
 
 
 @dataclass
@@ -75,7 +77,11 @@ def run_fairedges(owned: Owned, workdir: Path, opts: FairEdgesOptions) -> dict[s
         nodes=[openai_pool_node("fair-node", [("gpu", port, opts.capacity)])],
         storage="memory",  # a nats-server of the bench's own, which a second edge can reach too
         archive=opts.archive,
-        edge_extra={"api_keys_env": KEYS_ENV, "queue": {"timeout_s": 600, "max_waiting": 100_000}},
+        edge_extra={
+            "api_keys_env": KEYS_ENV,
+            "queue": {"timeout_s": 600, "max_waiting": 100_000}
+            | ({"anticipate_ms": opts.anticipate_ms} if opts.anticipate_ms is not None else {}),
+        },
         ready_headers=headers,
     )
     second: Proc | None = None

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--procs", type=int, default=1, help="load generator processes")
     ap.add_argument("--standby", type=int, default=None, help="capacity, fairness: edge.queue.standby")
-    ap.add_argument("--anticipate", type=float, default=None, help="fairness: edge.queue.anticipate_ms")
+    ap.add_argument("--anticipate", type=float, default=None, help="fairness, fairedges: edge.queue.anticipate_ms")
     ap.add_argument(
         "--fairness-arms", default="alone,fair,fifo", help="fairness: which runs (alone, fair, fifo), comma-separated"
     )
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                 fq.admission_rounds, fq.admissions = 1, 3000
             attempt("fairness", lambda: run_fairness(owned, workdir, fq))
         if "fairedges" in only:
-            fe = FairEdgesOptions(archive=a.archive)
+            fe = FairEdgesOptions(archive=a.archive, anticipate_ms=a.anticipate)
             if a.quick:
                 fe.flood_requests, fe.alone_requests = 100, 5
             attempt("fairedges", lambda: run_fairedges(owned, workdir, fe))

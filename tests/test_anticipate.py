@@ -14,6 +14,7 @@ import httpx
 from nats.aio.msg import Msg
 
 from iop import wire
+from iop.edge.fairshare import loads
 from iop.edge.keys import EdgeKeys, Key
 from iop.edge.scheduler import Scheduler
 from iop.edge.share import SlotShare
@@ -86,6 +87,34 @@ async def test_a_tenant_whose_fair_share_is_less_than_a_slot_is_kept_none() -> N
     s.release(quiet.slot, quiet)
     assert await settled(backlog) and not s.pools["m"].kept
     other.cancel()
+
+
+async def test_a_kept_tenant_is_announced_active_so_no_other_edges_standby_takes_its_slot() -> None:
+    s = scheduler({"p": 2})
+    quiet, backlog = await quiet_back_in_time(s)
+    s.release(quiet.slot, quiet)
+    assert ("quiet", 1, 1.0, 0, 0) in loads(s.pools["m"])
+    backlog.cancel()
+
+
+async def test_a_slot_is_kept_against_another_edges_backlog_but_not_a_higher_class_there() -> None:
+    s = scheduler({"p": 2})
+    share = SlotShare(s, "edge-a")
+
+    async def hear(waiting: list[tuple[str, int, float, int, int]]) -> None:
+        news = wire.EdgeSlots("edge-b", True, {"p": 1}, {"m": waiting})
+        await share._on_slots(Msg(None, subject=wire.EDGE_SLOTS_SUBJECT, data=wire.encode(news)))  # type: ignore[arg-type]
+
+    first = await s.acquire_grant("m", soon(), tenant="quiet")
+    s.release(first.slot, first)
+    again = await s.acquire_grant("m", soon(), tenant="quiet")  # back at once
+    await hear([("flood", 1, 1.0, 50, 1)])  # edge B's backlog, nothing of it waits here
+    s.release(again.slot, again)
+    assert list(s.pools["m"].kept) == ["quiet"]
+    third = await s.acquire_grant("m", soon(), tenant="quiet")
+    await hear([("urgent", 0, 1.0, 3, 1)])
+    s.release(third.slot, third)  # an interactive tenant waits on edge B: its turn, not quiet's
+    assert not s.pools["m"].kept
 
 
 async def test_a_tenant_behind_a_higher_class_is_kept_none() -> None:

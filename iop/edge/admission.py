@@ -73,6 +73,9 @@ class Admission:
         self.router.wake = self.serve
         self.owed: Callable[[PoolQueue], bool] | None = None
         """Whether a pool's free slots wait for another edge's waiter (iop/edge/fairshare.py)."""
+        self.waiting_elsewhere: Callable[[PoolQueue], list[tuple[str, int, float, int]]] | None = None
+        """The tenants other edges announce waiting in a pool (iop/edge/fairshare.py): a kept slot
+        (iop/edge/anticipate.py) is weighed against them too."""
         self.on_queue: Callable[[PoolQueue], None] | None = None
         """Called when a tenant's waiting or running count on a pool changed (iop/edge/share.py tells)."""
         self.leases: TenantLeases | None = None
@@ -424,7 +427,9 @@ class Admission:
             self._tenant_changed(grant.pool, t)
             grant.tenant = None  # given back once, whoever calls again
             if self.anticipate_s and ran:
-                anticipate.ended(grant.pool, t, slot, self.anticipate_s, self._lapsed)
+                remote = self.waiting_elsewhere(grant.pool) if self.waiting_elsewhere is not None else []
+                if anticipate.ended(grant.pool, t, slot, self.anticipate_s, self._lapsed, remote):
+                    self._tenant_changed(grant.pool, None)  # the other edges hear it is active
         self._pump(slot.pools)
 
     def trial_over(self, slot: ProviderSlots) -> None:

@@ -9,20 +9,20 @@ that is a whole hold of one.
 So when a tenant's last request running in a pool ends while others wait, the slot stays free for
 it up to `edge.queue.anticipate_ms` if the tenant
 - came back within that time after most of its recent requests (`RETURNS`, measured here),
-- would be first in the fair order when it comes (iop/edge/fairqueue.py `FairQueue.leads`),
+- would be first in the fair order when it comes (iop/edge/fairqueue.py `FairQueue.leads`; between
+  edges, no tenant another edge announces waiting is of a higher class or, of its class, runs none),
 - and has a fair share of at least one slot: its weight over the weights of the tenants active in
-  the pool, times the pool's capacity at this edge.
+  the pool (here, and waiting on other edges), times the pool's capacity at this edge.
 Its next request takes the slot at once. If it does not come, the slot goes to the next waiter when
 the time is over: the cost is at most that long of one slot, and a tenant whose requests come
-further apart (a tool run between turns) is never kept a slot. The slot is kept at this edge only:
-another edge's waiter may take it meanwhile (the broker holds the provider to its capacity), and
-the request that comes for it then waits in the broker for the next.
+further apart (a tool run between turns) is never kept a slot. The other edges hear a kept slot
+as held (iop/edge/share.py), so their waiters leave it; the request must come back to this edge.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from time import monotonic
 
 from iop.edge.fairqueue import TenantQueue
@@ -62,10 +62,12 @@ def ended(
     slot: ProviderSlots,
     window_s: float,
     lapse: Callable[[PoolQueue, str], None],
+    remote: Sequence[tuple[str, int, float, int]] = (),
 ) -> bool:
     """`t`'s request on `slot` ended (its share already given back): whether the slot is kept for it.
 
-    `lapse(pool, tenant)` is called if the time runs out first."""
+    `lapse(pool, tenant)` is called if the time runs out first. `remote`: (tenant, class rank,
+    weight, running) of the tenants other edges announce waiting here and that have none here."""
     if t.running or t.waiters:
         return False  # it still has a request here: it is not waiting on this one's answer
     name = t.name
@@ -75,12 +77,20 @@ def ended(
     if len(pool.returns) > TENANTS:
         pool.returns.pop(next(iter(pool.returns)))
     queue = pool.waiters
-    if share < RETURNS or not queue.eligible_waiting or name in pool.kept or not slot.usable(monotonic()):
+    others = queue.eligible_waiting or remote
+    if share < RETURNS or not others or name in pool.kept or not slot.usable(monotonic()):
         return False
-    if not queue.leads(t.rank) or _share(pool, t) < 1.0:
+    if queue.eligible_waiting and not queue.leads(t.rank):
+        return False
+    for _, rank, _, running in remote:
+        # Between edges the order is slots running per weight: one of a higher class, or one of its
+        # own running none (as `t` does), is first as much as `t` is.
+        if rank < t.rank or (rank == t.rank and not running):
+            return False
+    if _share(pool, t, sum(r[2] for r in remote)) < 1.0:
         return False
     timer = asyncio.get_running_loop().call_later(window_s, lapse, pool, name)
-    pool.kept[name] = Kept(slot, timer)
+    pool.kept[name] = Kept(slot, timer, t.rank, t.weight)
     slot.kept += 1
     slot.rerank()
     return True
@@ -101,9 +111,10 @@ def _unkeep(pool: PoolQueue, kept: Kept, outcome: str) -> None:
     pool.kept_outcomes[outcome] = pool.kept_outcomes.get(outcome, 0) + 1
 
 
-def _share(pool: PoolQueue, t: TenantQueue) -> float:
-    """`t`'s fair share of the pool's slots at this edge, with the tenants that wait or run here."""
-    weights = t.weight
+def _share(pool: PoolQueue, t: TenantQueue, remote_weights: float) -> float:
+    """`t`'s fair share of the pool's slots at this edge, with the tenants that wait or run here and
+    those other edges announce waiting (`remote_weights`)."""
+    weights = t.weight + remote_weights
     for other in pool.waiters.tenants.values():
         if other is not t:
             weights += other.weight

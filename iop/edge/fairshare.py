@@ -34,13 +34,15 @@ Load = tuple[str, int, float, int, int]
 
 def loads(pool: PoolQueue) -> list[Load]:
     """This edge's tenants of `pool` as the other edges hear them (only while some of them wait, in
-    its queue or in standby: the others' standbys keep clear of an active tenant, iop/edge/standby.py)."""
-    if not pool.waiters and not pool.standing:
+    its queue or in standby, or one is kept a slot: the others' standbys keep clear of an active
+    tenant, iop/edge/standby.py)."""
+    if not pool.waiters and not pool.standing and not pool.kept:
         return []
-    return [
-        (t.name, t.rank, t.weight, len(t.waiters) if t.eligible else 0, t.running)
-        for t in pool.waiters.tenants.values()
-    ]
+    tenants = pool.waiters.tenants
+    rows = [(t.name, t.rank, t.weight, len(t.waiters) if t.eligible else 0, t.running) for t in tenants.values()]
+    # A tenant kept a slot (iop/edge/anticipate.py) is active too: no other edge's standby may take it.
+    rows.extend((name, k.rank, k.weight, 0, 0) for name, k in pool.kept.items() if name not in tenants)
+    return rows
 
 
 def _sound(row: Load) -> bool:
@@ -89,6 +91,19 @@ class FairShare:
         for alias in self.elsewhere.pop(edge, {}):
             self._since.pop(alias, None)
             self.pump(alias)
+
+    def waiting_elsewhere(self, pool: PoolQueue) -> list[tuple[str, int, float, int]]:
+        """(tenant, class rank, weight, running) of the tenants other edges announce waiting in `pool`
+        and that have nothing here (iop/edge/anticipate.py weighs a kept slot against them)."""
+        if not self.elsewhere:
+            return []
+        here = pool.waiters.tenants
+        return [
+            (name, rank, weight, running)
+            for pools in self.elsewhere.values()
+            for name, rank, weight, waiting, running in pools.get(pool.alias, ())
+            if waiting and name not in here
+        ]
 
     def owed(self, pool: PoolQueue) -> bool:
         """Whether the free slots of `pool` should wait for a tenant waiting on another edge."""

@@ -66,6 +66,7 @@ class SlotShare:
         scheduler.on_count = self._count_changed
         scheduler.on_queue = self._queue_changed
         scheduler.owed = self.fair.owed
+        scheduler.waiting_elsewhere = self.fair.waiting_elsewhere
 
     async def start(self, nc: NATS) -> None:
         self._nc = nc

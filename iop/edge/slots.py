@@ -137,6 +137,9 @@ class Kept:
 
     slot: ProviderSlots
     timer: asyncio.TimerHandle
+    rank: int = 1
+    weight: float = 1.0
+    """The tenant's class and weight (the other edges hear of it as active meanwhile)."""
 
 
 @dataclass(eq=False)
