@@ -19,7 +19,7 @@ from iop import wire
 from iop.anthropic.answer import chat_to_messages_answer
 from iop.anthropic.count import estimate_input_tokens
 from iop.anthropic.errors import error_type
-from iop.anthropic.request import ChatRequest, messages_to_chat_request
+from iop.anthropic.request import ChatRequest, chat_body_of, messages_to_chat_request
 from iop.anthropic.stream import ChatToMessagesStream
 from iop.errors import BadRequest, RequestError, UpstreamError
 from iop.node.adapters.base import Adapter, Send
@@ -48,14 +48,14 @@ class MessagesOverChat:
             return await self._count(item, model, send)
         if item.api != "messages" or self.native:
             return await self.inner.run(item, model, send)
-        chat = _chat_of(item.body)
+        body, dropped_tools = _chat_body_of(item.body)
         extra: dict[str, str] = {}
-        if chat.dropped_tools:
-            dropped = ",".join(chat.dropped_tools)
+        if dropped_tools:
+            dropped = ",".join(dropped_tools)
             log.debug("request %s: dropped tools a chat server cannot run: %s", item.id, dropped)
             extra["x-iop-dropped-tools"] = dropped
         name = model or item.alias
-        chat_item = msgspec.structs.replace(item, api="chat", body=_encode(chat.body), body_size=0)
+        chat_item = msgspec.structs.replace(item, api="chat", body=body, body_size=0)
         if item.stream:
             return await self._stream(chat_item, model, send, ChatToMessagesStream(name), extra)
         parts: list[bytes] = []
@@ -114,6 +114,14 @@ class MessagesOverChat:
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+def _chat_body_of(body: bytes) -> tuple[bytes, list[str]]:
+    """The chat body for a Messages body, translated on its bytes (its texts are never decoded)."""
+    try:
+        return chat_body_of(body)
+    except (TypeError, AttributeError, KeyError, ValueError) as exc:
+        raise BadRequest(f"the request cannot be translated to chat: {type(exc).__name__}: {exc}") from exc
 
 
 def _chat_of(body: bytes, override: Mapping[str, Any] | None = None) -> ChatRequest:
