@@ -19,6 +19,7 @@ from iop.edge import standby as standby_
 from iop.edge.affinity import Sessions
 from iop.edge.deadlines import Deadlines
 from iop.edge.fairqueue import NOBODY, PRIORITIES, TenantQueue, Waiter, Who
+from iop.edge.fairshare import Elsewhere
 from iop.edge.leases import TenantLeases
 from iop.edge.routing import Ask, Router, Scan
 from iop.edge.slots import Grant, PinnedQueue, PoolQueue, ProviderSlots
@@ -73,7 +74,7 @@ class Admission:
         self.router.wake = self.serve
         self.owed: Callable[[PoolQueue], bool] | None = None
         """Whether a pool's free slots wait for another edge's waiter (iop/edge/fairshare.py)."""
-        self.waiting_elsewhere: Callable[[PoolQueue], list[tuple[str, int, float, int]]] | None = None
+        self.waiting_elsewhere: Callable[[PoolQueue], list[Elsewhere]] | None = None
         """The tenants other edges announce waiting in a pool (iop/edge/fairshare.py): a kept slot
         (iop/edge/anticipate.py) is weighed against them too."""
         self.on_queue: Callable[[PoolQueue], None] | None = None
@@ -426,10 +427,9 @@ class Admission:
             grant.pool.waiters.end(t, monotonic() - grant.at, grant.charge)
             self._tenant_changed(grant.pool, t)
             grant.tenant = None  # given back once, whoever calls again
-            if self.anticipate_s and ran:
-                remote = self.waiting_elsewhere(grant.pool) if self.waiting_elsewhere is not None else []
-                if anticipate.ended(grant.pool, t, slot, self.anticipate_s, self._lapsed, remote):
-                    self._tenant_changed(grant.pool, None)  # the other edges hear it is active
+            kept = self.anticipate_s and ran
+            if kept and anticipate.ended(grant.pool, t, slot, self.anticipate_s, self._lapsed, self.waiting_elsewhere):
+                self._tenant_changed(grant.pool, None)  # the other edges hear it is active
         self._pump(slot.pools)
 
     def trial_over(self, slot: ProviderSlots) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from time import monotonic
 
 from iop.edge.fairqueue import TenantQueue
+from iop.edge.fairshare import Elsewhere
 from iop.edge.slots import Kept, PoolQueue, ProviderSlots
 
 RETURNS = 0.5
@@ -62,12 +63,12 @@ def ended(
     slot: ProviderSlots,
     window_s: float,
     lapse: Callable[[PoolQueue, str], None],
-    remote: Sequence[tuple[str, int, float, int]] = (),
+    elsewhere: Callable[[PoolQueue], Sequence[Elsewhere]] | None = None,
 ) -> bool:
     """`t`'s request on `slot` ended (its share already given back): whether the slot is kept for it.
 
-    `lapse(pool, tenant)` is called if the time runs out first. `remote`: (tenant, class rank,
-    weight, running) of the tenants other edges announce waiting here and that have none here."""
+    `lapse(pool, tenant)` is called if the time runs out first. `elsewhere(pool)`: the tenants other
+    edges announce waiting here (iop/edge/fairshare.py), asked only once the cheap checks passed."""
     if t.running or t.waiters:
         return False  # it still has a request here: it is not waiting on this one's answer
     name = t.name
@@ -76,9 +77,11 @@ def ended(
     pool.returns[name] = (monotonic(), share)  # idle from now; the most recently seen last
     if len(pool.returns) > TENANTS:
         pool.returns.pop(next(iter(pool.returns)))
+    if share < RETURNS or name in pool.kept or not slot.usable(monotonic()):
+        return False
     queue = pool.waiters
-    others = queue.eligible_waiting or remote
-    if share < RETURNS or not others or name in pool.kept or not slot.usable(monotonic()):
+    remote = elsewhere(pool) if elsewhere is not None else ()
+    if not queue.eligible_waiting and not remote:
         return False
     if queue.eligible_waiting and not queue.leads(t.rank):
         return False

@@ -194,7 +194,7 @@ class FairQueue:
         """`waiter` joins `t` (what `tenant()` returned in the same step: no await between)."""
         waiter.tenant = t
         if not t.waiters:
-            self._lift(t)
+            self.lift(t)
         t.waiters.append(waiter)
         self._count += 1
         if t.eligible:
@@ -268,11 +268,6 @@ class FairQueue:
         while heap and not self._current(heap):
             pass
         return not heap or heap[0][0] > self._vclock
-
-    def lift(self, t: TenantQueue) -> None:
-        """`t` (nothing waiting) takes a slot ahead of those who wait: placed first where it would have
-        been, had it waited (a kept slot, iop/edge/anticipate.py)."""
-        self._lift(t)
 
     def candidate(
         self, choose: Callable[[C, Waiter], S | None], gone: Callable[[C, Waiter], None], ctx: C
@@ -370,8 +365,9 @@ class FairQueue:
         t.seq, t.key = self._seq, key
         heapq.heappush(self._heaps[t.rank if self.fair else 1], (*key, t.seq, t))
 
-    def _lift(self, t: TenantQueue) -> None:
-        """`t` starts waiting: no credit for the time it did not."""
+    def lift(self, t: TenantQueue) -> None:
+        """`t` starts waiting, or takes a slot kept for it (iop/edge/anticipate.py): no credit for the
+        time it did not wait."""
         if not self.fair:
             return
         t.served = max(t.served, self._vclock)

@@ -30,6 +30,8 @@ DEFER_S = 0.05
 
 Load = tuple[str, int, float, int, int]
 """(tenant, class rank, weight, waiting it may run, running) of one tenant on one pool of one edge."""
+Elsewhere = tuple[str, int, float, int]
+"""(tenant, class rank, weight, running) of a tenant another edge announces waiting in a pool."""
 
 
 def loads(pool: PoolQueue) -> list[Load]:
@@ -92,7 +94,7 @@ class FairShare:
             self._since.pop(alias, None)
             self.pump(alias)
 
-    def waiting_elsewhere(self, pool: PoolQueue) -> list[tuple[str, int, float, int]]:
+    def waiting_elsewhere(self, pool: PoolQueue) -> list[Elsewhere]:
         """(tenant, class rank, weight, running) of the tenants other edges announce waiting in `pool`
         and that have nothing here (iop/edge/anticipate.py weighs a kept slot against them)."""
         if not self.elsewhere:
