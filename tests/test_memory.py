@@ -20,7 +20,7 @@ async def test_a_drained_burst_of_waiting_requests_is_trimmed_once() -> None:
     s.add_provider("p", "n", 1)
     s.set_connected("p", True)
     s.add_pool("m", ["p"])
-    trim = BurstTrim(lambda: s.waiting("m"), s.changed, burst=200, settle_s=0.05)
+    trim = BurstTrim(lambda: s.waiting("m"), s.queued_high, burst=200, settle_s=0.05, poll_s=0.02)
     trim.start()
     try:
         loop = asyncio.get_running_loop()
@@ -38,6 +38,20 @@ async def test_a_drained_burst_of_waiting_requests_is_trimmed_once() -> None:
         await asyncio.wait_for(trim.trimmed.wait(), 5)
         assert trim.trims == 1
         s.release(held.slot, held)
+    finally:
+        trim.stop()
+
+
+async def test_a_burst_that_came_and_went_between_two_reads_is_trimmed() -> None:
+    # The count is read every poll, not on every change: its high-water mark keeps the burst.
+    high = memory.HighWater()
+    trim = BurstTrim(lambda: 0, high, burst=200, settle_s=0.01, poll_s=0.01)
+    high.saw(150)
+    high.saw(250)
+    trim.start()
+    try:
+        await asyncio.wait_for(trim.trimmed.wait(), 5)
+        assert trim.trims == 1 and high.mark == 0
     finally:
         trim.stop()
 

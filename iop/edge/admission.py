@@ -21,6 +21,7 @@ from iop.edge.deadlines import Deadlines
 from iop.edge.fairqueue import NOBODY, PRIORITIES, TenantQueue, Waiter, Who
 from iop.edge.fairshare import Elsewhere
 from iop.edge.leases import TenantLeases
+from iop.edge.memory import HighWater
 from iop.edge.routing import Ask, Router, Scan
 from iop.edge.slots import Grant, PinnedQueue, PoolQueue, ProviderSlots
 from iop.errors import QueueFull, Unavailable
@@ -62,6 +63,8 @@ class Admission:
         """One loop timer for every waiter's deadline (iop/edge/deadlines.py)."""
         self._queued = 0
         """Waiters in every queue (`_deadlines` is emptied when none is left)."""
+        self.queued_high = HighWater()
+        """The most waiters at once since the burst trim last looked (iop/edge/memory.py)."""
         self._connected = asyncio.Event()
         self.changed = asyncio.Event()
         """Set whenever a request starts or stops waiting (observers clear it, then wait)."""
@@ -185,6 +188,7 @@ class Admission:
         self._tenant_changed(pool, t)
         self.waiting_bytes += size
         self._queued += 1
+        self.queued_high.saw(self._queued)
         self.changed.set()
         hold_over = loop.call_later(prefer_wait_s, self._hold_over, pool, waiter) if hold else None
         # The first in the order may hold out for its preferred provider, not take one it failed on,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+from iop.edge.memory import HighWater
 from iop.edge.scheduler import Scheduler
 from iop.errors import Unavailable
 
@@ -27,12 +28,15 @@ class ReceivingBodies:
         self.bytes = 0
         self.refused = 0
         self.changed = asyncio.Event()
-        """Set whenever `bytes` changes (what a trim after a burst waits on)."""
+        """Set whenever `bytes` changes (tests wait on it)."""
+        self.high = HighWater()
+        """The most MiB held at once, received or waiting, since the trim after a burst last looked."""
 
     def take(self, n: int) -> None:
         """Count `n` more bytes of a body being received; Unavailable when the budget cannot hold them."""
         s = self.scheduler
-        if self.bytes + s.waiting_bytes + n > s.max_waiting_bytes:
+        held = self.bytes + s.waiting_bytes + n
+        if held > s.max_waiting_bytes:
             self.refused += 1
             raise Unavailable(
                 f"the edge already holds {(self.bytes + s.waiting_bytes) / _MIB:.1f} MiB of request bodies being "
@@ -41,6 +45,7 @@ class ReceivingBodies:
                 headers={"Retry-After": "1"},
             )
         self.bytes += n
+        self.high.saw(held // _MIB)
         self.changed.set()
 
     def give(self, n: int) -> None:

@@ -180,10 +180,10 @@ class Edge:
         """`/status/events`: the live status the `/ui` page reads."""
         self.summary = SummaryCache(self.status_sources)
         """`/status?view=summary`: built at most once per 0.25 s, whatever the number of readers."""
-        self.burst_trim = BurstTrim(self.waiting_requests, self.scheduler.changed)
+        self.burst_trim = BurstTrim(self.waiting_requests, self.scheduler.queued_high)
         self.bodies = ReceivingBodies(self.scheduler)
         """Request bodies being received, bounded with the waiting ones by edge.queue.max_waiting_mb."""
-        self.body_trim = BurstTrim(self.bodies.mib, self.bodies.changed, burst=BODY_BURST_MIB)
+        self.body_trim = BurstTrim(self.bodies.mib, self.bodies.high, burst=BODY_BURST_MIB)
         """Hands the memory of a drained burst of large bodies back (counted in MiB, not requests)."""
         """Hands the memory of a drained burst of waiting requests back to the OS (iop/edge/memory.py)."""
 
