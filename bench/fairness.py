@@ -27,6 +27,8 @@ Beside the runs, in this process: the edge's CPU per admission with 1 and 1,000 
                 resumes; what the same loop costs with a bare future in the scheduler's place
                 (the asyncio floor, measured in the same run) subtracted
     free        a slot free: taken at once and given back
+    python_gc   `queued` with the collector as Python sets it; every other part runs with it set
+                as the edge sets its own (iop/heap.py: what start-up made frozen)
     limits      a tenant with rpm and tpm: its use read and written back by compare-and-set in the
                 KV bucket iop_limits of a nats-server of its own, one request at a time (a write
                 each) and 32 at once (the edge's group commit); this process's CPU only
@@ -35,6 +37,8 @@ Beside the runs, in this process: the edge's CPU per admission with 1 and 1,000 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import os
 import resource
 import statistics
@@ -50,7 +54,7 @@ from bench.capacity import utilisation
 from bench.experiments.scheduler import per_admission_us
 from bench.procs import Owned, busy_cores, free_port, http_json, log, machine_ticks
 from bench.stack import openai_pool_node, start_stack
-from iop import config
+from iop import config, heap
 from iop.edge.keys import EdgeKeys, parse_keys
 from iop.edge.limits import Limiter
 from iop.edge.scheduler import Scheduler
@@ -164,17 +168,21 @@ def admission_cpu(opts: FairnessOptions, workdir: Path) -> dict[str, Any]:
         t0 = time.monotonic()
         cpu0 = _own_cpu_s()
         for _ in range(opts.admission_rounds):
-            floor = asyncio.run(_floor_us(n, opts.admissions))
-            whole, grant = asyncio.run(_queued_us(n, opts.admissions))
-            rows.append(
-                {
-                    "key_us": _key_us(n, opts.admissions),
-                    "queued_us": whole - floor,
-                    "grant_us": grant,
-                    "floor_us": floor,
-                    "free_us": asyncio.run(_free_us(n, opts.admissions)),
-                }
-            )
+            python_floor = asyncio.run(_floor_us(n, opts.admissions))
+            python_whole, _ = asyncio.run(_queued_us(n, opts.admissions))
+            with as_the_edge_collects():
+                floor = asyncio.run(_floor_us(n, opts.admissions))
+                whole, grant = asyncio.run(_queued_us(n, opts.admissions))
+                rows.append(
+                    {
+                        "key_us": _key_us(n, opts.admissions),
+                        "queued_us": whole - floor,
+                        "python_gc_us": python_whole - python_floor,
+                        "grant_us": grant,
+                        "floor_us": floor,
+                        "free_us": asyncio.run(_free_us(n, opts.admissions)),
+                    }
+                )
         wall = max(1e-9, time.monotonic() - t0)
         other = max(0.0, busy_cores(ticks0, machine_ticks()) - (_own_cpu_s() - cpu0) / wall)
         fig = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
@@ -184,6 +192,16 @@ def admission_cpu(opts: FairnessOptions, workdir: Path) -> dict[str, Any]:
         out[str(n)] = fig
         log(f"admission, {n} tenants: {fig}")
     return out
+
+
+@contextlib.contextmanager
+def as_the_edge_collects() -> Any:
+    """This process's collector set as the edge sets its own (iop/heap.py), and restored after."""
+    heap.freeze_start_up()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 async def _limits_us(counts: list[int], store: Path, n: int = 2000) -> dict[int, tuple[float, float]]:

@@ -582,7 +582,7 @@ def render_fairness(fr: dict[str, Any]) -> str:
     )
     adm = fr.get("admission") or {}
     if adm:
-        parts = ["key_us", "queued_us", "grant_us", "floor_us", "free_us", "admission_us"]
+        parts = ["key_us", "queued_us", "python_gc_us", "grant_us", "floor_us", "free_us", "admission_us"]
         parts += ["limits_one_us", "limits_burst_us", "other_cores"]
         out += "\nAdmission CPU per request in one process (us; queued: against the asyncio floor)\n" + table(
             ["tenants", *parts], [[n, *(_num(a.get(k), 2) for k in parts)] for n, a in adm.items()]

@@ -49,6 +49,7 @@ def edge_cmd(
     setup_logging(verbose, log_level, log_format)
     log_warnings(loaded)
     heap.keep_large_buffers()  # bodies of megabytes pass through several buffers (iop/heap.py)
+    _freeze_start_up()
     try:
         run_async(run_edge(loaded, listen=listen, nats_url=nats_url))
     except ConfigError as exc:
@@ -57,6 +58,13 @@ def edge_cmd(
         fail(str(exc))
     except OSError as exc:
         fail(f"cannot serve: {exc.strerror or exc}")
+
+
+def _freeze_start_up() -> None:
+    try:
+        heap.freeze_start_up()  # what start-up loaded is never walked again (iop/heap.py)
+    except ValueError as exc:
+        fail(str(exc), 2)
 
 
 def _check_cluster(dep: config_mod.Deployment, nats_url: str | None) -> None:
@@ -154,6 +162,7 @@ def node_cmd(
     if config_file is not None:
         log_warnings(loaded, node_id)
     heap.keep_large_buffers()
+    _freeze_start_up()
 
     try:
         node_policy = policy.load(policy_file) if policy_file is not None else None
