@@ -88,5 +88,6 @@ class Channel:
     def end(self) -> None:
         if not self.ended:
             self.ended = True
-            if self.holder is not None:
-                self.holder.node_ended()
+            holder, self.holder = self.holder, None  # told once; and the attempt holds this channel
+            if holder is not None:
+                holder.node_ended()

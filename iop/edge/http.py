@@ -19,6 +19,7 @@ import asyncio
 import logging
 import resource
 import socket
+import weakref
 from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -150,13 +151,17 @@ class ClientWatch:
     __slots__ = ("_cycle", "_task")
 
     def __init__(self, cycle: Any) -> None:
-        self._cycle = cycle
+        # Weakly: the request's scope holds this watch, and its cycle the scope. A strong reference
+        # would make every request a reference cycle, left for the cyclic collector to find.
+        self._cycle = weakref.ref(cycle)
         self._task: asyncio.Task[Any] | None = None
 
     def start(self, task: asyncio.Task[Any]) -> None:
         """Watch for `task` until `stop()`; a client already gone cancels it at once."""
+        cycle = self._cycle()
+        if cycle is None:
+            return
         self._task = task
-        cycle = self._cycle
         cycle.flow.resume_reading()  # as receive() does: a connection's close is read to be seen
         if cycle.disconnected:
             task.cancel()
@@ -165,7 +170,8 @@ class ClientWatch:
         self._task = None
 
     def gone(self) -> None:
-        if self._task is not None and self._cycle.disconnected:
+        cycle = self._cycle()
+        if self._task is not None and cycle is not None and cycle.disconnected:
             self._task.cancel()
             self._task = None
 
