@@ -63,8 +63,7 @@ class Admission:
         """One loop timer for every waiter's deadline (iop/edge/deadlines.py)."""
         self._queued = 0
         """Waiters in every queue (`_deadlines` is emptied when none is left)."""
-        self.queued_high = HighWater()
-        """The most waiters at once since the burst trim last looked (iop/edge/memory.py)."""
+        self.queued_high = HighWater()  # the most waiters at once since the burst trim looked (iop/edge/memory.py)
         self._connected = asyncio.Event()
         self.changed = asyncio.Event()
         """Set whenever a request starts or stops waiting (observers clear it, then wait)."""
@@ -104,17 +103,15 @@ class Admission:
         """A slot of a provider of `alias` (none of `exclude`), counted for its tenant until
         `release(grant.slot, grant)`; `deadline` is on the loop's clock.
 
-        `prefer` (prefix-cache affinity) is taken over the others whenever it has a free slot when
-        this request's turn comes; with `prefer_wait_s` the request waits up to that long for it
-        while others are free. The order and the caps are the same with or without it.
+        `prefer` (prefix-cache affinity) is taken whenever it has a free slot at this request's turn;
+        with `prefer_wait_s` the request waits up to that long for it while others are free.
 
         `tenant`, `priority`, `weight`: its place in the pool's fair order (iop/edge/fairqueue.py);
         `max_concurrent`: the tenant's bound on this pool's slots (its share, what /status shows
         running). `ask`: its size and deadline, for the router (iop/edge/routing.py).
 
-        `size` is the bytes the request holds while it waits (its body). Raises QueueFull when
-        `max_waiting` requests already wait or their bytes would pass `max_waiting_bytes`,
-        Unavailable when no provider of the pool can take it or the wait outlasts the deadline.
+        `size`: the bytes it holds while it waits (its body). QueueFull past `max_waiting` or
+        `max_waiting_bytes`; Unavailable when no provider can take it or the deadline passes.
         """
         who = (tenant, priority, weight, max_concurrent)
         # The wait itself, not a coroutine around it: one frame fewer per waiting request.
