@@ -35,6 +35,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from iop import edgeconf
 from iop.errors import BusError, Unavailable
 from iop.nats import connection, streams
+from iop.nats.acked import AckedPublishes
 from iop.responses.cache import Entry, Freshness, TurnCache, gone_subject
 
 log = logging.getLogger("iop.responses")
@@ -110,8 +111,17 @@ _item = msgspec.json.Decoder(dict[str, Any]).decode
 class ResponseStore:
     """Reads and writes stored responses; every call names the owner it acts for."""
 
-    def __init__(self, kv: Any, max_value: int, nc: NATS | None = None, fresh: Freshness | None = None) -> None:
+    def __init__(
+        self,
+        kv: Any,
+        max_value: int,
+        nc: NATS | None = None,
+        fresh: Freshness | None = None,
+        acked: AckedPublishes | None = None,
+    ) -> None:
         self.kv = kv
+        self.acked = acked
+        """Writes through the store's own ack inbox (iop/nats/acked.py); None: nats-py's `kv.put`."""
         self.max_value = max(1024, max_value - _HEADROOM)
         self._nc = nc
         self.fresh = fresh
@@ -152,7 +162,9 @@ class ResponseStore:
         elif settings.cache_mb > 0:
             fresh = Freshness(nc, TurnCache(settings.cache_mb << 20, settings.max_age), f"KV_{BUCKET}")
             await fresh.start()
-        return cls(kv, nc.max_payload, nc, fresh)
+        acked = AckedPublishes(nc)
+        await acked.start()
+        return cls(kv, nc.max_payload, nc, fresh, acked)
 
     async def response(self, owner: str, response_id: str, since: float | None = None) -> Stored | None:
         return (await self.responses(owner, [response_id], since))[0]
@@ -399,12 +411,18 @@ class ResponseStore:
 
     async def _put(self, key: str, data: bytes) -> int:
         """Write `key` (in parts when it is large); the stream sequence of its first message."""
+        put = self._put_one
         if len(data) < self.max_value:
-            return int(await self.kv.put(key, b"=" + data))
+            return await put(key, b"=" + data)
         chunks = [data[i : i + self.max_value] for i in range(0, len(data), self.max_value)]
-        seqs = await asyncio.gather(*(self.kv.put(f"{key}.{n}", c) for n, c in enumerate(chunks, 1)))
-        await self.kv.put(key, b"#%d" % len(chunks))
-        return int(min(seqs))
+        seqs = await asyncio.gather(*(put(f"{key}.{n}", c) for n, c in enumerate(chunks, 1)))
+        await put(key, b"#%d" % len(chunks))
+        return min(seqs)
+
+    async def _put_one(self, key: str, data: bytes) -> int:
+        if self.acked is None:
+            return int(await self.kv.put(key, data))
+        return await self.acked.publish(f"$KV.{BUCKET}.{key}", data)
 
     async def _delete(self, key: str) -> None:
         try:
