@@ -59,6 +59,9 @@ class SlotShare:
         self._junk: set[str] = set()
         """Edges that announced counts below 0 (logged once each)."""
         self._wake = asyncio.Event()
+        """Set when there is something to announce: a change while another edge listens, a full one due."""
+        self._full = True
+        """A full announcement is due (the first, then every `wire.EDGE_SLOTS_FULL_S`)."""
         self._nc: NATS | None = None
         self._task: asyncio.Task[None] | None = None
         self.fair = FairShare(scheduler.serve)
@@ -96,12 +99,18 @@ class SlotShare:
 
     def _count_changed(self, slot: ProviderSlots) -> None:
         self._dirty.add(slot.id)
-        self._wake.set()
+        if self.heard:  # alone, only the full announcements go out: no wake-up per request
+            self._wake.set()
 
     def _queue_changed(self, pool: PoolQueue) -> None:
         if not isinstance(pool, PinnedQueue):
             self._dirty_pools.add(pool.alias)
-            self._wake.set()
+            if self.heard:
+                self._wake.set()
+
+    def _full_due(self) -> None:
+        self._full = True
+        self._wake.set()
 
     def _waiting(self, aliases: set[str] | None) -> dict[str, list[Load]]:
         """The tenants of the pools in `aliases` (None: every pool) that have requests waiting here,
@@ -123,34 +132,39 @@ class SlotShare:
 
     async def _announce(self) -> None:
         loop = asyncio.get_running_loop()
-        next_full = loop.time()
-        while True:
-            wait = next_full - loop.time()
-            if wait > 0:
-                try:
-                    async with asyncio.timeout(wait):
-                        await self._wake.wait()
-                except TimeoutError:
-                    pass
-            # Woken in the loop turn after the change: every change of that turn goes in one message.
-            self._wake.clear()
-            providers = self.scheduler.providers
-            full = loop.time() >= next_full
-            waiting: dict[str, list[Load]] = {}
-            if full:
-                next_full = loop.time() + wire.EDGE_SLOTS_FULL_S
-                held = {p.id: p.in_flight + p.kept for p in providers.values() if p.in_flight + p.kept}
-                waiting = {a: r for a, r in self._waiting(None).items() if r}
-                self._forget_silent()
-            elif self._listened(monotonic()):
-                held = {pid: p.in_flight + p.kept if (p := providers.get(pid)) else 0 for pid in self._dirty}
-                waiting = self._waiting(self._dirty_pools)
-            else:
-                held = {}
-            self._dirty.clear()
-            self._dirty_pools.clear()
-            if full or held or waiting:
-                await self._publish(full, held, waiting)
+        self._full = True  # the first one, at once
+        timer: asyncio.TimerHandle | None = None
+        try:
+            while True:
+                if not self._full:
+                    await self._wake.wait()
+                # Woken in the loop turn after the change: every change of that turn goes in one message.
+                self._wake.clear()
+                full, self._full = self._full, False
+                if full:
+                    timer = loop.call_later(wire.EDGE_SLOTS_FULL_S, self._full_due)  # one timer, not one a wake
+                await self._announce_once(full)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    async def _announce_once(self, full: bool) -> None:
+        """What changed since the last announcement (all of it when `full`), if another edge listens."""
+        providers = self.scheduler.providers
+        waiting: dict[str, list[Load]] = {}
+        if full:
+            held = {p.id: p.in_flight + p.kept for p in providers.values() if p.in_flight + p.kept}
+            waiting = {a: r for a, r in self._waiting(None).items() if r}
+            self._forget_silent()
+        elif self._listened(monotonic()):
+            held = {pid: p.in_flight + p.kept if (p := providers.get(pid)) else 0 for pid in self._dirty}
+            waiting = self._waiting(self._dirty_pools)
+        else:
+            held = {}
+        self._dirty.clear()
+        self._dirty_pools.clear()
+        if full or held or waiting:
+            await self._publish(full, held, waiting)
 
     # --- in -------------------------------------------------------------------------------------
 
