@@ -8,6 +8,10 @@ c=1 case of the scale benchmark), so the figure is the scheduler's own CPU per d
 With --tenants, a saturated pool (capacity 4) with two requests of every tenant waiting: each
 admission is one release that grants the next waiter in the fair order and one new request that
 queues, the asyncio tasks included; CPU per admission with fair queueing on and off.
+
+With --announcer, one provider of capacity 4 and a request at a time taken and given back, a loop
+turn after each, without and with the edge's slot announcer (iop/edge/share.py, no other edge
+heard) beside it: what the announcer costs a request.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from collections import deque
 
 from iop.edge.scheduler import Scheduler
+from iop.edge.share import SlotShare
 from iop.edge.slots import Grant
 
 
@@ -75,12 +80,40 @@ async def per_admission_us(tenants: int, admissions: int, fair: bool) -> tuple[f
     return us, granting / admissions * 1e6
 
 
+async def per_request_us(requests: int, announcer: bool) -> float:
+    """CPU per request taken and given back, a loop turn after each; `announcer`: a SlotShare beside it."""
+    sched = Scheduler(max_waiting=1000)
+    sched.add_provider("p", "node", 4)
+    sched.set_connected("p", True)
+    sched.add_pool("pool", ["p"])
+    share = SlotShare(sched, "bench-edge") if announcer else None
+    task = asyncio.create_task(share.announce()) if share is not None else None
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(0)
+    t0 = time.process_time()
+    for _ in range(requests):
+        grant = await sched.acquire_grant("pool", loop.time() + 10, tenant="t")
+        await asyncio.sleep(0)
+        sched.release(grant.slot, grant)
+        await asyncio.sleep(0)
+    us = (time.process_time() - t0) / requests * 1e6
+    if task is not None:
+        task.cancel()
+    return us
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="3,30,300")
     ap.add_argument("--dispatches", type=int, default=20_000)
     ap.add_argument("--tenants", default="", help="e.g. 1,1000: CPU per admission on a saturated pool instead")
+    ap.add_argument("--announcer", action="store_true", help="what the slot announcer costs a request instead")
     a = ap.parse_args(argv)
+    if a.announcer:
+        for _ in range(3):
+            bare, beside = (asyncio.run(per_request_us(a.dispatches, on)) for on in (False, True))
+            print(f"{bare:6.2f} us CPU per request alone, {beside:6.2f} with the announcer: +{beside - bare:.2f} us")
+        return
     if a.tenants:
         for n in (int(x) for x in a.tenants.split(",") if x):
             for fair in (True, False):

@@ -74,7 +74,7 @@ class SlotShare:
     async def start(self, nc: NATS) -> None:
         self._nc = nc
         await nc.subscribe(wire.EDGE_SLOTS_SUBJECT, cb=self._on_slots, pending_msgs_limit=100_000)
-        self._task = asyncio.create_task(self._announce())
+        self._task = asyncio.create_task(self.announce())
 
     async def stop(self) -> None:
         if self._task is None:
@@ -130,7 +130,8 @@ class SlotShare:
         """Whether another edge announced lately: alone, an edge sends only its full announcements."""
         return any(now - t < wire.EDGE_SLOTS_SILENT_S for t in self.heard.values())
 
-    async def _announce(self) -> None:
+    async def announce(self) -> None:
+        """Announce this edge's counts until cancelled (`start` runs it; a bench runs it alone)."""
         loop = asyncio.get_running_loop()
         self._full = True  # the first one, at once
         timer: asyncio.TimerHandle | None = None
