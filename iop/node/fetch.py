@@ -9,11 +9,10 @@ import time
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 
 from iop import wire
 from iop.errors import Unavailable, failure_of
-from iop.node import replay
+from iop.node import pull, replay
 from iop.node.resource import Resource
 from iop.node.running import RunningRequests
 from iop.node.servers import ManagedServer
@@ -29,39 +28,33 @@ LEASE_CHECK_S = 5.0
 """How long a fetched message waits for an edge to confirm this instance before it is handed back."""
 
 
-def start_workers(
-    running: RunningRequests, r: Resource, js: JetStreamContext, slots: range
-) -> list[asyncio.Task[None]]:
+def start_workers(running: RunningRequests, r: Resource, slots: range) -> list[asyncio.Task[None]]:
     """One fetch loop per slot in `slots` of provider `r`."""
-    return [asyncio.create_task(fetch_loop(running, r, js, i)) for i in slots]
+    return [asyncio.create_task(fetch_loop(running, r, i)) for i in slots]
 
 
-async def fetch_loop(running: RunningRequests, r: Resource, js: JetStreamContext, index: int) -> None:
-    """Serve slot `index` of a provider: one outstanding fetch(batch=1) at a time.
+async def fetch_loop(running: RunningRequests, r: Resource, index: int) -> None:
+    """Serve slot `index` of a provider: one outstanding pull of one message at a time.
 
-    Each loop binds its own pull subscription. Loops sharing one see each other's responses
-    (a message, or the 408 that ends an expired pull) on one inbox, so a loop can go on waiting
-    for a pull the server has already expired: measured, a shared subscription kept 1 of 4
+    Each loop pulls on an inbox of its own (iop.node.pull). Loops sharing one see each other's
+    responses (a message, or the 408 that ends an expired pull) on one inbox, so a loop can go on
+    waiting for a pull the server has already expired: measured, a shared subscription kept 1 of 4
     slots busy where one per loop kept 3.6 (bench/experiments/pull_fetch.py). A lowered capacity or a
     retired provider ends the loop.
     """
+    slot = pull.SlotPull(running.nc, wire.WORK_STREAM, wire.consumer_name(r.cfg.id), FETCH_TIMEOUT_S)
     try:
-        psub = await js.pull_subscribe_bind(durable=wire.consumer_name(r.cfg.id), stream=wire.WORK_STREAM)
+        await slot.open()
     except (nats.errors.Error, OSError) as exc:
-        log.error("provider %s: cannot bind its consumer: %s", r.cfg.id, exc)
+        log.error("provider %s: cannot subscribe slot %d's inbox: %s", r.cfg.id, index, exc)
         return
     try:
-        await _fetch_until_done(running, r, psub, index)
+        await _fetch_until_done(running, r, slot, index)
     finally:
-        try:
-            await psub.unsubscribe()
-        except nats.errors.Error as exc:  # the connection closed first: nothing left to undo
-            log.debug("provider %s: unsubscribing slot %d: %s", r.cfg.id, index, exc)
+        await slot.close()
 
 
-async def _fetch_until_done(
-    running: RunningRequests, r: Resource, psub: JetStreamContext.PullSubscription, index: int
-) -> None:
+async def _fetch_until_done(running: RunningRequests, r: Resource, slot: pull.SlotPull, index: int) -> None:
     while not running.stopping and not r.retired and index < (r.cfg.capacity or 0):
         if not running.lease.fresh():
             # Maybe frozen or cut off long enough for the edge to let another instance in: pull
@@ -71,17 +64,15 @@ async def _fetch_until_done(
             await running.lease.wait(FETCH_TIMEOUT_S)
             continue
         try:
-            msgs = await psub.fetch(1, timeout=FETCH_TIMEOUT_S)
-        except (nats.errors.TimeoutError, TimeoutError):
-            continue
+            msg = await slot.next()
         except nats.errors.ConnectionClosedError:
             return
         except (nats.errors.Error, OSError) as exc:
-            # Disconnected: nats-py reconnects by itself; don't spin meanwhile.
-            log.debug("fetch for %s failed: %s", r.cfg.id, exc)
-            await asyncio.sleep(0.5)
+            # A publish refused while nats-py reconnects (it reconnects by itself): don't spin meanwhile.
+            log.debug("pull for %s failed: %s", r.cfg.id, exc)
+            await asyncio.sleep(pull.PAUSE_S)
             continue
-        for msg in msgs:
+        if msg is not None:
             await _take(running, r, msg)
 
 

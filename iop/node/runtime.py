@@ -245,7 +245,7 @@ class NodeRuntime:
             r.cfg, r.adapter = p, adapter
             if r.kind == "pool" and (p.capacity or 0) > before:
                 # One fetch loop per slot: more slots, more loops (fewer: the extra loops end).
-                r.workers += fetch.start_workers(self._running, r, js, range(before, p.capacity or 0))
+                r.workers += fetch.start_workers(self._running, r, range(before, p.capacity or 0))
 
     def _server_of(self, node: config.Node, p: config.Provider) -> ManagedServer | None:
         cfg = self._adapter_cfgs.get(p.adapter)
@@ -267,8 +267,8 @@ class NodeRuntime:
             # A node's own NATS user may read its consumer but not create it: the edge does, at
             # its start. Until then the fetch loops find nothing and keep asking.
             log.info("provider %s: its consumer is not there yet (%s); the edge makes it", r.cfg.id, exc)
-        # One fetch loop per slot, each with its own pull subscription (see fetch.fetch_loop).
-        r.workers = fetch.start_workers(self._running, r, js, range(r.cfg.capacity))
+        # One fetch loop per slot, each pulling on an inbox of its own (see fetch.fetch_loop).
+        r.workers = fetch.start_workers(self._running, r, range(r.cfg.capacity))
 
     async def _retire(self, r: Resource) -> None:
         """Stop taking work for a resource the catalog no longer has; what runs, finishes."""
