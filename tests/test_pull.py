@@ -110,7 +110,7 @@ async def test_pull_stale_408_of_an_old_pull_does_not_end_the_current_one(
     async def saw(msg: Msg) -> None:
         stale.set()
 
-    await nc.subscribe(f"{slot.inbox}.1", cb=saw)
+    await nc.subscribe(f"{slot.inbox}.1", cb=saw)  # pull 1's subject (pull 2 is answered on .0)
     assert await slot.next() is None  # pull 1 given up by the slot, still live on the server
     second = asyncio.create_task(slot.next())
     await asyncio.wait_for(stale.wait(), 5)

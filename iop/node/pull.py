@@ -25,16 +25,19 @@ no consumer, leadership change) or while the connection is down: a loop of pulls
 class SlotPull:
     """One slot's pulls on a durable pull consumer: one message at a time, on an inbox of its own.
 
-    The slot's one subscription is `<inbox>.*`; pull n asks for one message with `<inbox>.n` as its
-    reply. The server ends a pull on that subject (408 expired, 409 consumer deleted / leadership
-    change / max waiting, 503 no consumer), so the late status of an old pull is known for what it
-    is and never ends the current one. A message is work whichever pull it answers (the server
-    delivers it under its stream subject): one that comes after its pull's wait ended is kept for
-    the next `next()`, never lost while the slot lives. Messages are nats-py's own `Msg`, built by
-    the core subscription: ack/nak/term/in_progress, metadata and headers work as after `fetch()`.
+    The slot's one subscription is `<inbox>.*`; pull n asks for one message with `<inbox>.<n mod 2>`
+    as its reply. The server ends a pull on that subject (408 expired, 409 consumer deleted /
+    leadership change / max waiting, 503 no consumer), so the late status of the pull before is
+    known for what it is and never ends the current one. Two subjects, not one per pull: the
+    server's subject cache keeps them, where a new subject per pull missed it on every delivery
+    and on every check of the waiting pulls' interest. A message is work whichever pull it answers
+    (the server delivers it under its stream subject): one that comes after its pull's wait ended
+    is kept for the next `next()`, never lost while the slot lives. Messages are nats-py's own
+    `Msg`, built by the core subscription: ack/nak/term/in_progress, metadata and headers work as
+    after `fetch()`.
 
-    A message is only ever pulled for a waiting slot: never cancel `next()` (its pull stays on the
-    server), let it end by itself within `wait_s` (+ `PAUSE_S`).
+    Never cancel `next()` (its pull would stay on the server, free to take a message for nobody):
+    it ends by itself within `wait_s` (+ `PAUSE_S`).
     """
 
     def __init__(self, nc: NATS, stream: str, durable: str, wait_s: float, api_prefix: str = "$JS.API") -> None:
@@ -43,6 +46,7 @@ class SlotPull:
         self._request = b'{"batch":1,"expires":%d}' % int((wait_s - EXPIRES_MARGIN_S) * 1e9)
         self._wait_s = wait_s
         self._inbox = nc.new_inbox()
+        self._replies = (f"{self._inbox}.0", f"{self._inbox}.1")
         self._pulls = 0
         self._current = ""  # the reply subject of the pull waited for ("" when none is)
         self._started = 0.0
@@ -55,7 +59,7 @@ class SlotPull:
 
     @property
     def inbox(self) -> str:
-        """The prefix of this slot's reply subjects: pull n is answered on `<inbox>.<n>`."""
+        """The prefix of this slot's reply subjects: pull n is answered on `<inbox>.<n mod 2>`."""
         return self._inbox
 
     @property
@@ -95,7 +99,7 @@ class SlotPull:
             self._timer = loop.call_later(PAUSE_S, _end, waiter)
         else:
             self._pulls += 1
-            self._current = f"{self._inbox}.{self._pulls}"
+            self._current = self._replies[self._pulls & 1]
             self._waiter = waiter  # before the publish: its answer may come in the same loop turn
             try:
                 await self._nc.publish(self._next_subject, self._request, reply=self._current)
