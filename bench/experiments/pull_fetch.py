@@ -14,20 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import nats
 import nats.errors
 from nats.js import api
 
+from bench.experiments.bare_nats import bare_nats
 from bench.load import percentiles
-from bench.procs import free_port, wait_until
-from iop.nats.bundle import nats_server_path
 
 
 async def trial(url: str, shared: bool, capacity: int, service_s: float, items: int) -> dict[str, object]:
@@ -115,27 +109,13 @@ async def trial(url: str, shared: bool, capacity: int, service_s: float, items: 
     }
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--capacity", type=int, default=4)
     ap.add_argument("--service-ms", type=float, default=50.0)
     ap.add_argument("--items", type=int, default=300)
     a = ap.parse_args(argv)
-    port = free_port()
-    store = Path(tempfile.mkdtemp(prefix="iop-pull-"))
-    server = subprocess.Popen(
-        [nats_server_path(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_until("nats-server", lambda: _listening(port), 15)
-        url = f"nats://127.0.0.1:{port}"
+    with bare_nats("iop-pull-") as url:
         for shared in (True, False):
             r = asyncio.run(trial(url, shared, a.capacity, a.service_ms / 1000, a.items))
             w = r["fetch_wait_ms"]
@@ -145,14 +125,6 @@ def main(argv: list[str] | None = None) -> None:
                 f" busy slots {r['mean_busy_slots']} of {a.capacity},"
                 f" fetch wait p50 {w['p50']:.1f} ms p90 {w['p90']:.1f} ms"
             )
-    finally:
-        server.terminate()  # our own child, by its handle
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(5)
-        shutil.rmtree(store, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -12,21 +12,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import nats
 import nats.js.api as js_api
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from bench.procs import free_port, wait_until
-from iop.nats.bundle import nats_server_path
+from bench.experiments.bare_nats import bare_nats
 from iop.node.pull import SlotPull
 
 STREAM, SUBJECT, DURABLE = "SLOTPULL", "slotpull.work", "d"
@@ -90,34 +84,13 @@ async def trials(url: str, messages: int, rounds: int) -> None:
         await nc.close()
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--messages", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args(argv)
-    port = free_port()
-    store = Path(tempfile.mkdtemp(prefix="iop-slotpull-"))
-    server = subprocess.Popen(
-        [nats_server_path(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_until("nats-server", lambda: _listening(port), 15)
-        asyncio.run(trials(f"nats://127.0.0.1:{port}", a.messages, a.rounds))
-    finally:
-        server.terminate()  # our own child, by its handle
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(5)
-        shutil.rmtree(store, ignore_errors=True)
+    with bare_nats("iop-slotpull-") as url:
+        asyncio.run(trials(url, a.messages, a.rounds))
 
 
 if __name__ == "__main__":
