@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Mapping
 
 import msgspec
 import nats.errors
@@ -58,7 +57,7 @@ class AckedPublishes:
         self.inbox = self.nc.new_inbox()
         await self.nc.subscribe(self.inbox + ".*", cb=self._on_ack, pending_msgs_limit=10_000_000)
 
-    async def publish(self, subject: str, data: bytes, headers: Mapping[str, str] | None = None) -> int:
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int:
         """Store `data` on `subject`; its stream sequence (a KV key's new revision)."""
         token = str(next(self._ids))
         loop = asyncio.get_running_loop()
@@ -67,7 +66,7 @@ class AckedPublishes:
         timer = loop.call_later(self.timeout_s, _expire, acked)
         try:
             reply = f"{self.inbox}.{token}"
-            await self.nc.publish(subject, data, reply=reply, headers=dict(headers) if headers else None)
+            await self.nc.publish(subject, data, reply=reply, headers=headers)
             msg = await acked
         finally:
             timer.cancel()
