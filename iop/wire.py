@@ -41,7 +41,11 @@ REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:@/+=-]{1,128}$"
 """What an `x-request-id` may be: bounded, and safe in a log line and in an HTTP header."""
 
 BODY_PART_BYTES = 1024 * 1024
-"""Largest piece of a request body a node fetches from the edge at once (bodies too big to travel inline)."""
+"""Largest piece of a request body a node fetches from the edge at once (bodies that stay at the edge)."""
+
+
+def body_part_size(max_payload: int) -> int:
+    return min(BODY_PART_BYTES, max_payload - 1024)  # edge and node on one server agree; 1 KiB for headers
 
 
 def work_subject(provider: str) -> str:

@@ -35,6 +35,9 @@ PUBLISH_GRACE_S = 1.0
 """Retries go on this long past the item's deadline: a node's Started sent just before it still arrives."""
 HEADER_ROOM = 1024
 """Bytes kept free in a NATS message for headers (`Nats-Msg-Id`, the trace context) around an encoded work item."""
+INLINE_BELOW = 256 * 1024
+"""A pool request's body of this many bytes or more stays here and the node fetches it: the work
+stream then stores (and a cluster replicates) a work item of a few hundred bytes, not the body."""
 ACK_PREFIX = f"$JS.ACK.{wire.WORK_STREAM}."
 """What every ack subject of the work stream starts with: the only subject the edge sends +TERM to."""
 
@@ -59,21 +62,23 @@ class Publisher:
         self._acks_inbox = self.nc.new_inbox()
         await self.nc.subscribe(self._acks_inbox + ".*", cb=self._on_publish_ack, pending_msgs_limit=10_000_000)
 
-    def _framed(self, ch: Channel, item: wire.WorkItem, limit: int) -> bytes:
-        """The encoded item; a body too large for one message stays here and the node fetches it."""
-        data = wire.encode(item)
-        if len(data) + HEADER_ROOM <= limit:
-            return data  # the fast path: the body travels inline
+    def _framed(self, ch: Channel, item: wire.WorkItem, limit: int, inline_below: int | None = None) -> bytes:
+        """The encoded item; a body too large for one message (or of `inline_below` bytes or more)
+        stays here and the node fetches it."""
+        size = len(item.body)
+        if inline_below is None or size < inline_below:
+            data = wire.encode(item)
+            if len(data) + HEADER_ROOM <= limit:
+                return data  # the body travels inline
         ch.body = item.body
         self.bodies_by_reference += 1
-        return wire.encode(msgspec.structs.replace(item, body=b"", body_size=len(item.body)))
+        return wire.encode(msgspec.structs.replace(item, body=b"", body_size=size))
 
     def body_part(self, ch: Channel | None, part: wire.BodyPart) -> bytes:
         """The piece of a body kept here (`_framed`) that the node asks for; b"" for none."""
         if ch is None or ch.ended or not 0 <= part.offset < len(ch.body):
             return b""  # never a valid piece: the node gives up on the request
-        size = min(wire.BODY_PART_BYTES, self.nc.max_payload - HEADER_ROOM)
-        return ch.body[part.offset : part.offset + size]
+        return ch.body[part.offset : part.offset + wire.body_part_size(self.nc.max_payload)]
 
     async def to_pool(
         self, ch: Channel, provider: str, item: wire.WorkItem, trace: dict[str, str] | None = None
@@ -81,8 +86,10 @@ class Publisher:
         """Publish the work to the provider's JetStream subject (the broker enforces its capacity).
 
         `trace`: the try's W3C trace context, carried as message headers to the node."""
-        # The work stream refuses messages over MAX_PAYLOAD even where the server allows more.
-        data = self._framed(ch, item, min(self.nc.max_payload, MAX_PAYLOAD))
+        # The work stream refuses messages over MAX_PAYLOAD even where the server allows more. An
+        # agent-sized body stays here: storing it cost nats-server more than the node's fetch of it
+        # (docs/performance.md, "Agent-sized bodies").
+        data = self._framed(ch, item, min(self.nc.max_payload, MAX_PAYLOAD), INLINE_BELOW)
         delay = PUBLISH_RETRY_FIRST_S
         repaired = False
         while True:

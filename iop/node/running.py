@@ -16,10 +16,11 @@ from nats.aio.msg import Msg
 
 from iop import tracing as tr
 from iop import wire
-from iop.errors import BodyUnavailable, Cancelled, RequestError, UpstreamError, failure_of
+from iop.errors import Cancelled, RequestError, UpstreamError, failure_of
 from iop.node import spans
 from iop.node.adapters.base import Outcome
 from iop.node.adapters.base import outcome as current_outcome
+from iop.node.body import fetch_body
 from iop.node.flow import STALL_TIMEOUT_S, FlowWindow
 from iop.node.presence import Lease
 from iop.node.replay import ReplayStore, serve_resend
@@ -179,7 +180,7 @@ class RunningRequests:
             ack = run.msg.reply if run.msg is not None else ""
             out.hold_started(wire.Started(item.id, self.node_id, self.instance, ack, cold_start_ms=run.cold_start_ms))
             if item.body_size:
-                item = msgspec.structs.replace(item, body=await self._fetch_body(item), body_size=0)
+                item = msgspec.structs.replace(item, body=await fetch_body(self.nc, item), body_size=0)
             usage = await r.adapter.run(item, r.cfg.model, send)
             error = ""
             run.answered = True
@@ -240,25 +241,6 @@ class RunningRequests:
             _free(r, run, edge)
             self.by_id.pop(item.id, None)
             self.changed.set()
-
-    async def _fetch_body(self, item: wire.WorkItem) -> bytes:
-        """The body of an item that was too large to travel inline, fetched from its edge in parts."""
-        parts: list[bytes] = []
-        got = 0
-        while got < item.body_size:
-            try:
-                reply = await self.nc.request(item.reply_to, wire.encode(wire.BodyPart(item.id, got)), timeout=5.0)
-            except (nats.errors.Error, TimeoutError) as exc:
-                raise BodyUnavailable(
-                    f"the request body could not be fetched from the edge: {type(exc).__name__}"
-                ) from exc
-            if not reply.data:
-                raise BodyUnavailable("the edge no longer has this request")
-            parts.append(reply.data)
-            got += len(reply.data)
-        if got != item.body_size:
-            raise BodyUnavailable(f"the request body arrived with {got} of {item.body_size} bytes")
-        return b"".join(parts)
 
     async def publish(self, item: wire.WorkItem, message: Any) -> None:
         """Send one reply message (Started, Chunk, Done, Failure, Replies) to the request's edge."""

@@ -1,0 +1,112 @@
+"""Agent-sized request bodies stay at the edge: the work stream stores a small item, the node fetches the body."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from iop import wire
+from iop.edge.publish import INLINE_BELOW
+from iop.errors import BodyUnavailable
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
+from iop.node.body import fetch_body
+from tests.fakes import fake_upstream
+from tests.harness import deployment, deployment_running, one_provider_yaml
+
+
+def _chat(text: str) -> dict[str, object]:
+    return {"model": "m", "messages": [{"role": "user", "content": text}]}
+
+
+async def test_an_agent_sized_body_reaches_the_upstream_whole_but_never_the_work_stream(
+    nats_server: EmbeddedNats,
+) -> None:
+    small = "s" * (INLINE_BELOW - 4096)
+    large = 'é"\\' * (INLINE_BELOW // 2)  # 1.5 x the bound in bytes, escapes and non-ASCII
+    async with fake_upstream() as up:
+        dep = deployment(one_provider_yaml(up.url).replace("adapter: up,", "adapter: up, model: served,"))
+        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+            published: list[int] = []
+
+            async def seen(msg: Msg) -> None:
+                published.append(len(msg.data))
+
+            watch = await h.edge.nc.subscribe("iop.work.>", cb=seen)  # what the edge puts in the work stream
+            publisher = h.edge.relay.publish
+            for text in (small, large):
+                r = await http.post("/v1/chat/completions", json=_chat(text))
+                assert r.status_code == 200, r.text
+                assert up.bodies[-1]["messages"][0]["content"] == text
+                assert up.bodies[-1]["model"] == "served"  # the node's own model, set in the fetched body
+            r = await http.post("/v1/chat/completions", json={**_chat(large), "stream": True})
+            assert r.status_code == 200 and "[DONE]" in r.text
+            assert up.bodies[-1]["messages"][0]["content"] == large
+            await connection.flush(h.edge.nc)
+            await watch.unsubscribe()
+    assert publisher.bodies_by_reference == 2
+    assert len(published) == 3
+    assert published[0] > len(small)  # below the bound: inline, one message as before
+    assert max(published[1:]) < 4096  # the work items of the large ones: no body in them
+
+
+async def _edge_answering(nats_url: str, body: bytes, part: int, wanted: int) -> tuple[NATS, list[int]]:
+    """A stand-in for the edge's answers to BodyPart: `part` bytes an answer, each only once `wanted`
+    requests have arrived (a node asking one part at a time would never get its first)."""
+    nc = await connection.connect(nats_url, "test-body-edge", wait_s=5)
+    offsets: list[int] = []
+    held: list[tuple[str, int]] = []
+
+    async def on_part(msg: Msg) -> None:
+        ask = wire.decode_reply(msg.data)
+        assert isinstance(ask, wire.BodyPart) and ask.id == "w1"
+        offsets.append(ask.offset)
+        if len(offsets) < wanted:
+            held.append((msg.reply, ask.offset))  # answered once all the first asks are in
+            return
+        for reply, offset in [*held, (msg.reply, ask.offset)]:
+            await nc.publish(reply, body[offset : offset + part])
+        held.clear()
+
+    await nc.subscribe("iop.reply.e.n.w1", cb=on_part, pending_msgs_limit=100)
+    await connection.flush(nc)
+    return nc, offsets
+
+
+def _item(size: int) -> wire.WorkItem:
+    return wire.WorkItem(
+        id="w1", api="chat", stream=False, alias="m", body=b"", reply_to="iop.reply.e.n.w1", deadline=0, body_size=size
+    )
+
+
+async def test_the_node_asks_for_every_part_at_once_and_again_for_what_a_short_answer_left(
+    nats_server: EmbeddedNats,
+) -> None:
+    node = await connection.connect(nats_server.url, "test-body-node", wait_s=5)
+    step = wire.body_part_size(node.max_payload)
+    body = bytes(range(256)) * ((2 * step + step // 2) // 256)
+    ranges = -(-len(body) // step)
+    # The edge's parts are 3/4 of the node's: each full range needs a second ask for its last quarter.
+    edge, offsets = await _edge_answering(nats_server.url, body, step * 3 // 4, wanted=ranges)
+    try:
+        got = await asyncio.wait_for(fetch_body(node, _item(len(body))), 20)
+    finally:
+        await edge.close()
+        await node.close()
+    assert got == body
+    assert sorted(offsets[:ranges]) == [i * step for i in range(ranges)]  # all asked before any answer
+    assert sorted(offsets[ranges:]) == [i * step + step * 3 // 4 for i in range(ranges - 1)]
+
+
+async def test_a_body_the_edge_no_longer_has_is_unavailable(nats_server: EmbeddedNats) -> None:
+    node = await connection.connect(nats_server.url, "test-body-node", wait_s=5)
+    edge, _ = await _edge_answering(nats_server.url, b"", 1, wanted=1)  # answers b"": the request is gone
+    try:
+        with pytest.raises(BodyUnavailable, match="no longer has"):
+            await asyncio.wait_for(fetch_body(node, _item(10)), 20)
+    finally:
+        await edge.close()
+        await node.close()
