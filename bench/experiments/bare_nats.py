@@ -15,12 +15,19 @@ from iop.nats.bundle import nats_server_path
 
 
 @contextmanager
-def bare_nats(prefix: str) -> Iterator[str]:
-    """Start the bundled nats-server on a free loopback port; its URL; stopped (by its handle) after."""
+def bare_nats(prefix: str, max_payload: int | None = None) -> Iterator[str]:
+    """Start the bundled nats-server on a free loopback port; its URL; stopped (by its handle) after.
+
+    `max_payload`: its limit on one message (nats-server's default is 1 MiB), set through a config file."""
     port = free_port()
     store = Path(tempfile.mkdtemp(prefix=prefix))
+    args = ["-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)]
+    if max_payload is not None:
+        conf = store / "server.conf"
+        conf.write_text(f"max_payload: {max_payload}\n")
+        args += ["-c", str(conf)]
     server = subprocess.Popen(
-        [nats_server_path(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
+        [nats_server_path(), *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
