@@ -42,7 +42,11 @@ async def per_dispatch_us(providers: int, dispatches: int) -> float:
 
 
 async def per_admission_us(tenants: int, admissions: int, fair: bool) -> tuple[float, float]:
-    """CPU per admission, whole (the asyncio tasks included) and of the release that grants alone."""
+    """CPU per admission, whole (the asyncio tasks included), and of the release that grants alone.
+
+    Two passes over the same saturated pool: the first reads the CPU clock only around the whole
+    loop, the second around each release too. A `process_time` pair per admission cost 4.6 µs of
+    the whole figure on a VM, where reading a process's CPU clock is a system call, not the vDSO's."""
     sched = Scheduler(max_waiting=10 * tenants + 100, fair=fair)
     sched.add_provider("p", "node", 4)
     sched.set_connected("p", True)
@@ -63,8 +67,15 @@ async def per_admission_us(tenants: int, admissions: int, fair: bool) -> tuple[f
         ask(f"t{i % tenants}")
     await asyncio.sleep(0)  # every task queues in its first step
     assert sched.waiting("pool") == 2 * tenants
-    granting = 0.0
     t0 = time.process_time()
+    for k in range(admissions):
+        g = held.popleft()
+        sched.release(g.slot, g)
+        ask(f"t{k % tenants}")
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+    us = (time.process_time() - t0) / admissions * 1e6
+    granting = 0.0
     for k in range(admissions):
         g = held.popleft()
         r0 = time.process_time()
@@ -73,7 +84,6 @@ async def per_admission_us(tenants: int, admissions: int, fair: bool) -> tuple[f
         ask(f"t{k % tenants}")
         await asyncio.sleep(0)
         await asyncio.sleep(0)
-    us = (time.process_time() - t0) / admissions * 1e6
     for t in list(tasks):
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
