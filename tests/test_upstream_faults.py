@@ -8,12 +8,15 @@ shows that what is detected before the first byte fails over.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import httpx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -237,6 +240,30 @@ async def test_upstream_ids_are_uuids_a_strict_upstream_accepts(nats_server: Emb
     # Derived from the request id, the same each time, so the upstream's log joins iop's; a UUID stays.
     assert seen[0] == upstream_request_id("ticket-4711") == upstream_request_id("ticket-4711")
     assert seen[2] == given and len(set(seen)) == 3
+
+
+def _uuid_of(request_id: str) -> str:
+    """The reference: uuid's own reading of the id, else the UUID of its SHA-256 (version 4)."""
+    try:
+        return str(uuid.UUID(request_id))
+    except ValueError:
+        return str(uuid.UUID(bytes=hashlib.sha256(request_id.encode()).digest()[:16], version=4))
+
+
+_UUIDISH = st.sampled_from([*"0123456789abcdefABCDEF-{}", "urn:", "uuid:", "g", "é"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.one_of(
+        st.text(max_size=40),
+        st.lists(_UUIDISH, min_size=30, max_size=40).map("".join),
+        st.uuids().map(str),
+        st.uuids().map(lambda u: "urn:uuid:{" + u.hex.upper() + "}"),
+    )
+)
+def test_the_upstream_request_id_is_uuids_own_reading_or_the_uuid_of_the_ids_hash(request_id: str) -> None:
+    assert upstream_request_id(request_id) == _uuid_of(request_id)
 
 
 async def test_an_upstream_error_with_an_empty_body_names_its_status_and_says_it_was_empty(
