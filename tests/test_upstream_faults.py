@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 
 import httpx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.applications import Starlette
@@ -22,8 +24,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from iop import config, wire
+from iop.errors import UpstreamError
 from iop.nats.server import EmbeddedNats
-from iop.node.adapters.openai import upstream_request_id
+from iop.node.adapters.openai import OpenAIAdapter, upstream_request_id
 from tests.fakes import fake_upstream, serve_asgi
 from tests.harness import deployment, deployment_running, sse_events
 
@@ -285,3 +289,40 @@ async def test_an_upstream_error_with_an_empty_body_names_its_status_and_says_it
         assert r.status_code == client_status, r.text
         message = r.json()["error"]["message"]
         assert f"answered {status} with an empty body" in message, message
+
+
+async def test_timeout_s_is_the_adapters_own_cancel_and_no_one_elses() -> None:
+    # The bound is a timer that cancels the request's task: at timeout_s it is upstream_timeout,
+    # a cancel from elsewhere (the edge's Cancel) stays a cancel, and the task's count of pending
+    # cancels is even again after either (as asyncio.timeout leaves it).
+    chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()
+    item = wire.WorkItem(id="r1", api="chat", stream=False, alias="m", body=chat, reply_to="", deadline=0)
+
+    async def sent(data: bytes, headers: Mapping[str, str] | None = None) -> None:
+        raise AssertionError("the upstream never answers here")
+
+    gate = asyncio.Event()
+    async with fake_upstream(gate=gate) as up:
+        for n, timeout_s in enumerate((0.2, 30.0), 1):
+            adapter = OpenAIAdapter(config.OpenAIAdapter(id="up", base_url=up.url, api="chat", timeout_s=timeout_s))
+            counts: list[int] = []
+
+            async def run(adapter: OpenAIAdapter = adapter, counts: list[int] = counts) -> None:
+                try:
+                    await adapter.run(item, None, sent)
+                finally:
+                    counts.append(asyncio.current_task().cancelling())  # type: ignore[union-attr]
+
+            task = asyncio.create_task(run())
+            await up.wait_for(lambda u, n=n: u.total == n)  # the request is upstream, held there
+            if timeout_s < 1:
+                with pytest.raises(UpstreamError) as err:
+                    await asyncio.wait_for(task, 5)
+                assert err.value.code == "upstream_timeout" and counts == [0]
+            else:
+                task.cancel()  # the edge's Cancel, long before timeout_s
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert counts == [1]
+            await adapter.close()
+        gate.set()

@@ -1,11 +1,13 @@
-"""What waiting for a publish's ack with a timeout costs, three ways, on the event loop the edge runs.
+"""What a bounded wait costs on the event loop edge and node run, the ways iop has bounded one.
 
     python -m bench.experiments.ack_wait [--waits 50000]
 
-Each wait is for a future resolved one loop turn later (as an ack that comes in time): awaited
-bare; under `asyncio.timeout` around `asyncio.shield` (what iop/edge/publish.py did); and as
-`_publish_work` does now, a future of its own that the ack's done-callback or a `call_later`
-timer ends. Prints CPU µs per wait, each way twice, alternating.
+Each wait is for a future resolved one loop turn later (as an ack, or an upstream's answer, that
+comes in time): awaited bare; under `asyncio.timeout` around `asyncio.shield` (what
+iop/edge/publish.py did for a publish's ack); as `_publish_work` does now, a future of its own that
+the ack's done-callback or a `call_later` timer ends; under `asyncio.timeout` alone (what the
+node's OpenAI adapter did for `timeout_s`); and as it does now, one timer that cancels the task.
+Prints CPU µs per wait, each way twice, alternating.
 """
 
 from __future__ import annotations
@@ -53,9 +55,35 @@ async def timer_waiter(loop: asyncio.AbstractEventLoop) -> object:
     return acked.result()
 
 
+async def timeout_alone(loop: asyncio.AbstractEventLoop) -> object:
+    async with asyncio.timeout(600):
+        return await bare(loop)
+
+
+async def timer_cancel(loop: asyncio.AbstractEventLoop) -> object:
+    task = asyncio.current_task()
+    assert task is not None
+    fired = False
+
+    def fire() -> None:
+        nonlocal fired
+        fired = True
+        task.cancel()
+
+    timer = loop.call_later(600, fire)
+    try:
+        return await bare(loop)
+    except asyncio.CancelledError:
+        if fired and task.uncancel() == 0:
+            raise TimeoutError from None
+        raise
+    finally:
+        timer.cancel()
+
+
 async def main(waits: int) -> None:
     loop = asyncio.get_running_loop()
-    ways: list[Wait] = [bare, timeout_shield, timer_waiter]
+    ways: list[Wait] = [bare, timeout_shield, timer_waiter, timeout_alone, timer_cancel]
     for _ in range(2):
         for way in ways:
             for _ in range(2000):
