@@ -237,3 +237,44 @@ async def test_fetch_loop_ends_when_the_connection_closes(nats_server: EmbeddedN
     await spy.wait()
     await conn.close()
     await asyncio.wait_for(task, fetch.FETCH_TIMEOUT_S * 3)
+
+
+async def test_a_begun_pull_is_the_one_next_waits_for(nc: NATS) -> None:
+    # A run sends its slot's next pull between its ack and its Done (`begin`); the fetch loop's
+    # `next()` then waits on that pull, never sends a second one for the same message.
+    js = nc.jetstream()
+    spy = await PullSpy().start(nc)
+    slot = slot_of(nc)
+    await slot.open()
+    await slot.begin()
+    await spy.wait()
+    await slot.begin()  # one is out already: nothing more is sent
+    assert slot.waiting and slot.pulls == 1
+    await js.publish(wire.work_subject(PROVIDER), b"work")
+    msg = await asyncio.wait_for(slot.next(), 5)
+    assert isinstance(msg, Msg) and msg.data == b"work" and slot.pulls == 1 and not slot.waiting
+    await msg.ack_sync()
+    await slot.close()
+    assert spy.count == 1
+
+
+async def test_a_slot_that_stops_serving_with_a_pull_out_hands_its_message_back(nc: NATS) -> None:
+    # A run's early pull went out just before its slot stopped serving (retired, capacity lowered,
+    # stopping): the message it brings goes back to the broker at once (nak), for a slot that
+    # serves, not after the ack wait.
+    js = nc.jetstream()
+    _, r, _ = await _loop(nc, 1, 0)
+    r.retired = True  # the loop itself ends at once: what is tested is its last step
+    slot = slot_of(nc)
+    await slot.open()
+    await slot.begin()
+    await js.publish(wire.work_subject(PROVIDER), b"work")
+    await asyncio.wait_for(fetch._hand_back(r, slot, 0), 5)
+    assert not slot.waiting
+    await slot.close()
+    other = slot_of(nc)
+    await other.open()
+    again = await asyncio.wait_for(other.next(), 5)
+    assert isinstance(again, Msg) and again.data == b"work" and again.metadata.num_delivered == 2
+    await again.ack_sync()
+    await other.close()

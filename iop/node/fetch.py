@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats.errors
@@ -50,12 +51,34 @@ async def fetch_loop(running: RunningRequests, r: Resource, index: int) -> None:
         return
     try:
         await _fetch_until_done(running, r, slot, index)
+        await _hand_back(r, slot, index)
     finally:
         await slot.close()
 
 
+async def _hand_back(r: Resource, slot: pull.SlotPull, index: int) -> None:
+    """A run sent the slot's next pull just before the slot stopped serving (retired, capacity
+    lowered, stopping): whatever that pull brings goes back to the broker at once."""
+    if not slot.waiting:
+        return
+    try:
+        msg = await slot.next()
+        if msg is not None:
+            await msg.nak()
+    except (nats.errors.Error, OSError) as exc:
+        log.debug("provider %s: slot %d's last pull: %s", r.cfg.id, index, exc)
+
+
 async def _fetch_until_done(running: RunningRequests, r: Resource, slot: pull.SlotPull, index: int) -> None:
-    while not running.stopping and not r.retired and index < (r.cfg.capacity or 0):
+    def serving() -> bool:
+        return not running.stopping and not r.retired and index < (r.cfg.capacity or 0)
+
+    async def ahead() -> None:
+        """The slot's next pull, sent by the run that frees it (see `RunningRequests._run`)."""
+        if serving() and running.lease.fresh():
+            await slot.begin()
+
+    while serving():
         if not running.lease.fresh():
             # Maybe frozen or cut off long enough for the edge to let another instance in: pull
             # nothing until an edge confirms us, and end once one says the id is taken.
@@ -73,10 +96,10 @@ async def _fetch_until_done(running: RunningRequests, r: Resource, slot: pull.Sl
             await asyncio.sleep(pull.PAUSE_S)
             continue
         if msg is not None:
-            await _take(running, r, msg)
+            await _take(running, r, msg, ahead)
 
 
-async def _take(running: RunningRequests, r: Resource, msg: Msg) -> None:
+async def _take(running: RunningRequests, r: Resource, msg: Msg, ahead: Callable[[], Awaitable[None]]) -> None:
     try:
         item = wire.decode_work(msg.data)
     except msgspec.DecodeError:
@@ -128,7 +151,7 @@ async def _take(running: RunningRequests, r: Resource, msg: Msg) -> None:
             late = Unavailable("waited past its deadline", code="queue_timeout")
             await running.publish(item, failure_of(late, item.id, 0))
             return
-        run = running.start(r, item, msg, cold_start_ms=cold_ms, trace=msg.headers)
+        run = running.start(r, item, msg, cold_start_ms=cold_ms, trace=msg.headers, ahead=ahead)
         assert run.freed is not None
         # Until the upstream has answered and the work is acked, not until the Done is out: the
         # next pull then reaches the broker before the edge's next publish does, and the broker's

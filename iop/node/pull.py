@@ -63,6 +63,11 @@ class SlotPull:
         return self._inbox
 
     @property
+    def waiting(self) -> bool:
+        """A pull is out (a run's `begin`, or a `next()` that was given up) and not yet over."""
+        return self._waiter is not None
+
+    @property
     def pulls(self) -> int:
         """How many pull requests this slot has sent."""
         return self._pulls
@@ -87,8 +92,28 @@ class SlotPull:
         `PAUSE_S`. Raises `ConnectionClosedError` once the connection is closed, and what
         `publish` raises.
         """
-        if self._kept:
+        if self._kept and self._waiter is None:
             return self._kept.popleft()
+        if self._waiter is None:
+            await self._begin()
+        waiter = self._waiter
+        assert waiter is not None
+        try:
+            return await waiter
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._waiter, self._current, self._timer = None, "", None
+
+    async def begin(self) -> None:
+        """Send the next pull now, for the coming `next()` (none while one is out or a message is kept).
+
+        A run sends its slot's next pull this way between its ack and its Done, in the same loop
+        turn: the broker sees ack, pull, Done in that order, in one write."""
+        if self._waiter is None and not self._kept and self._nc.is_connected:
+            await self._begin()
+
+    async def _begin(self) -> None:
         if self._nc.is_closed:
             raise nats.errors.ConnectionClosedError
         loop = asyncio.get_running_loop()
@@ -96,24 +121,19 @@ class SlotPull:
         if not self._nc.is_connected:
             # Reconnecting: a pull now would wait in nats-py's buffer and, with its successors, reach
             # the server at once on reconnect, each free to take a message for this one slot.
+            self._waiter = waiter
             self._timer = loop.call_later(PAUSE_S, _end, waiter)
-        else:
-            self._pulls += 1
-            self._current = self._replies[self._pulls & 1]
-            self._waiter = waiter  # before the publish: its answer may come in the same loop turn
-            try:
-                await self._nc.publish(self._next_subject, self._request, reply=self._current)
-            except BaseException:
-                self._waiter, self._current = None, ""
-                raise
-            self._started = loop.time()
-            self._timer = loop.call_later(self._wait_s, _end, waiter)
+            return
+        self._pulls += 1
+        self._current = self._replies[self._pulls & 1]
+        self._waiter = waiter  # before the publish: its answer may come in the same loop turn
         try:
-            return await waiter
-        finally:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._waiter, self._current, self._timer = None, "", None
+            await self._nc.publish(self._next_subject, self._request, reply=self._current)
+        except BaseException:
+            self._waiter, self._current = None, ""
+            raise
+        self._started = loop.time()
+        self._timer = loop.call_later(self._wait_s, _end, waiter)
 
     async def _on_msg(self, msg: Msg) -> None:
         status = msg.headers.get(Header.STATUS) if msg.headers else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,8 @@ class Running:
     """Pool work: resolved once the run no longer holds its slot, its work acked (the upstream's
     answer read whole) or the run over. The slot's fetch loop pulls the next item then, not after the Done."""
     holds_slot: bool = False
+    ahead: Callable[[], Awaitable[None]] | None = None
+    """Pool work: sends its slot's next pull (iop/node/fetch.py), called between the ack and the Done."""
 
 
 class RunningRequests:
@@ -93,9 +95,11 @@ class RunningRequests:
         msg: Msg | None,
         cold_start_ms: float = 0.0,
         trace: Mapping[str, str] | None = None,
+        ahead: Callable[[], Awaitable[None]] | None = None,
     ) -> Running:
         # Registered before the task runs, so a Credit or Cancel arriving at once finds it.
         run = Running(item, msg, FlowWindow(self.changed), time.monotonic(), cold_start_ms=cold_start_ms, trace=trace)
+        run.ahead = ahead
         self.by_id[item.id] = run
         if msg is not None:  # pool work: its slot's fetch loop waits for the slot
             run.freed = asyncio.get_running_loop().create_future()
@@ -186,11 +190,12 @@ class RunningRequests:
             run.answered = True
             if run.msg is not None:
                 await run.msg.ack()  # before Done: the slot is free by the time the edge hears of it
-            if _free(r, run, edge):
-                # One loop turn for the slot's fetch loop (woken by `freed`): its next pull goes
-                # out after the ack and before the Done, so it waits in the broker by the time the
-                # edge, told by the Done, publishes the next request.
-                await asyncio.sleep(0)
+            if _free(r, run, edge) and run.ahead is not None:
+                # The slot's next pull goes out after the ack and before the Done, so it waits in
+                # the broker by the time the edge, told by the Done, publishes the next request;
+                # sent from here, the three leave in one write with no loop turn between (a turn
+                # held the Done 0.2-0.35 ms at c=1). The fetch loop, woken by `freed`, waits on it.
+                await _quietly(run.ahead())
             done = wire.Done(
                 item.id,
                 window.sent_chunks,
