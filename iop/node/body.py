@@ -27,10 +27,11 @@ async def fetch_body(nc: NATS, item: wire.WorkItem) -> bytes:
     step = wire.body_part_size(nc.max_payload)
     ranges = [(start, min(start + step, item.body_size)) for start in range(0, item.body_size, step)]
     got = await asyncio.gather(*(_body_range(nc, item, start, end) for start, end in ranges), return_exceptions=True)
+    parts: list[bytes] = []
     for result in got:
         if isinstance(result, BaseException):
             raise result
-    parts: list[bytes] = got  # type: ignore[assignment]  # no exception among them (checked above)
+        parts.append(result)
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
