@@ -24,7 +24,7 @@
         ├── HeadersTooLarge      431
         ├── Unavailable          503 (queue wait timed out, no provider connected, NATS failed)
         │   ├── Cancelled        503 retryable: the node stopped the work (cancelled, node stopping)
-        │   ├── BodyUnavailable  503 retryable: the node could not fetch a large request body
+        │   ├── BodyUnavailable  503 retryable: the node could not fetch a body that stayed at the edge
         │   └── ServerNotReady   503 retryable: the provider's model server did not start (iop/node/servers.py)
         └── UpstreamError        502 retryable: the provider or its node failed
             ├── NodeLost         502 retryable: the node stopped answering while it ran the request
@@ -240,7 +240,7 @@ class Cancelled(Unavailable):
 
 
 class BodyUnavailable(Unavailable):
-    """The node could not fetch a request body too large to travel inline from the edge."""
+    """The node could not fetch a request body that stayed at the edge (agent-sized, or over one message)."""
 
     code = "body_unavailable"
     retryable = True
