@@ -16,6 +16,7 @@ from iop.nats.server import EmbeddedNats
 from iop.node.body import fetch_body
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, one_provider_yaml
+from tests.test_security import TWO_NODES, rogue
 
 
 def _chat(text: str) -> dict[str, object]:
@@ -110,3 +111,26 @@ async def test_a_body_the_edge_no_longer_has_is_unavailable(nats_server: Embedde
     finally:
         await edge.close()
         await node.close()
+
+
+async def test_another_node_cannot_read_a_body_that_stayed_at_the_edge(nats_server: EmbeddedNats) -> None:
+    # Every agent-sized body now waits at the edge for its node to ask. Node a, with its own
+    # credential, asks for a body sent to node b: under b's id the server refuses the publish
+    # (test_security), under its own id the edge answers nothing and counts a forged reply.
+    large = "b's prompt " * (INLINE_BELOW // 8)
+    gate = asyncio.Event()
+    async with fake_upstream(gate=gate) as up:
+        dep = deployment(TWO_NODES.replace("UPSTREAM", up.url))
+        await nats_server.authorize(dep.nodes)
+        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+            held = asyncio.create_task(http.post("/v1/chat/completions", json={**_chat(large), "model": "b-pool"}))
+            await up.wait_for(lambda u: u.in_flight == 1)  # node b fetched it, and the upstream holds it
+            assert up.bodies[-1]["messages"][0]["content"] == large
+            [ch] = [c for c in h.edge.relay.channels.values() if c.body]  # the one body kept for its node
+            assert ch.node == "b"
+            async with rogue(nats_server, "a") as a:
+                ask = wire.encode(wire.BodyPart(ch.id, 0))
+                answer = await a.nc.request(wire.reply_subject(h.edge.edge_id, "a", ch.id), ask, timeout=5)
+                assert answer.data == b"" and h.edge.relay.forged == 1
+            gate.set()
+            assert (await held).status_code == 200
