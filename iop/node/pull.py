@@ -64,7 +64,7 @@ class SlotPull:
 
     @property
     def waiting(self) -> bool:
-        """A pull is out (a run's `begin`, or a `next()` that was given up) and not yet over."""
+        """A wait for the next message is set up and not yet over: a run's `begin`, or a reconnect's pause."""
         return self._waiter is not None
 
     @property
