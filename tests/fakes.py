@@ -37,6 +37,8 @@ class FakeUpstream:
     total: int = 0
     by_path: dict[str, int] = field(default_factory=dict)
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    raw_bodies: list[bytes] = field(default_factory=list)
+    """The bytes of each model request's body (chat, Responses and the others), as they arrived."""
     request_ids: list[str | None] = field(default_factory=list)
     """The `x-request-id` header of each request, as the node sent it."""
     traceparents: list[str | None] = field(default_factory=list)
@@ -83,7 +85,9 @@ class FakeUpstream:
             served = self.serves() | ({"compact"} if "responses" in self.serves() else set())
             if kind not in served:
                 return JSONResponse({"error": {"message": "not found", "type": "not_found"}}, 404)
-            body = json.loads(await request.body())
+            raw = await request.body()
+            self.raw_bodies.append(raw)
+            body = json.loads(raw)
             self.request_ids.append(request.headers.get("x-request-id"))
             self.traceparents.append(request.headers.get("traceparent"))
             await self._enter(path, body)

@@ -14,7 +14,8 @@ from iop.nats.server import EmbeddedNats
 from iop.openai.compaction import COMPACTION_PROMPT, SUMMARY_PREFIX, Sealer
 from iop.responses.store import ANONYMOUS
 from tests.codex_upstream import Call, ScriptedChat, Turn, scripted_chat
-from tests.harness import EdgeHandle, deployment, deployment_running, responses_events
+from tests.fakes import fake_upstream
+from tests.harness import EdgeHandle, deployment, deployment_running, one_provider_yaml, responses_events
 
 POOL = """
 models: [{{alias: m, pool: [p]}}]
@@ -198,3 +199,28 @@ async def test_compact_endpoint_with_previous_response_id_summarises_the_stored_
         {"role": "user", "content": "list the files"},
         {"role": "assistant", "content": "Two files."},
     ]
+
+
+async def test_a_body_that_only_mentions_generate_or_compaction_reaches_the_upstream_byte_for_byte(
+    nats_server: EmbeddedNats,
+) -> None:
+    # Neither a warm-up nor compaction, though its text names both and `generate` is there (true):
+    # the front reads its head and passes it on as the client's bytes (spacing and escapes too).
+    text = 'the compaction of caf\\u00e9 \\/ {\\"generate\\": false, \\"type\\": \\"compaction\\"}'
+    item = '{"type": "message", "role": "user", "content": "' + text + '"}'
+    body = ('{"model": "m",  "input": [' + item + '], "generate": true, "store": false}').encode()
+    json_type = {"content-type": "application/json"}
+    async with (
+        fake_upstream() as up,
+        deployment_running(deployment(one_provider_yaml(up.url)), nats_server.url) as h,
+        h.http() as http,
+    ):
+        r = await http.post("/v1/responses", content=body, headers=json_type)
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "completed"
+        assert up.raw_bodies == [body]
+        # A warm-up in the same shape is still the front's: answered here, the upstream not asked.
+        warm = body.replace(b'"generate": true', b'"generate": false')
+        r = await http.post("/v1/responses", content=warm, headers=json_type)
+        assert r.status_code == 200 and r.json()["output"] == []
+        assert up.raw_bodies == [body]

@@ -32,7 +32,7 @@ from iop.edge.asgi import (
 from iop.edge.bodies import ReceivingBodies
 from iop.edge.channel import Channel
 from iop.edge.dispatch import Attempt, DirectDispatch, PoolDispatch
-from iop.edge.heads import Head, check_mixed_pool, parse_head
+from iop.edge.heads import Head, check_mixed_pool, known_head, parse_head
 from iop.edge.http import WATCH, ClientWatch
 from iop.edge.keys import EdgeKeys
 from iop.edge.limits import Admission, Limiter
@@ -130,7 +130,7 @@ class ApiEndpoint:
             check_content_type(scope)
             body = await read_body(scope, receive, self.edge.max_body_bytes, self.edge.bodies)
             trace.bytes_in = len(body)
-            head = parse_head(self.api, body)
+            head = parse_head(self.api, body, known_head(scope, body))
             trace.stream = head.stream
             if admitting:
                 spans.admitted(trace, head.model, body)

@@ -8,7 +8,8 @@ a client's wrongly typed field is a 400 naming it here, never a crash on a node)
 from __future__ import annotations
 
 import codecs
-from typing import NamedTuple
+from collections.abc import Callable, MutableMapping
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
@@ -67,12 +68,22 @@ class ResponsesHead(msgspec.Struct):
     store: bool | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = None
+    generate: Any = None
+    """Codex's warm-up sends `false` (iop/edge/responses_front.py answers it); never checked here."""
 
     def stateful(self) -> bool:
         """The request names or makes state the edge holds (iop/responses): it is expanded first."""
         if self.store is not False or self.previous_response_id is not None:
             return True
         return not isinstance(self.input, str) and any(i.type == "item_reference" for i in self.input)
+
+    def for_front(self) -> bool:
+        """A warm-up, or compaction in the input: iop/edge/responses_front.py answers or opens it."""
+        if self.generate is False:
+            return True
+        if isinstance(self.input, str) or not self.input:
+            return False
+        return self.input[-1].type == "compaction_trigger" or any(i.type == "compaction" for i in self.input)
 
 
 class CompactHead(msgspec.Struct):
@@ -93,6 +104,7 @@ _chat_head = msgspec.json.Decoder(ChatHead).decode
 _responses_head = msgspec.json.Decoder(ResponsesHead).decode
 _decode_json = msgspec.json.Decoder().decode
 _utf8_decoder = codecs.getincrementaldecoder("utf-8")
+_T = TypeVar("_T")
 
 
 class Head(NamedTuple):
@@ -108,28 +120,54 @@ class Head(NamedTuple):
     """The most output tokens the request allows (the router's size of its answer)."""
 
 
-def parse_head(api: wire.Api, body: bytes) -> Head:
-    """The model, stream flag and session key, after checking the body is a request of this API at all."""
+KNOWN = "iop.responses_head"
+"""Scope key of the head iop/edge/responses_front.py read of a body it passed on: (body, head)."""
+
+
+def known_head(scope: MutableMapping[str, Any], body: bytes) -> ResponsesHead | None:
+    """The head read of this very body before (`KNOWN`), taken out of the scope."""
+    known = scope.pop(KNOWN, None)
+    return known[1] if known is not None and known[0] is body else None
+
+
+def responses_head(body: bytes) -> ResponsesHead:
+    """A Responses body's head, checked as `parse_head` checks it."""
+    return _checked(_responses_head, body)
+
+
+def parse_head(api: wire.Api, body: bytes, known: ResponsesHead | None = None) -> Head:
+    """The model, stream flag and session key, after checking the body is a request of this API at all.
+
+    `known`: this body's ResponsesHead, read already (`known_head`)."""
+    if api == "responses":
+        resp = known if known is not None else responses_head(body)
+        return Head(
+            resp.model, resp.stream, resp.prompt_cache_key, None, resp.stateful(), max_tokens=resp.max_output_tokens
+        )
+    return _checked(lambda b: _head(api, b), body)
+
+
+def _head(api: wire.Api, body: bytes) -> Head:
+    if api == "chat":
+        chat = _chat_head(body)
+        if not chat.messages:
+            raise BadRequest("'messages' must not be empty", param="messages")
+        limit = chat.max_completion_tokens or chat.max_tokens
+        return Head(chat.model, chat.stream, chat.prompt_cache_key, chat.user, max_tokens=limit)
+    if api == "compact":
+        compact = _compact_head(body)
+        return Head(compact.model, False, None, None, compact.stateful())
+    model, stream, user = other_head(api, body)
+    return Head(model, stream, None, user)
+
+
+def _checked(decode: Callable[[bytes], _T], body: bytes) -> _T:
+    """`decode(body)`, its errors the 400s naming the field; the body checked to be UTF-8 all through."""
     if not body.isascii():
         # The edge skips most of the body; make sure what it forwards is UTF-8 all through.
         check_utf8(body)
     try:
-        if api == "chat":
-            chat = _chat_head(body)
-            if not chat.messages:
-                raise BadRequest("'messages' must not be empty", param="messages")
-            limit = chat.max_completion_tokens or chat.max_tokens
-            return Head(chat.model, chat.stream, chat.prompt_cache_key, chat.user, max_tokens=limit)
-        if api == "responses":
-            resp = _responses_head(body)
-            return Head(
-                resp.model, resp.stream, resp.prompt_cache_key, None, resp.stateful(), max_tokens=resp.max_output_tokens
-            )
-        if api == "compact":
-            compact = _compact_head(body)
-            return Head(compact.model, False, None, None, compact.stateful())
-        model, stream, user = other_head(api, body)
-        return Head(model, stream, None, user)
+        return decode(body)
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid request body: {_path_message(exc)}", param=_param(exc)) from None
     except msgspec.DecodeError as exc:

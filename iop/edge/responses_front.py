@@ -1,9 +1,8 @@
 """What the edge answers itself on `/v1/responses`: warm-ups, compaction, and compaction items in input.
 
-Everything else passes through to the endpoint untouched (a body that names neither `generate`
-nor `compaction` is not even parsed). A request this module cannot read, or that the endpoint
-would refuse (no key, wrong content type, unknown model), also passes through, so it is refused
-in one place and the same way as any other.
+Everything else passes through to the endpoint untouched, with the head read here (heads.KNOWN).
+A request this module cannot read, or that the endpoint would refuse (no key, wrong content type,
+unknown model), also passes through, so it is refused in one place and the same way as any other.
 
 - `generate: false` (Codex's warm-up at the start of a session): a completed response with no
   output, at once, with no upstream call and no slot; stored like any response (its input is
@@ -26,6 +25,7 @@ import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iop import config, endpoints
+from iop.edge import heads
 from iop.edge.asgi import check_content_type
 from iop.edge.bodies import ReceivingBodies
 from iop.errors import (
@@ -134,8 +134,16 @@ class ResponsesFront:
             await send_error(send, error_response(exc))
 
     def _owned(self, scope: Scope, body: bytes) -> dict[str, Any] | None:
-        """The request, when it is one for this module; None sends it to the endpoint as it came."""
-        if b'"generate"' not in body and b"compaction" not in body:
+        """The request, when it is one for this module; None sends it to the endpoint as it came.
+
+        The body's head is read once, here: one it passes on goes with it for the endpoint
+        (heads.KNOWN). Two substring searches of the body cost twice that read (0.7 ms at 800 KB)."""
+        try:
+            head = heads.responses_head(body)
+        except RequestError:
+            return None  # refused by the endpoint, the way it refuses any other
+        if not head.for_front():
+            scope[heads.KNOWN] = (body, head)
             return None
         try:
             request = _decode(body)
