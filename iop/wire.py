@@ -60,18 +60,12 @@ def cli_subject(node: str, resource: str) -> str:
     return f"iop.cli.{node}.{resource}"
 
 
-def heartbeat_subject(node: str) -> str:
+def heartbeat_subject(node: str = "*") -> str:
     return f"iop.node.{node}.hb"
 
 
-HEARTBEAT_WILDCARD = "iop.node.*.hb"
-
-
-def hello_subject(node: str) -> str:
+def hello_subject(node: str = "*") -> str:
     return f"iop.node.{node}.hello"
-
-
-HELLO_WILDCARD = "iop.node.*.hello"
 
 
 def verdict_subject(node: str, instance: str) -> str:
@@ -107,6 +101,11 @@ def control_subject(node: str) -> str:
     """Where an edge passes an administrator's action on one of the node's providers (`Control`, core
     request-reply, answered with a `ControlReply`); only edges may publish there."""
     return f"iop.node.{node}.control"
+
+
+def body_subject(node: str, request: str = "*", offset: int | str = "*") -> str:
+    """A part of a body sent ahead to `node` (iop/node/body.py; edges only); no arguments: all."""
+    return f"iop.node.{node}.body.{request}.{offset}"
 
 
 def resend_subject(node: str) -> str:
@@ -161,8 +160,7 @@ class WorkItem(msgspec.Struct, kw_only=True, array_like=True):
     """Unix time after which the item must not start (it has waited past the queue timeout)."""
     edge: str = ""
     body_size: int = 0
-    """Non-zero: the body was too large for one NATS message; `body` is empty and the node fetches
-    `body_size` bytes from the edge with `BodyPart` requests on `reply_to`."""
+    """Non-zero: the body stays at the edge, `body` is empty (iop/node/body.py: sent ahead, or fetched)."""
     request_id: str = ""
     """The client's `x-request-id` (or the edge's own): the node logs it and sends it upstream."""
 

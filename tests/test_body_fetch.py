@@ -13,9 +13,9 @@ from iop.edge.publish import INLINE_BELOW
 from iop.errors import BodyUnavailable
 from iop.nats import connection
 from iop.nats.server import EmbeddedNats
-from iop.node.body import fetch_body
+from iop.node.body import SENT_KEEP_S, SENT_MAX_BYTES, SentBodies, fetch_body
 from tests.fakes import fake_upstream
-from tests.harness import deployment, deployment_running, one_provider_yaml
+from tests.harness import deployment, deployment_running, eventually, one_provider_yaml
 from tests.test_security import TWO_NODES, rogue
 
 
@@ -49,6 +49,8 @@ async def test_an_agent_sized_body_reaches_the_upstream_whole_but_never_the_work
             await connection.flush(h.edge.nc)
             await watch.unsubscribe()
     assert publisher.bodies_by_reference == 2
+    # Sent to the node ahead of their work items, they were there when it took them: no part asked for.
+    assert publisher.bodies_sent == 2 and publisher.parts_asked == 0
     assert len(published) == 3
     assert published[0] > len(small)  # below the bound: inline, one message as before
     assert max(published[1:]) < 4096  # the work items of the large ones: no body in them
@@ -134,3 +136,79 @@ async def test_another_node_cannot_read_a_body_that_stayed_at_the_edge(nats_serv
                 assert answer.data == b"" and h.edge.relay.forged == 1
             gate.set()
             assert (await held).status_code == 200
+
+
+async def _sent_bodies(
+    nats_url: str, max_bytes: int = SENT_MAX_BYTES, keep_s: float = SENT_KEEP_S
+) -> tuple[NATS, NATS, SentBodies]:
+    """A node's store of bodies sent ahead, subscribed as the node subscribes, and an edge's connection."""
+    node = await connection.connect(nats_url, "test-sent-node", wait_s=5)
+    edge = await connection.connect(nats_url, "test-sent-edge", wait_s=5)
+    sent = SentBodies(max_bytes, keep_s)
+    await node.subscribe(wire.body_subject("n"), cb=sent.on_part)
+    await connection.flush(node)
+    return node, edge, sent
+
+
+async def test_parts_sent_ahead_make_the_body_and_only_the_missing_one_is_fetched(nats_server: EmbeddedNats) -> None:
+    node, edge, sent = await _sent_bodies(nats_server.url)
+    step = wire.body_part_size(node.max_payload)
+    body = bytes(range(256)) * ((2 * step + step // 2) // 256)
+    answers, offsets = await _edge_answering(nats_server.url, body, step, wanted=1)
+    try:
+        # The first and last parts arrive; the middle one was lost on the way.
+        for offset in (0, 2 * step):
+            await edge.publish(wire.body_subject("n", "w1", offset), body[offset : offset + step])
+        await connection.flush(edge)
+        await until_held(sent, len(body) - step)
+        got = await asyncio.wait_for(fetch_body(node, _item(len(body)), sent), 20)
+        assert got == body
+        assert offsets == [step]  # asked for the missing part alone, after waiting for it a while
+        assert (sent.whole, sent.fetched, sent.held) == (0, 1, 0)
+        # A body here whole is taken without a word to the edge.
+        await edge.publish(wire.body_subject("n", "w1", 0), body[:step])
+        await connection.flush(edge)
+        await until_held(sent, step)
+        assert await fetch_body(node, _item(step), sent) == body[:step]
+        assert (sent.whole, offsets) == (1, [step])
+    finally:
+        for nc in (answers, edge, node):
+            await nc.close()
+
+
+async def test_parts_sent_ahead_are_bounded_in_bytes_and_expire_unclaimed(nats_server: EmbeddedNats) -> None:
+    node, edge, sent = await _sent_bodies(nats_server.url, max_bytes=1000, keep_s=1.0)
+    try:
+        await edge.publish(wire.body_subject("n", "a", 0), b"x" * 600)
+        await edge.publish(wire.body_subject("n", "b", 0), b"y" * 600)  # over the bound: dropped
+        await edge.publish(wire.body_subject("n", "c", "z"), b"z")  # not an offset: dropped
+        await connection.flush(edge)
+        await until_held(sent, 600, dropped=2)
+        # Never claimed by a work item, what is held goes after `keep_s`.
+        await until_held(sent, 0, dropped=3)
+        have, missing = await sent.take("a", 600)
+        assert (have, missing) == ({}, [(0, 600)])
+    finally:
+        await edge.close()
+        await node.close()
+
+
+async def test_parts_that_do_not_tile_the_stated_body_are_not_used(nats_server: EmbeddedNats) -> None:
+    node, edge, sent = await _sent_bodies(nats_server.url)
+    try:
+        await edge.publish(wire.body_subject("n", "w1", 0), b"a" * 10)
+        await edge.publish(wire.body_subject("n", "w1", 5), b"b" * 10)  # overlaps the first
+        await connection.flush(edge)
+        await until_held(sent, 20)
+        assert await sent.take("w1", 15) == ({}, [(0, 15)])
+        assert sent.held == 0
+    finally:
+        await edge.close()
+        await node.close()
+
+
+async def until_held(sent: SentBodies, held: int, dropped: int | None = None) -> None:
+    async def reached() -> bool:
+        return sent.held == held and (dropped is None or sent.dropped == dropped)
+
+    await eventually(reached, timeout_s=10)

@@ -743,6 +743,7 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                         "iop.cli.b.*",
                         wire.cancel_subject("b"),
                         wire.received_subject("b"),
+                        wire.body_subject("b"),  # the bodies of b's requests, sent ahead
                         "_INBOX_b.>",
                         "iop.reply.>",
                         wire.EDGE_SLOTS_SUBJECT,  # what each edge holds is the edges' business
@@ -755,6 +756,8 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                         wire.work_subject("a-prov"),  # publish work, even to its own provider
                         wire.reply_subject(edge_id, "b", rid),  # answer b's request
                         wire.cancel_subject("b"),  # cancel b's work
+                        wire.body_subject("b", rid, 0),  # put words in the prompt of b's request
+                        wire.body_subject("a", "x", 0),  # or of its own: only edges send bodies
                         wire.resend_subject("b"),  # make b send an answer again
                         wire.received_subject("b"),  # make b forget answers an edge may still lack
                         wire.control_subject("b"),  # restart b's model servers

@@ -74,8 +74,8 @@ class Registry:
 
     async def start(self, nc: NATS) -> None:
         self._nc = nc
-        await nc.subscribe(wire.HEARTBEAT_WILDCARD, cb=self._on_heartbeat, pending_msgs_limit=100_000)
-        await nc.subscribe(wire.HELLO_WILDCARD, cb=self._on_hello)
+        await nc.subscribe(wire.heartbeat_subject(), cb=self._on_heartbeat, pending_msgs_limit=100_000)
+        await nc.subscribe(wire.hello_subject(), cb=self._on_hello)
         await self.share.start(nc)
         self._task = asyncio.create_task(self._watch())
 

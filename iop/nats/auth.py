@@ -58,6 +58,7 @@ def node_permissions(node: config.Node) -> dict[str, Any]:
         f"{node_inbox_prefix(nid)}.>",
         f"iop.cli.{nid}.*",
         wire.cancel_subject(nid),
+        wire.body_subject(nid),  # the bodies of its requests that stay at an edge (only edges publish)
         wire.credit_subject(nid),
         wire.resend_subject(nid),  # an edge asking for replies NATS lost on the way
         wire.received_subject(nid),  # an edge saying which answers it has whole

@@ -20,7 +20,7 @@ from iop.errors import Cancelled, RequestError, UpstreamError, failure_of
 from iop.node import spans
 from iop.node.adapters.base import Outcome
 from iop.node.adapters.base import outcome as current_outcome
-from iop.node.body import fetch_body
+from iop.node.body import SentBodies, fetch_body
 from iop.node.flow import STALL_TIMEOUT_S, FlowWindow
 from iop.node.presence import Lease
 from iop.node.replay import ReplayStore, serve_resend
@@ -66,6 +66,8 @@ class RunningRequests:
     def __init__(self, nc: NATS, node_id: str, instance: str, changed: asyncio.Event) -> None:
         self.nc = nc
         self.node_id = node_id
+        self.bodies = SentBodies()
+        """Bodies that stay at an edge, sent ahead of their work items (iop/node/body.py)."""
         self.instance = instance
         self.changed = changed
         """Set when a request starts, ends, or waits for credit (observers clear it, then wait)."""
@@ -184,7 +186,7 @@ class RunningRequests:
             ack = run.msg.reply if run.msg is not None else ""
             out.hold_started(wire.Started(item.id, self.node_id, self.instance, ack, cold_start_ms=run.cold_start_ms))
             if item.body_size:
-                item = msgspec.structs.replace(item, body=await fetch_body(self.nc, item), body_size=0)
+                item = msgspec.structs.replace(item, body=await fetch_body(self.nc, item, self.bodies), body_size=0)
             usage = await r.adapter.run(item, r.cfg.model, send)
             error = ""
             run.answered = True

@@ -153,6 +153,10 @@ class NodeRuntime:
         presence.device = await asyncio.to_thread(device.gather)
         await presence.hello()
         await self.nc.subscribe(wire.cancel_subject(self.node_id), cb=running.on_cancel)
+        bodies = running.bodies
+        await self.nc.subscribe(
+            wire.body_subject(self.node_id), cb=bodies.on_part, pending_bytes_limit=bodies.max_bytes
+        )
         await self.nc.subscribe(wire.credit_subject(self.node_id), cb=running.on_credit, pending_msgs_limit=1_000_000)
         await self.nc.subscribe(wire.resend_subject(self.node_id), cb=running.on_resend)
         await self.nc.subscribe(wire.received_subject(self.node_id), cb=running.on_received)
