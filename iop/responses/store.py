@@ -210,11 +210,11 @@ class ResponseStore:
         if not isinstance(response_id, str) or not valid_id(response_id):
             return False
         puts = [self._put(f"i.{owner}.{item['id']}", _encode(item)) for item in items if valid_id(item.get("id"))]
-        await asyncio.gather(*puts)
-        # The response last: whoever finds it finds its items too.
         data, fresh = _encode(stored), self.fresh
         ticket, stamp = (fresh.ticket() if fresh is not None else None), time.time()
-        seq = await self._put(f"r.{owner}.{response_id}", data)
+        # The response and its items at once: one round trip to the bucket before the answer goes
+        # out, not two. A client learns the ids from that answer, sent once every write is acked.
+        seq, *_ = await asyncio.gather(self._put(f"r.{owner}.{response_id}", data), *puts)
         if fresh is not None and ticket is not None and _cacheable(stored):
             # A copy of its own, as a read would give: the caller's objects go on to the client.
             fresh.put(owner, response_id, Entry(_stored(data), len(data), stamp, seq), ticket)
