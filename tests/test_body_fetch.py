@@ -79,9 +79,16 @@ async def _edge_answering(nats_url: str, body: bytes, part: int, wanted: int) ->
     return nc, offsets
 
 
-def _item(size: int) -> wire.WorkItem:
+def _item(size: int, rid: str = "w1") -> wire.WorkItem:
     return wire.WorkItem(
-        id="w1", api="chat", stream=False, alias="m", body=b"", reply_to="iop.reply.e.n.w1", deadline=0, body_size=size
+        id=rid,
+        api="chat",
+        stream=False,
+        alias="m",
+        body=b"",
+        reply_to=f"iop.reply.e.n.{rid}",
+        deadline=0,
+        body_size=size,
     )
 
 
@@ -166,11 +173,15 @@ async def test_parts_sent_ahead_make_the_body_and_only_the_missing_one_is_fetche
         assert offsets == [step]  # asked for the missing part alone, after waiting for it a while
         assert (sent.whole, sent.fetched, sent.held) == (0, 1, 0)
         # A body here whole is taken without a word to the edge.
-        await edge.publish(wire.body_subject("n", "w1", 0), body[:step])
+        await edge.publish(wire.body_subject("n", "w2", 0), body[:step])
         await connection.flush(edge)
         await until_held(sent, step)
-        assert await fetch_body(node, _item(step), sent) == body[:step]
+        assert await fetch_body(node, _item(step, "w2"), sent) == body[:step]
         assert (sent.whole, offsets) == (1, [step])
+        # A part that comes after its body was taken is dropped at once, not held.
+        await edge.publish(wire.body_subject("n", "w1", step), body[step : 2 * step])
+        await connection.flush(edge)
+        await until_held(sent, 0, dropped=1)
     finally:
         for nc in (answers, edge, node):
             await nc.close()

@@ -34,6 +34,8 @@ SENT_MAX_BYTES = 256 * 1024 * 1024
 body is then fetched), so a burst of them costs bounded memory."""
 REST_WAIT_S = 0.5
 """A body whose first parts are here when its item is taken: how long the rest may take to come."""
+TAKEN_KEPT = 4096
+"""How many of the last bodies taken are remembered, so that their late parts are dropped at once."""
 
 
 @dataclass
@@ -53,6 +55,9 @@ class SentBodies:
         self.held = 0
         """Bytes held now."""
         self._bodies: dict[str, _Parts] = {}
+        self._taken: dict[str, None] = {}
+        """The last bodies taken (oldest first): a part of one came too late (a cluster may route
+        parts and items by different servers) and is not kept for `keep_s`."""
         self.whole = 0
         """Bodies that were here whole when their item was taken."""
         self.fetched = 0
@@ -64,6 +69,9 @@ class SentBodies:
         """A part on `wire.body_subject(node)`: `iop.node.<node>.body.<request>.<offset>`."""
         _, _, request, offset_text = msg.subject.rsplit(".", 3)
         if not offset_text.isdigit() or not msg.data or self.held + len(msg.data) > self.max_bytes:
+            self.dropped += 1
+            return
+        if request in self._taken:
             self.dropped += 1
             return
         offset = int(offset_text)
@@ -106,6 +114,9 @@ class SentBodies:
                 except TimeoutError:
                     break
         parts = self._pop(request)
+        self._taken[request] = None
+        if len(self._taken) > TAKEN_KEPT:
+            del self._taken[next(iter(self._taken))]
         have = parts.by_offset if parts is not None else {}
         missing: list[tuple[int, int]] = []
         at = 0
