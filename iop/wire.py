@@ -163,6 +163,10 @@ class WorkItem(msgspec.Struct, kw_only=True, array_like=True):
     """Non-zero: the body stays at the edge, `body` is empty (iop/node/body.py: sent ahead, or fetched)."""
     request_id: str = ""
     """The client's `x-request-id` (or the edge's own): the node logs it and sends it upstream."""
+    lead: int = 0
+    """Non-zero: the body begins with its only top-level `model` (a string without escapes) and that
+    beginning is `lead` bytes long; a chat body has no top-level `stream_options`. The edge counted
+    both as it read the head, so the node sets the model without reading the rest (iop/edge/heads.py)."""
 
 
 class Usage(msgspec.Struct, array_like=True):

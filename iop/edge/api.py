@@ -137,6 +137,7 @@ class ApiEndpoint:
                 admitting = False
             if head.stateful and not self.pinned:
                 body, turn, owner = await self._expand(scope, body, head.stream, out)
+                head = head._replace(lead=0)  # another body: the node reads it whole
                 if turn.background and not head.stream:
                     await self._background(body, head, scope, owner, turn, out)
                     return
@@ -209,7 +210,7 @@ class ApiEndpoint:
         recording = background.recording(edge.responses, owner, turn)
         keeper = KeepingSend(background.nowhere, edge.responses, owner, turn, True, recording)
         inner = TrackedSend(keeper, trace)
-        body, head = _encode_json({**turn.body, "stream": True}), head._replace(stream=True)
+        body, head = _encode_json({**turn.body, "stream": True}), head._replace(stream=True, lead=0)
         never = asyncio.Event()
 
         async def no_client() -> Message:
@@ -283,7 +284,7 @@ class ApiEndpoint:
             async for attempt in dispatch:
                 async with attempt:  # a retryable failure before the client saw anything: the next provider
                     trace.model = _upstream_model(edge, attempt.provider, dispatch.alias)
-                    await attempt.send(self._item(attempt.channel, body, dispatch.alias, head.stream, trace.id))
+                    await attempt.send(self._item(attempt.channel, body, dispatch.alias, head, trace.id))
                     failed = await self._answer(attempt, head.stream, out, dispatch.arrived)
                     if failed is not None:
                         trace.error = failed.code  # a stream that failed after it began
@@ -348,13 +349,15 @@ class ApiEndpoint:
                 return alias
         return provider
 
-    def _item(self, ch: Channel, body: bytes, alias: str, stream: bool, request_id: str) -> wire.WorkItem:
+    def _item(self, ch: Channel, body: bytes, alias: str, head: Head, request_id: str) -> wire.WorkItem:
+        """`head`: this very body's (`lead` describes it)."""
         edge = self.edge
         return wire.WorkItem(
             request_id=request_id,
             id=ch.id,
             api=self.api,
-            stream=stream,
+            stream=head.stream,
+            lead=head.lead,
             alias=alias,
             body=body,
             reply_to=edge.relay.reply_to(ch),

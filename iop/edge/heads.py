@@ -8,6 +8,7 @@ a client's wrongly typed field is a 400 naming it here, never a crash on a node)
 from __future__ import annotations
 
 import codecs
+import re
 from collections.abc import Callable, MutableMapping
 from typing import Any, NamedTuple, TypeVar
 
@@ -44,10 +45,16 @@ class _Item(msgspec.Struct):
     type: str | None = None
 
 
+class ModelName(str):
+    """A body's top-level `model`: the decoders below count every one they meet (`_model_name`)."""
+
+    __slots__ = ()
+
+
 class ChatHead(msgspec.Struct):
     """The few fields of a chat request the edge reads; the body itself passes through untouched."""
 
-    model: str
+    model: ModelName
     messages: list[_Message]
     stream: bool = False
     tools: list[_Object] | None = None
@@ -56,10 +63,12 @@ class ChatHead(msgspec.Struct):
     """Chat clients without a `prompt_cache_key` often name the session's user: a session key too."""
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    stream_options: Any = msgspec.UNSET
+    """Only whether it is there: without it the node adds its own without reading the body (`lead`)."""
 
 
 class ResponsesHead(msgspec.Struct):
-    model: str
+    model: ModelName
     input: str | list[_Item]
     stream: bool = False
     tools: list[_Object] | None = None
@@ -99,9 +108,29 @@ class CompactHead(msgspec.Struct):
         return isinstance(self.input, list) and any(i.type == "item_reference" for i in self.input)
 
 
+_JSON_KINDS = {type(None): "null", bool: "bool", int: "int", float: "float", list: "array", dict: "object"}
+_models = [0]
+"""How many top-level `model` keys the decode running now met. The edge reads heads on its event
+loop's thread only, one decode at a time, with no await between a decode and `_once`."""
+
+
+def _model_name(kind: type, value: Any) -> Any:
+    """msgspec's hook for `ModelName`: a top-level `model`, checked as a `str` field is, and counted.
+
+    A key that occurs twice is decoded twice (the last one wins): the count is what tells."""
+    if kind is not ModelName:
+        raise NotImplementedError
+    if type(value) is not str:
+        raise TypeError(f"Expected `str`, got `{_JSON_KINDS.get(type(value), type(value).__name__)}`")
+    _models[0] += 1
+    return ModelName(value)
+
+
 _compact_head = msgspec.json.Decoder(CompactHead).decode
-_chat_head = msgspec.json.Decoder(ChatHead).decode
-_responses_head = msgspec.json.Decoder(ResponsesHead).decode
+_chat_head = msgspec.json.Decoder(ChatHead, dec_hook=_model_name).decode
+_responses_head = msgspec.json.Decoder(ResponsesHead, dec_hook=_model_name).decode
+_LEAD = re.compile(rb'\{[ \t\n\r]*"model"[ \t\n\r]*:[ \t\n\r]*"([^"\\]*)"')
+"""A body's beginning when its first key is `model` and the value a string without escapes."""
 _decode_json = msgspec.json.Decoder().decode
 _utf8_decoder = codecs.getincrementaldecoder("utf-8")
 _T = TypeVar("_T")
@@ -118,42 +147,68 @@ class Head(NamedTuple):
     """A Responses request the edge expands and whose answer it may keep (iop/responses)."""
     max_tokens: int | None = None
     """The most output tokens the request allows (the router's size of its answer)."""
+    lead: int = 0
+    """`wire.WorkItem.lead` of this very body: where its first and only top-level `model` ends."""
 
 
 KNOWN = "iop.responses_head"
 """Scope key of the head iop/edge/responses_front.py read of a body it passed on: (body, head)."""
 
 
-def known_head(scope: MutableMapping[str, Any], body: bytes) -> ResponsesHead | None:
+Known = tuple[ResponsesHead, int]
+"""A Responses body's head and its `lead`."""
+
+
+def known_head(scope: MutableMapping[str, Any], body: bytes) -> Known | None:
     """The head read of this very body before (`KNOWN`), taken out of the scope."""
     known = scope.pop(KNOWN, None)
     return known[1] if known is not None and known[0] is body else None
 
 
-def responses_head(body: bytes) -> ResponsesHead:
-    """A Responses body's head, checked as `parse_head` checks it."""
-    return _checked(_responses_head, body)
+def responses_head(body: bytes) -> Known:
+    """A Responses body's head, checked as `parse_head` checks it, and its `lead`."""
+    _models[0] = 0
+    head = _checked(_responses_head, body)
+    return head, lead(body, head.model, _models[0] == 1)
 
 
-def parse_head(api: wire.Api, body: bytes, known: ResponsesHead | None = None) -> Head:
+def lead(body: bytes, model: str, once: bool) -> int:
+    """Where the body's `model` ends when it is the body's first key and its only top-level one
+    (`once`, as the decode counted), its value the `model` read, without escapes; else 0.
+
+    With it the node sets the upstream's model without reading the rest of the body (0.3 ms per
+    800 KB, iop/openai/passthrough.py). Any other body the node reads whole, as before."""
+    if not once:
+        return 0
+    found = _LEAD.match(body)
+    if found is None or found.group(1) != model.encode():
+        return 0
+    return found.end()
+
+
+def parse_head(api: wire.Api, body: bytes, known: Known | None = None) -> Head:
     """The model, stream flag and session key, after checking the body is a request of this API at all.
 
-    `known`: this body's ResponsesHead, read already (`known_head`)."""
+    `known`: this body's ResponsesHead and lead, read already (`known_head`)."""
     if api == "responses":
-        resp = known if known is not None else responses_head(body)
+        resp, at = known if known is not None else responses_head(body)
+        model = str(resp.model)
         return Head(
-            resp.model, resp.stream, resp.prompt_cache_key, None, resp.stateful(), max_tokens=resp.max_output_tokens
+            model, resp.stream, resp.prompt_cache_key, None, resp.stateful(), max_tokens=resp.max_output_tokens, lead=at
         )
     return _checked(lambda b: _head(api, b), body)
 
 
 def _head(api: wire.Api, body: bytes) -> Head:
     if api == "chat":
+        _models[0] = 0
         chat = _chat_head(body)
         if not chat.messages:
             raise BadRequest("'messages' must not be empty", param="messages")
         limit = chat.max_completion_tokens or chat.max_tokens
-        return Head(chat.model, chat.stream, chat.prompt_cache_key, chat.user, max_tokens=limit)
+        # A chat stream's node adds `stream_options` after the model: only to a body without one.
+        at = lead(body, chat.model, _models[0] == 1) if chat.stream_options is msgspec.UNSET else 0
+        return Head(str(chat.model), chat.stream, chat.prompt_cache_key, chat.user, max_tokens=limit, lead=at)
     if api == "compact":
         compact = _compact_head(body)
         return Head(compact.model, False, None, None, compact.stateful())
