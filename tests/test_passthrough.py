@@ -6,8 +6,12 @@ import json
 
 import pytest
 
+from iop.edge.heads import parse_head
 from iop.errors import BadRequest
+from iop.nats.server import EmbeddedNats
 from iop.openai.passthrough import native_body
+from tests.fakes import fake_upstream
+from tests.harness import deployment, deployment_running, one_provider_yaml
 
 BODY = (
     b'{"messages":[{"role":"user","content":"caf\xc3\xa9 \\"quoted\\"\\n"}],  "model" : "alias",'
@@ -47,3 +51,65 @@ def test_native_body_refuses_a_body_that_is_not_a_json_object(body: bytes) -> No
     with pytest.raises(BadRequest) as err:
         native_body(body, "m", chat_stream=False)
     assert err.value.code == "invalid_json"
+
+
+# --- the edge's `lead`: the body's only top-level model is its first key (iop/edge/heads.py) ---------
+
+LEADING = b'{ "model" : "alias",  "messages":[{"role":"user","content":"caf\xc3\xa9 \\"q\\""}] ,\n "temperature":0.5}'
+
+
+@pytest.mark.parametrize(
+    ("body", "api", "lead"),
+    [
+        (LEADING, "chat", len(b'{ "model" : "alias"')),
+        (b'{"model":"m","input":"x","tools":[{"type":"function","model":"nested"}]}', "responses", 12),
+        (b'{"model":"\xc3\xa9","input":"x"}', "responses", 13),
+        # Anything else the node reads whole: model not first, twice, escaped, a chat with stream_options.
+        (b'{"messages":[{"role":"user","content":"x"}],"model":"m"}', "chat", 0),
+        (b'{"model":"m","messages":[{"role":"user","content":"x"}],"model":"m"}', "chat", 0),
+        (b'{"model":"m","input":"x","model":"other"}', "responses", 0),
+        (b'{"model":"\\u006d","messages":[{"role":"user","content":"x"}]}', "chat", 0),
+        (b'{"model":"m","messages":[{"role":"user","content":"x"}],"stream_options":null}', "chat", 0),
+    ],
+)
+def test_the_edge_says_where_the_only_top_level_model_ends(body: bytes, api: str, lead: int) -> None:
+    assert parse_head(api, body).lead == lead  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("model", ["served", None, "alias"])
+@pytest.mark.parametrize("chat_stream", [False, True])
+def test_a_body_with_a_lead_goes_upstream_as_the_scan_makes_it_with_the_clients_bytes_after_the_model(
+    model: str | None, chat_stream: bool
+) -> None:
+    lead = parse_head("chat", LEADING).lead
+    fast, asked = native_body(LEADING, model, chat_stream, lead)
+    scanned, asked_too = native_body(LEADING, model, chat_stream)
+    assert (json.loads(fast), asked) == (json.loads(scanned), asked_too)
+    assert fast.endswith(LEADING[lead:])  # every byte after the model as the client sent it
+    if model in (None, "alias") and not chat_stream:
+        assert fast is LEADING  # nothing to change: not even a copy
+
+
+def test_a_lead_that_does_not_describe_the_body_is_not_believed() -> None:
+    body = b'{"messages":[],"model":"a"}'
+    out, _ = native_body(body, "served", False, lead=12)
+    assert json.loads(out) == {"messages": [], "model": "served"}
+    out, _ = native_body(b'{"model":"abc","x":1}', "served", False, lead=9)  # not where the model ends
+    assert json.loads(out) == {"model": "served", "x": 1}
+
+
+async def test_the_node_sets_the_model_in_the_clients_own_bytes_and_a_second_model_key_never_reaches_upstream(
+    nats_server: EmbeddedNats,
+) -> None:
+    body = LEADING.replace(b'"alias"', b'"m"')
+    twice = b'{"model":"m","messages":[{"role":"user","content":"x"}],"model":"m"}'
+    async with fake_upstream() as up:
+        dep = deployment(one_provider_yaml(up.url).replace("adapter: up,", "adapter: up, model: served,"))
+        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+            for sent in (body, twice):
+                r = await http.post("/v1/chat/completions", content=sent, headers={"content-type": "application/json"})
+                assert r.status_code == 200, r.text
+    # The first: spacing and all as the client wrote it, but the model, which no scan rewrote.
+    assert up.raw_bodies[0] == b'{"model":"served"' + body[len(b'{ "model" : "m"') :]
+    # The second had two: the node read it whole, and the upstream got one model, the node's.
+    assert up.raw_bodies[1].count(b'"model"') == 1 and json.loads(up.raw_bodies[1])["model"] == "served"

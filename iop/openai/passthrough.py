@@ -6,10 +6,16 @@ split into its top-level fields as raw JSON (msgspec skips their contents withou
 single Python object), the one or two fields are replaced, and the fields are written back
 verbatim: one scan and one copy. Decoding and re-encoding a 3 MB agent turn as Python objects
 cost ~20x that (every string built, and re-encoded as UTF-8 when it is not ASCII).
+
+When the edge says where the body's only top-level `model` ends (`wire.WorkItem.lead`: it counted
+them as it read the head), the scan is not needed: the model is replaced in the body's first bytes,
+a chat stream's `stream_options` written after it, and the rest copied once (1.1 ms of scan saved
+per 3 MB).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -22,13 +28,28 @@ _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
-def native_body(body: bytes, model: str | None, chat_stream: bool) -> tuple[bytes, bool]:
+_LEAD = re.compile(rb'\{[ \t\n\r]*"model"[ \t\n\r]*:[ \t\n\r]*"[^"\\]*"')
+"""The beginning `lead` describes: the first key `model`, its value a string without escapes."""
+_ASK_USAGE = b',"stream_options":{"include_usage":true}'
+
+
+def native_body(body: bytes, model: str | None, chat_stream: bool, lead: int = 0) -> tuple[bytes, bool]:
     """The body to send upstream, and whether iop asked for usage the client did not ask for.
 
-    Unchanged (the same bytes object) when nothing is to be replaced.
+    Unchanged (the same bytes object) when nothing is to be replaced. `lead`: the edge's word that
+    the body's first `lead` bytes hold its only top-level `model` (and, for chat, that it has no
+    `stream_options`); checked against those bytes, and ignored when they do not match.
     """
     if model is None and not chat_stream:
         return body, False
+    if lead and (found := _LEAD.match(body)) is not None and found.end() == lead:
+        name = _encode(model) if model is not None else None
+        if name is not None and body[lead - len(name) : lead] == name:
+            name = None  # already the upstream's name (the lead holds no backslash: no other match)
+        if name is None and not chat_stream:
+            return body, False
+        head = body[:lead] if name is None else b'{"model":' + name
+        return b"".join((head, _ASK_USAGE if chat_stream else b"", memoryview(body)[lead:])), chat_stream
     try:
         fields = _top_level(body)
     except msgspec.DecodeError as exc:  # the edge checked it already; an older edge may not have

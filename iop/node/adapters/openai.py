@@ -111,7 +111,7 @@ class OpenAIAdapter:
             chat_stream = item.stream and item.api in ("chat", "completions")
             # A chat stream always asks for its usage (iop counts tokens); the client sees the
             # usage chunk only if it asked for it too.
-            body, asked = native_body(item.body, model, chat_stream)
+            body, asked = native_body(item.body, model, chat_stream, item.lead)
             strip = UsageChunkFilter() if asked else None
             response = await self._post(item.api, body, item.request_id)
             try:
