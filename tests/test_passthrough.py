@@ -68,6 +68,7 @@ LEADING = b'{ "model" : "alias",  "messages":[{"role":"user","content":"caf\xc3\
         (b'{"messages":[{"role":"user","content":"x"}],"model":"m"}', "chat", 0),
         (b'{"model":"m","messages":[{"role":"user","content":"x"}],"model":"m"}', "chat", 0),
         (b'{"model":"m","input":"x","model":"other"}', "responses", 0),
+        (b'{"model":"m","messages":[{"role":"user","content":"x"}],"mod\\u0065l":"x"}', "chat", 0),
         (b'{"model":"\\u006d","messages":[{"role":"user","content":"x"}]}', "chat", 0),
         (b'{"model":"m","messages":[{"role":"user","content":"x"}],"stream_options":null}', "chat", 0),
     ],
