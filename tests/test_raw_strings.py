@@ -70,13 +70,28 @@ def test_placeholders_translate_to_the_same_chat_request_as_a_full_decode(text: 
     assert request["input"][0]["content"].startswith("\x00iop-raw-") == (text == TEXT)
 
 
-def test_placeholders_keep_fields_outside_input_and_short_strings_decoded() -> None:
-    body = json.dumps(turn(TEXT)).encode()
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},  # the request's known fields alone: read in one pass
+        {"x_vendor_field": {"a": [1, 2]}, "seed": 7},  # a field not known here: the request split field by field
+    ],
+)
+def test_placeholders_keep_fields_outside_input_and_short_strings_decoded(extra: dict[str, Any]) -> None:
+    body = json.dumps({**turn(TEXT), **extra}).encode()
     request = Placeholders().decode(body)
     full = json.loads(body)
-    assert list(request) == list(full)
+    assert set(request) == set(full)
     assert {k: v for k, v in request.items() if k != "input"} == {k: v for k, v in full.items() if k != "input"}
     assert request["input"][-1] == full["input"][-1]
+
+
+@pytest.mark.parametrize(
+    "given", ["just text", [{"type": "message", "role": "user", "content": "x"}, "not an item"], None]
+)
+def test_an_input_that_is_not_a_list_of_items_decodes_as_a_full_decode_gives_it(given: Any) -> None:
+    body = json.dumps({"model": "m", "input": given}).encode()
+    assert Placeholders().decode(body) == json.loads(body)
 
 
 def test_a_placeholder_changed_on_the_way_is_not_spliced() -> None:
