@@ -59,6 +59,12 @@ def _present(value: object) -> bool:
     return value is not None and value is not False and value != [] and value != {}
 
 
+def _is_map(value: object) -> bool:
+    """isinstance(value, Mapping), a decoded request's dict first: per item, the ABC's check was a
+    quarter of a 3 MB turn's translation (150 ns against 20)."""
+    return type(value) is dict or isinstance(value, Mapping)
+
+
 def check_stateless(request: Mapping[str, Any]) -> None:
     """Refuse what needs state iop does not keep, or output a chat server cannot give.
 
@@ -79,7 +85,7 @@ def check_stateless(request: Mapping[str, Any]) -> None:
     items = request.get("input")
     if isinstance(items, Sequence) and not isinstance(items, str):
         for i, item in enumerate(items):
-            if isinstance(item, Mapping) and item.get("type") == "item_reference":
+            if _is_map(item) and item.get("type") == "item_reference":
                 raise refuse(f"input[{i}]", f"input items of type item_reference are not supported here: {UNEXPANDED}")
 
 
@@ -153,7 +159,7 @@ class _Messages:
             raise BadRequest("input must be a string or a list of items", param="input")
         for i, item in enumerate(items):
             where = f"input[{i}]"
-            if not isinstance(item, Mapping):
+            if not _is_map(item):
                 raise BadRequest(f"{where} must be an object", param=where)
             self._item(item, where)
         if self.system:
@@ -238,10 +244,10 @@ class _Messages:
             raise BadRequest(f"{where} must be a string or a list of content parts", param=where)
         parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, Mapping) else None
-            if isinstance(part, Mapping) and kind in ("input_text", "output_text", "text"):
+            kind = part.get("type") if (mapping := _is_map(part)) else None
+            if mapping and kind in ("input_text", "output_text", "text"):
                 parts.append({"type": "text", "text": str(part.get("text", ""))})
-            elif isinstance(part, Mapping) and kind == "input_image":
+            elif mapping and kind == "input_image":
                 if self.vision and isinstance(part.get("image_url"), str) and part["image_url"]:
                     image: dict[str, Any] = {"url": part["image_url"]}
                     if part.get("detail") is not None and part["detail"] != "original":
@@ -251,7 +257,7 @@ class _Messages:
                     # A text-only model (or an image by file_id, which iop cannot fetch): say
                     # there was one rather than fail the whole turn.
                     parts.append({"type": "text", "text": IMAGE_PLACEHOLDER})
-            elif tool and isinstance(part, Mapping) and kind in ("input_file", "file"):
+            elif tool and mapping and kind in ("input_file", "file"):
                 name = part.get("filename") or part.get("file_id") or "a file"
                 parts.append({"type": "text", "text": f"[file omitted: {name}]"})
             else:
@@ -309,7 +315,7 @@ def text_only(content: object, where: str) -> str:
         raise BadRequest(f"{where} must be a string or a list of content parts", param=where)
     texts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, Mapping) else None
+        kind = part.get("type") if _is_map(part) else None
         if kind not in ("input_text", "output_text", "text", "refusal"):
             raise refuse(f"{where}[{j}]", f"content parts of type {kind!r} are not supported here (text only)")
         texts.append(str(part.get("refusal" if kind == "refusal" else "text", "")))

@@ -172,7 +172,8 @@ def _offered_tools(request: Mapping[str, Any]) -> Iterator[tuple[object, str]]:
     if not isinstance(items, Sequence) or isinstance(items, str):
         return
     for i, item in enumerate(items):
-        if isinstance(item, Mapping) and item.get("type") in ("additional_tools", "tool_search_output"):
+        mapping = type(item) is dict or isinstance(item, Mapping)  # a dict first: the ABC's check is 150 ns
+        if mapping and item.get("type") in ("additional_tools", "tool_search_output"):
             found = item.get("tools")
             if isinstance(found, Sequence) and not isinstance(found, str):
                 for j, tool in enumerate(found):
