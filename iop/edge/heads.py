@@ -8,7 +8,6 @@ a client's wrongly typed field is a 400 naming it here, never a crash on a node)
 from __future__ import annotations
 
 import codecs
-import re
 from collections.abc import Callable, MutableMapping
 from typing import Any, NamedTuple, TypeVar
 
@@ -16,6 +15,7 @@ import msgspec
 
 from iop import config, endpoints, wire
 from iop.errors import BadRequest, RequestError
+from iop.openai.passthrough import LEAD
 from iop.openai.responses_request import responses_to_chat_request
 
 # The edge checks the types of the fields iop itself reads or translates (on the node: the
@@ -129,8 +129,6 @@ def _model_name(kind: type, value: Any) -> Any:
 _compact_head = msgspec.json.Decoder(CompactHead).decode
 _chat_head = msgspec.json.Decoder(ChatHead, dec_hook=_model_name).decode
 _responses_head = msgspec.json.Decoder(ResponsesHead, dec_hook=_model_name).decode
-_LEAD = re.compile(rb'\{[ \t\n\r]*"model"[ \t\n\r]*:[ \t\n\r]*"([^"\\]*)"')
-"""A body's beginning when its first key is `model` and the value a string without escapes."""
 _decode_json = msgspec.json.Decoder().decode
 _utf8_decoder = codecs.getincrementaldecoder("utf-8")
 _T = TypeVar("_T")
@@ -180,7 +178,7 @@ def lead(body: bytes, model: str, once: bool) -> int:
     800 KB, iop/openai/passthrough.py). Any other body the node reads whole, as before."""
     if not once:
         return 0
-    found = _LEAD.match(body)
+    found = LEAD.match(body)
     if found is None or found.group(1) != model.encode():
         return 0
     return found.end()

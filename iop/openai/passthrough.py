@@ -28,8 +28,9 @@ _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
-_LEAD = re.compile(rb'\{[ \t\n\r]*"model"[ \t\n\r]*:[ \t\n\r]*"[^"\\]*"')
-"""The beginning `lead` describes: the first key `model`, its value a string without escapes."""
+LEAD = re.compile(rb'\{[ \t\n\r]*"model"[ \t\n\r]*:[ \t\n\r]*"([^"\\]*)"')
+"""The beginning `lead` describes: the first key `model`, its value (group 1) a string without
+escapes. The edge finds it (iop/edge/heads.py), the node checks it."""
 _ASK_USAGE = b',"stream_options":{"include_usage":true}'
 
 
@@ -42,7 +43,7 @@ def native_body(body: bytes, model: str | None, chat_stream: bool, lead: int = 0
     """
     if model is None and not chat_stream:
         return body, False
-    if lead and (found := _LEAD.match(body)) is not None and found.end() == lead:
+    if lead and (found := LEAD.match(body)) is not None and found.end() == lead:
         name = _encode(model) if model is not None else None
         if name is not None and body[lead - len(name) : lead] == name:
             name = None  # already the upstream's name (the lead holds no backslash: no other match)
