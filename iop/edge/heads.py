@@ -111,7 +111,7 @@ class CompactHead(msgspec.Struct):
 _JSON_KINDS = {type(None): "null", bool: "bool", int: "int", float: "float", list: "array", dict: "object"}
 _models = [0]
 """How many top-level `model` keys the decode running now met. The edge reads heads on its event
-loop's thread only, one decode at a time, with no await between a decode and `_once`."""
+loop's thread only, one decode at a time, with no await between a decode and its `lead`."""
 
 
 def _model_name(kind: type, value: Any) -> Any:

@@ -60,8 +60,8 @@ def _present(value: object) -> bool:
 
 
 def _is_map(value: object) -> bool:
-    """isinstance(value, Mapping), a decoded request's dict first: per item, the ABC's check was a
-    quarter of a 3 MB turn's translation (150 ns against 20)."""
+    """isinstance(value, Mapping), a decoded request's dict first: the ABC's check costs 150 ns
+    against 20, several times per input item (the 3 MB fixture's translation 12 % faster)."""
     return type(value) is dict or isinstance(value, Mapping)
 
 
