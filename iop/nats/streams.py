@@ -225,7 +225,7 @@ async def ensure_provider_consumer(js: JetStreamContext, provider: str, capacity
     """One durable pull consumer per provider; `max_ack_pending = capacity` is the hard cap.
 
     An existing consumer whose cap differs is updated in place (a live capacity change) when
-    `update` is set; nodes only create a missing consumer, the edge's file is the authority.
+    `update` is set (the edge's file is the authority); without it only a missing consumer is made.
     """
     name = wire.consumer_name(provider)
     cfg = _consumer_config(provider, capacity)

@@ -9,14 +9,13 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats.errors
-import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from iop import config, wire
 from iop.contracts.refresh import diff
 from iop.errors import IopError
-from iop.nats import streams
+from iop.nats import auth, streams
 
 log = logging.getLogger("iop.node")
 
@@ -44,25 +43,33 @@ class CatalogSource:
 
     def __init__(self, nc: NATS, node_id: str) -> None:
         self.nc = nc
-        self.js = nc.jetstream()
         self.node_id = node_id
+        self._subject = f"$JS.API.DIRECT.GET.{auth.CATALOG_STREAM}.$KV.{streams.CATALOG_BUCKET}.{node_id}"
         self.revision = 0
         self._notice = asyncio.Event()
 
     async def get(self) -> tuple[int, config.Node] | None:
-        """The newest section and its revision, or None when the edge has not published one."""
+        """The newest section and its revision, or None when the edge has not published one.
+
+        One direct get of the node's own key, the one JetStream request its account may make of
+        the bucket (iop/nats/auth.py): no bucket lookup first (a stream info is not lent to it)."""
         try:
-            kv = await self.js.key_value(streams.CATALOG_BUCKET)
-            entry = await kv.get(self.node_id)
-        except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
+            msg = await self.nc.request(self._subject, b"", timeout=5.0)
+        except nats.errors.NoRespondersError:
+            return None  # no bucket yet: the edge makes it at its start
+        headers = msg.headers or {}
+        if status := headers.get("Status"):
+            if status == "404":
+                return None
+            raise IopError(f"reading node {self.node_id}'s catalog: {status} {headers.get('Description', '')}".strip())
+        if headers.get("KV-Operation") in ("DEL", "PURGE"):
             return None
-        if entry.value is None or entry.revision is None:
-            return None
+        revision = int(headers.get("Nats-Sequence", "0"))
         try:
-            node = msgspec.json.decode(entry.value, type=config.Node)
-        except msgspec.DecodeError as exc:  # not JSON at all too: a reply subject can put any bytes here
+            node = msgspec.json.decode(msg.data, type=config.Node)
+        except msgspec.DecodeError as exc:  # not JSON at all too: whatever a writer of the bucket put there
             raise IopError(f"the edge's catalog for node {self.node_id} is unreadable: {exc}") from exc
-        return entry.revision, node
+        return revision, node
 
     async def wait_first(self, timeout_s: float) -> config.Node:
         """The section to start from; waits for the edge to publish it (it may start after us)."""

@@ -11,10 +11,9 @@ from typing import Any
 
 import nats.errors
 from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
 
 from iop import config, wire
-from iop.nats import auth, connection, streams
+from iop.nats import auth, connection
 from iop.nats.access import NatsAccess
 from iop.node import adapters, device, direct, fetch, policy
 from iop.node.adapters.base import Adapter
@@ -230,14 +229,13 @@ class NodeRuntime:
             if p is None or kind_of(node, p) != gone.kind:
                 await self._retire(gone)
                 del self.resources[pid]
-        js = self.nc.jetstream()
         for pid, p in wanted.items():
             adapter = self._adapters[p.adapter]
             existing = self.resources.get(pid)
             server = self._server_of(node, p)
             if existing is None:
                 fresh = self.resources[pid] = Resource(cfg=p, adapter=adapter, kind=kind_of(node, p), server=server)
-                await self._serve(fresh, js)
+                await self._serve(fresh)
                 continue
             r = existing
             r.server = server
@@ -258,19 +256,15 @@ class NodeRuntime:
         name = ",".join(q.id for q in node.providers if q.adapter == p.adapter)
         return self.servers.get(p.adapter, name, cfg.server)
 
-    async def _serve(self, r: Resource, js: JetStreamContext) -> None:
+    async def _serve(self, r: Resource) -> None:
         assert self._running is not None
         if r.kind == "cli":
             r.sub = await direct.subscribe(self._running, r)
             return
         assert r.cfg.capacity is not None
-        try:
-            await streams.ensure_work_stream(js, scale=False)  # replicas are the edge's to set
-            await streams.ensure_provider_consumer(js, r.cfg.id, r.cfg.capacity, update=False)
-        except (nats.errors.Error, TimeoutError) as exc:
-            # A node's own NATS user may read its consumer but not create it: the edge does, at
-            # its start. Until then the fetch loops find nothing and keep asking.
-            log.info("provider %s: its consumer is not there yet (%s); the edge makes it", r.cfg.id, exc)
+        # The edge makes the provider's consumer (at its start, and in a refresh that adds it): a
+        # node's own NATS account reaches only that consumer's pulls and acks. Until it exists the
+        # fetch loops find nothing and keep asking.
         # One fetch loop per slot, each pulling on an inbox of its own (see fetch.fetch_loop).
         r.workers = fetch.start_workers(self._running, r, range(r.cfg.capacity))
 
