@@ -1,7 +1,8 @@
-"""What a node credential can put into the edge's KV buckets through the reply subject of a JetStream
-request it may make (see docs/security.md, "Known limits"): the server delivers its answer wherever the
-request says, and a bucket stores whatever arrives on `$KV.<bucket>.>`. Open until nodes live in their
-own NATS account; this test flips to passing (and strict xfail then fails) when that is closed."""
+"""What a node credential could put into the edge's streams through the reply subject of a JetStream
+request it may make (see docs/security.md, "Nodes in accounts of their own"): the server delivers its
+answer wherever the request says. In the edge's account such an answer would land in a KV bucket,
+another provider's queue or another node's subject; each node's requests come from an account of
+its own, where those subjects are nobody's."""
 
 from __future__ import annotations
 
@@ -18,28 +19,42 @@ from tests.test_security import TWO_NODES, rogue
 BUCKETS = ("KV_iop_catalog", "KV_iop_responses", "KV_iop_qualify")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a node's JetStream request may name $KV.<bucket>.<key> as its reply subject; the fix is "
-    "nodes in their own NATS account importing only the JetStream API they need",
-)
-async def test_a_node_credential_cannot_write_another_nodes_catalog_or_the_response_bucket(
-    nats_server: EmbeddedNats,
-) -> None:
+async def test_a_node_s_jetstream_answers_land_only_in_its_own_account(nats_server: EmbeddedNats) -> None:
     dep = deployment(TWO_NODES.replace("UPSTREAM", "http://127.0.0.1:9"))
     await nats_server.authorize(dep.nodes)
-    async with running_edge(dep, nats_server.url) as h, rogue(nats_server, "a") as a:
+    async with running_edge(dep, nats_server.url) as h, rogue(nats_server, "a") as a, rogue(nats_server, "b") as b:
         js = h.edge.js
+        # No callback: what arrives stays counted in the subscription's queue.
+        subs = [
+            await b.nc.subscribe(subject)
+            for subject in (wire.cancel_subject("b"), wire.credit_subject("b"), wire.catalog_subject("b"))
+        ]
+        await connection.flush(b.nc)
         before = {name: (await js.stream_info(name)).state.messages for name in BUCKETS}
-        info = f"$JS.API.STREAM.INFO.{wire.WORK_STREAM}"  # a request node a may make
+        other = wire.consumer_name("b-prov")
+        queued = (await js.consumer_info(wire.WORK_STREAM, other)).num_pending
+        own = "$JS.API.DIRECT.GET.KV_iop_catalog.$KV.iop_catalog.a"  # requests node a may make
         pull = f"$JS.API.CONSUMER.MSG.NEXT.{wire.WORK_STREAM}.{wire.consumer_name('a-prov')}"
-        for reply in ("$KV.iop_catalog.b", "$KV.iop_responses.r.owner.resp_junk", "$KV.iop_qualify.junk"):
-            await a.nc.publish(info, b"", reply=reply)
+        for reply in (
+            "$KV.iop_catalog.b",  # another node's catalog
+            "$KV.iop_responses.r.owner.resp_junk",  # a stored response of somebody's
+            "$KV.iop_qualify.junk",
+            wire.work_subject("b-prov"),  # another provider's queue
+            wire.cancel_subject("b"),  # another node's subjects
+            wire.credit_subject("b"),
+            wire.catalog_subject("b"),
+        ):
+            await a.nc.publish(own, b"", reply=reply)
             await a.nc.publish(pull, b'{"batch": 1, "no_wait": true}', reply=reply)
         await connection.flush(a.nc)
-        await a.nc.request(info, b"", timeout=5)  # answered after everything sent before it
+        got = await CatalogSource(a.nc, "a").get()  # answered after everything sent before it
+        assert got is not None and got[1].id == "a"
         after = {name: (await js.stream_info(name)).state.messages for name in BUCKETS}
-        assert after == before  # today: node b's catalog entry is a stream-info answer, and both buckets grew
+        assert after == before
+        assert (await js.consumer_info(wire.WORK_STREAM, other)).num_pending == queued
+        await connection.flush(b.nc)
+        assert (await CatalogSource(b.nc, "b").get()) is not None  # b's own key: still the edge's entry
+        assert [sub.pending_msgs for sub in subs] == [0, 0, 0]
 
 
 async def test_a_node_whose_catalog_entry_is_not_json_says_so_and_takes_the_next_one(nats_server: EmbeddedNats) -> None:

@@ -35,6 +35,7 @@ from iop.nats.access import SECRET_FILE, Credentials, NatsAccess
 from iop.nats.bundle import nats_server_path
 from iop.nats.server import EmbeddedNats
 from iop.node import policy as node_policy
+from iop.node.catalog import CatalogSource
 from iop.node.runtime import NodeRuntime
 from iop.responses.cache import GONE_ROOT, gone_subject
 from tests.fakes import fake_upstream
@@ -775,6 +776,7 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                         "iop.responses.bg.resp_1.since",  # or ask for its events
                         gone_subject("anonymous", "resp_1"),  # make the edges forget a stored response
                         "$JS.API.STREAM.CREATE.EVIL",
+                        f"$JS.API.STREAM.INFO.{wire.WORK_STREAM}",  # nor read what the edge's streams hold
                         f"$JS.API.CONSUMER.MSG.NEXT.{wire.WORK_STREAM}.{wire.consumer_name('b-prov')}",
                     ]
                     for subject in forbidden:
@@ -793,8 +795,8 @@ async def test_one_node_credential_opens_only_that_nodes_subjects(
                         return h.edge.relay.forged == 3
 
                     await eventually(dropped)
-                    kv = await a.nc.jetstream().key_value("iop_catalog")
-                    assert b"a-prov" in ((await kv.get("a")).value or b"")  # its own key it may read
+                    own = await CatalogSource(a.nc, "a").get()  # its own key it may read
+                    assert own is not None and "a-prov" in [p.id for p in own[1].providers]
                 # The deployment kept serving: b's request ends with b's own answer.
                 gate.set()
                 answer = await held
@@ -1026,16 +1028,16 @@ async def test_a_node_credential_cannot_fill_the_ledger_and_junk_costs_one_log_l
         # The node must make JetStream requests to pull its work, and may name any reply subject
         # in them: the server's answers land there. Before, `iop.ledger.<alias>` stored each one.
         pull = f"$JS.API.CONSUMER.MSG.NEXT.{wire.WORK_STREAM}.{wire.consumer_name('a-prov')}"
-        info = f"$JS.API.STREAM.INFO.{wire.WORK_STREAM}"
+        own = "$JS.API.DIRECT.GET.KV_iop_catalog.$KV.iop_catalog.a"
         for i in range(200):
             await a.nc.publish(pull, b'{"batch": 1, "no_wait": true}', reply=f"iop.ledger.junk{i}")
-            await a.nc.publish(info, b"", reply="iop.ledger.m")
+            await a.nc.publish(own, b"", reply="iop.ledger.m")
         # It cannot learn the stream's secret subject either.
         await a.nc.publish(f"$JS.API.STREAM.INFO.{LEDGER_STREAM}", b"", reply="_INBOX_a.x")
         await a.refused(f'permissions violation for publish to "$js.api.stream.info.{LEDGER_STREAM.lower()}"')
         await connection.flush(a.nc)
         # Everything the node sent has been answered: a request after it comes back after it.
-        await a.nc.request(info, b"", timeout=5)
+        assert await CatalogSource(a.nc, "a").get() is not None
         assert (await js.stream_info(LEDGER_STREAM)).state.messages == before
 
         # Junk that does get in (an old ledger's, an edge credential's) costs one line per read.

@@ -189,7 +189,7 @@ def node_cmd(
 @click.option(
     "--server-config",
     is_flag=True,
-    help="Print the nats-server `authorization` block: the edge and every node with its permissions.",
+    help="Print the nats-server `accounts` block: the edge's account and every node's, with its user.",
 )
 def nats_creds_cmd(config_file: str, node_id: str | None, for_edge: bool, server_config: bool) -> None:
     """Print NATS credentials derived from the deployment's secret (in edge.nats.store_dir).
@@ -197,7 +197,7 @@ def nats_creds_cmd(config_file: str, node_id: str | None, for_edge: bool, server
     --node ID: that node's own user and password as VAR=value lines; set them on the node's machine,
     where `iop node --config FILE --node ID` reads them from edge.nats user_env/password_env (default
     IOP_NATS_USER, IOP_NATS_PASSWORD). Run it where the edge runs: the embedded server uses the same
-    secret. For an external NATS, --server-config prints the users and permissions to put in that
+    secret. For an external NATS, --server-config prints the accounts and users to put in that
     server's configuration, and --edge the edge's own lines.
     """
     from iop.nats.access import Credentials
@@ -215,7 +215,7 @@ def nats_creds_cmd(config_file: str, node_id: str | None, for_edge: bool, server
         fail(str(exc))
         return
     if server_config:
-        click.echo(creds.authorization(dep.nodes), nl=False)
+        click.echo(creds.accounts(dep.nodes), nl=False)
         return
     access = creds.edge() if for_edge else creds.node(str(node_id))
     click.echo(f"{nats.user_env or 'IOP_NATS_USER'}={access.user}")

@@ -150,11 +150,9 @@ class Credentials:
             user=user, password=self.password(user), where=f"node {node_id}'s credential from {self.path}"
         )
 
-    def authorization(self, nodes: Iterable[config.Node]) -> str:
-        """The server's `authorization` block: the edge, and each node with its permissions."""
-        return auth.authorization(
-            self.password(auth.EDGE_USER), [(n, self.password(auth.node_user(n.id))) for n in nodes]
-        )
+    def accounts(self, nodes: Iterable[config.Node]) -> str:
+        """The server's `accounts` block: the edge's account, and each node's with its user."""
+        return auth.accounts(self.password(auth.EDGE_USER), [(n, self.password(auth.node_user(n.id))) for n in nodes])
 
 
 def _read_secret(path: Path) -> bytes:

@@ -21,6 +21,7 @@ from typing import IO
 
 from iop import config
 from iop.errors import BusError
+from iop.nats import auth
 from iop.nats.access import Credentials, NatsAccess
 from iop.nats.bundle import nats_server_path
 
@@ -77,6 +78,8 @@ class EmbeddedNats:
         self._drain: asyncio.Task[None] | None = None
         self._conf_dir: Path | None = None
         self._reloaded = asyncio.Event()
+        self._reloads = 0
+        """How many times the config was rewritten for a reload (a comment in it: each rewrite a change)."""
         self.store_failed = ""
         """The server's last critical write error (a full disk): its streams stay failed until it restarts."""
         self.store_failed_event = asyncio.Event()
@@ -125,6 +128,7 @@ class EmbeddedNats:
             self._lock_file = f
         if self.credentials is None:
             self.credentials = Credentials.load(self.store_dir)
+        _move_global_account(self.store_dir / "jetstream", clustered=self.cluster is not None)
         # A private directory (0700) and file (0600): the file holds the passwords. Removed at stop.
         self._conf_dir = Path(tempfile.mkdtemp(prefix="iop-nats-"))
         name = str(self._conf_dir / "nats.conf")
@@ -214,10 +218,14 @@ class EmbeddedNats:
         assert self.credentials is not None
         port = self.port if self.port else -1
         return (
-            f"host: {_quote(self.host)}\nport: {port}\n"
-            f"max_payload: {MAX_PAYLOAD}\n"
-            f"jetstream {{ store_dir: {_quote(str(self.store_dir.resolve()))} }}\n" + self._cluster_conf()
-        ) + self.credentials.authorization(self.nodes)
+            (
+                f"host: {_quote(self.host)}\nport: {port}\n"
+                f"max_payload: {MAX_PAYLOAD}\n"
+                f"jetstream {{ store_dir: {_quote(str(self.store_dir.resolve()))} }}\n" + self._cluster_conf()
+            )
+            + self.credentials.accounts(self.nodes)
+            + f"# reload {self._reloads}\n"
+        )
 
     @property
     def server_name(self) -> str | None:
@@ -255,18 +263,24 @@ class EmbeddedNats:
         self.nodes = list(nodes)
         if self.proc is None or self._conf_dir is None:
             return
-        path = self._conf_dir / "nats.conf"
-        tmp = self._conf_dir / "nats.conf.new"
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
-            fh.write(self._conf())
-        tmp.replace(path)
-        self._reloaded.clear()
-        self.proc.send_signal(signal.SIGHUP)
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._reloaded.wait()
-        except TimeoutError:
-            raise BusError(f"nats-server did not reload its users within {timeout_s:g}s") from None
+        # Twice: nats-server 2.15 reloads a new account's service imports of the edge account's
+        # JetStream (a node's pulls, acks, catalog get) without effect on the reload that adds it,
+        # and with it on the next (tests/test_nats_accounts.py). The counter in the file makes
+        # the second a change too.
+        for _ in range(2):
+            self._reloads += 1
+            path = self._conf_dir / "nats.conf"
+            tmp = self._conf_dir / "nats.conf.new"
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+                fh.write(self._conf())
+            tmp.replace(path)
+            self._reloaded.clear()
+            self.proc.send_signal(signal.SIGHUP)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._reloaded.wait()
+            except TimeoutError:
+                raise BusError(f"nats-server did not reload its users within {timeout_s:g}s") from None
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, wait up to `timeout_s`, then SIGKILL; release the store lock."""
@@ -292,6 +306,31 @@ class EmbeddedNats:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+
+def _move_global_account(store: Path, *, clustered: bool) -> None:
+    """Move what an iop before node accounts stored in NATS's global account (`$G`) to the edge's.
+
+    A single server keeps a stream's files under its account's directory and nothing else names
+    the account, so the move is a rename. A cluster's meta layer records each stream's account:
+    its members cannot move it, and say so instead of starting without the stored state.
+    """
+    old, new = store / "$G", store / auth.EDGE_ACCOUNT
+    if not old.is_dir():
+        return
+    if clustered or new.exists():
+        where = "this cluster member's" if clustered else "the"
+        raise BusError(
+            f"edge.nats.store_dir: {where} store {store} holds JetStream data in NATS's global account ($G), "
+            f"written by an iop from before nodes had NATS accounts of their own; "
+            + (
+                "a cluster cannot move it in place (docs/scale-out.md, 'Upgrading a cluster made before node accounts')"
+                if clustered
+                else f"{new} exists too: keep one of the two and remove the other"
+            )
+        )
+    old.rename(new)
+    log.warning("moved the JetStream store %s to %s (the edge's NATS account)", old, new)
 
 
 def _die_with_parent() -> None:
