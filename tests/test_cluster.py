@@ -375,6 +375,27 @@ async def test_with_replicas_3_the_qualification_bucket_is_made_r3(cluster: Clus
             assert store is not None and store.fresh is None
 
 
+async def test_nodes_with_their_own_accounts_serve_from_any_member(cluster: Cluster) -> None:
+    # Each node connects to one member with its own user, the edge to another: a node's pulls,
+    # acks and catalog read cross into the edges' account on its member and reach the streams'
+    # leaders wherever they are (iop/nats/auth.py).
+    async with fake_upstream() as up_a, fake_upstream() as up_b:
+        dep = deployment(two_nodes_yaml(cluster, "o", up_a, up_b))
+        for s in cluster.servers:
+            await s.authorize(dep.nodes)
+        one, two, three = cluster.servers
+        async with (
+            running_edge(dep, one.url) as h,
+            running_node(dep, "ona", two.address, access=two.node_access("ona")),
+            running_node(dep, "onb", three.address, access=three.node_access("onb")),
+            h.http() as http,
+        ):
+            await h.edge.registry.wait_connected(["ona", "onb"], timeout_s=10)
+            answers = await asyncio.gather(*(http.post("/v1/chat/completions", json=ask(f"o{i}")) for i in range(10)))
+            assert [r.status_code for r in answers] == [200] * 10
+            assert up_a.total >= 1 and up_b.total >= 1 and up_a.total + up_b.total == 10
+
+
 async def test_edges_started_together_on_a_fresh_cluster_all_come_up(tmp_path: Path) -> None:
     fresh = await start_cluster(tmp_path / "fresh")
     try:
