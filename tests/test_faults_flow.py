@@ -147,8 +147,9 @@ async def test_stalled_client_fails_after_the_stall_timeout(nats_server: Embedde
         node.stall_timeout_s = 1.0
         bulk = node.resources["bulk-cli"]
         async with slow.stream("POST", "/v1/chat/completions", json=bulk_request("stalled")) as r:
-            await held_bulk(node)
-            blocked = time.monotonic()
+            run = await held_bulk(node)
+            # From the node's own start of the wait: the test sees the window full a little later.
+            blocked = run.window.blocked_since
             await until(lambda: bulk.failed == 1 and bulk.in_flight == 0, node.changed)
             failed_after_s = time.monotonic() - blocked
             await wait_gone(int((pids / "stalled").read_text()))

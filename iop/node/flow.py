@@ -34,6 +34,8 @@ class FlowWindow:
         self.credit_chunks = 0
         self.credit_bytes = 0
         self.blocked = False
+        self.blocked_since = 0.0
+        """When the present (or last) wait for credit began, on the monotonic clock: the stall timer's start."""
         self.waits = 0
         """How many times sending had to wait for credit (tests, overhead figures)."""
         self._wake = asyncio.Event()
@@ -65,7 +67,7 @@ class FlowWindow:
             self.blocked = True
             if self._on_blocked is not None:
                 self._on_blocked.set()
-            since = time.monotonic()
+            since = self.blocked_since = time.monotonic()
             try:
                 while not self.fits(size):
                     self._wake.clear()
