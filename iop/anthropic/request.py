@@ -296,7 +296,9 @@ class _RawBlock(msgspec.Struct):
 
 class _RawTurn(msgspec.Struct):
     role: Any = None
-    content: msgspec.Raw = _NULL
+    # Blocks decoded with the request, in the one pass over its bytes (their texts stay raw); a
+    # string content is a string (a turn's own text is short beside its tool results).
+    content: str | list[_RawBlock] | None = None
 
 
 class _RawRequest(msgspec.Struct):
@@ -383,7 +385,11 @@ def _raw_text_of(content: msgspec.Raw, skip: bool = False) -> msgspec.Raw:
         return content
     if not _is_list(content):
         raise _Decoded
-    texts = _texts(_raw_blocks(content), skip)
+    return _blocks_text(_raw_blocks(content), skip)
+
+
+def _blocks_text(blocks: list[_RawBlock], skip: bool = False) -> msgspec.Raw:
+    texts = _texts(blocks, skip)
     return _join(texts, b"\\n") if texts else _EMPTY
 
 
@@ -396,16 +402,13 @@ def _raw_system(system: msgspec.Raw) -> list[dict[str, Any]]:
 
 def _raw_turn(turn: _RawTurn) -> list[dict[str, Any]]:
     role, content = turn.role, turn.content
-    if role == "system":
-        return [{"role": "system", "content": _raw_text_of(content)}]
-    if role not in ("user", "assistant"):
+    if content is None or role not in ("user", "assistant", "system"):
         raise _Decoded
-    if _is_str(content):
+    if isinstance(content, str):
         return [{"role": role, "content": content}]
-    if not _is_list(content):
-        raise _Decoded
-    blocks = _raw_blocks(content)
-    return [_raw_assistant(blocks)] if role == "assistant" else _raw_user(blocks)
+    if role == "system":
+        return [{"role": "system", "content": _blocks_text(content)}]
+    return [_raw_assistant(content)] if role == "assistant" else _raw_user(content)
 
 
 def _raw_assistant(blocks: list[_RawBlock]) -> dict[str, Any]:
