@@ -115,14 +115,13 @@ async def ensure_stream(
     cfg: js_api.StreamConfig,
     *,
     replicas: int | None = None,
-    scale: bool = True,
     sized_by: str = "",
 ) -> None:
     """Create stream `cfg` if missing, with the deployment's replicas; scale an existing one in place.
 
     Idempotent and safe from several edges. `replicas` None: `default_replicas`. NATS moves a
     live stream between R1 and R3 by itself (its consumers follow); when it cannot, one BusError
-    line names the stream and why. `scale` False (a node): never change an existing stream.
+    line names the stream and why.
     `sized_by`: the setting that gives `cfg.max_bytes`, named when the store cannot reserve it.
     """
     n = _replicas(replicas)
@@ -148,7 +147,7 @@ async def ensure_stream(
         info = await js.stream_info(name)
     await _until_led(js, name)  # made by another edge a moment ago: its leader may still be elected
     have = info.config.num_replicas or 1
-    if have != n and scale:
+    if have != n:
         try:
             await js.update_stream(dataclasses.replace(info.config, num_replicas=n))
         except nats.js.errors.APIError as exc:
@@ -194,9 +193,7 @@ async def ensure_bucket(
     return kv
 
 
-async def ensure_work_stream(
-    js: JetStreamContext, *, memory: bool = False, replicas: int | None = None, scale: bool = True
-) -> None:
+async def ensure_work_stream(js: JetStreamContext, *, memory: bool = False, replicas: int | None = None) -> None:
     """Create the work-queue stream if it does not exist (idempotent, safe from several edges)."""
     cfg = js_api.StreamConfig(
         name=wire.WORK_STREAM,
@@ -206,7 +203,7 @@ async def ensure_work_stream(
         max_msg_size=MAX_PAYLOAD,
         duplicate_window=120.0,
     )
-    await ensure_stream(js, cfg, replicas=replicas, scale=scale)
+    await ensure_stream(js, cfg, replicas=replicas)
 
 
 def _consumer_config(provider: str, capacity: int) -> js_api.ConsumerConfig:
@@ -221,11 +218,11 @@ def _consumer_config(provider: str, capacity: int) -> js_api.ConsumerConfig:
     )
 
 
-async def ensure_provider_consumer(js: JetStreamContext, provider: str, capacity: int, *, update: bool = True) -> None:
+async def ensure_provider_consumer(js: JetStreamContext, provider: str, capacity: int) -> None:
     """One durable pull consumer per provider; `max_ack_pending = capacity` is the hard cap.
 
-    An existing consumer whose cap differs is updated in place (a live capacity change) when
-    `update` is set (the edge's file is the authority); without it only a missing consumer is made.
+    An existing consumer whose cap differs is updated in place (a live capacity change): the
+    edge's file is the authority, and only edges make or change consumers.
     """
     name = wire.consumer_name(provider)
     cfg = _consumer_config(provider, capacity)
@@ -234,7 +231,7 @@ async def ensure_provider_consumer(js: JetStreamContext, provider: str, capacity
     except NotFoundError:
         await js.add_consumer(wire.WORK_STREAM, cfg)
         return
-    if update and (info.config.max_ack_pending != capacity or info.config.ack_wait != wire.ACK_WAIT_S):
+    if info.config.max_ack_pending != capacity or info.config.ack_wait != wire.ACK_WAIT_S:
         log.info("provider %s: capacity %s → %s", provider, info.config.max_ack_pending, capacity)
         await js.add_consumer(wire.WORK_STREAM, cfg)  # create-or-update with the same durable name
 
