@@ -928,7 +928,9 @@ async def test_nats_creds_server_config_gives_an_external_nats_the_same_least_pr
     async with iop_process("nats-creds", "--config", str(path), "--server-config", cwd=tmp_path) as printed:
         assert await printed.exit_code() == 0
     conf = tmp_path / "external.conf"
-    conf.write_text('host: "127.0.0.1"\nport: -1\n' + "\n".join(printed.stdout) + "\n")
+    # The operator's own settings (JetStream on a store of theirs), then the printed block.
+    js = f'jetstream {{ store_dir: "{tmp_path / "external-store"}" }}\n'
+    conf.write_text('host: "127.0.0.1"\nport: -1\n' + js + "\n".join(printed.stdout) + "\n")
     proc = await asyncio.create_subprocess_exec(
         nats_server_path(), "-c", str(conf), stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
     )
@@ -961,6 +963,19 @@ async def test_nats_creds_server_config_gives_an_external_nats_the_same_least_pr
             await nc.close()
         with pytest.raises(BusError, match="requires credentials"):
             await connection.connect(url, "intruder", wait_s=10)
+        # An edge and the node, each with the lines printed for it, serve through that server: the
+        # node in its own account, its pulls and acks crossing into the edge's.
+        async with iop_process("nats-creds", "--config", str(path), "--edge", cwd=tmp_path) as lines:
+            assert await lines.exit_code() == 0
+        edge = dict(line.split("=", 1) for line in lines.stdout)
+        edge_url = f"nats://{edge['IOP_NATS_USER']}:{edge['IOP_NATS_PASSWORD']}@127.0.0.1:{port}"
+        dep = deployment(MOCK_POOL)
+        own = NatsAccess(user=node["IOP_NATS_USER"], password=node["IOP_NATS_PASSWORD"])
+        async with running_edge(dep, edge_url) as h, running_node(dep, "n1", url, access=own), h.http() as http:
+            await h.edge.registry.wait_connected(["n1"], timeout_s=10)
+            chat = {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}
+            r = await http.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 200, r.text
     finally:
         proc.terminate()
         await proc.wait()
