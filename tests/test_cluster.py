@@ -96,9 +96,13 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
 
 
 def two_nodes_yaml(c: Cluster, prefix: str, up_a: FakeUpstream, up_b: FakeUpstream) -> str:
+    # keepalive_s past the test's length: a client connection left idle through a recovery longer
+    # than the default 5 s could be closed by the edge just as the client reuses it (an HTTP/1.1
+    # race a client's retry covers, which the load here does not make), not a lost request.
     return f"""
 edge:
   queue: {{timeout_s: 30, max_waiting: 1000}}
+  http: {{keepalive_s: 120}}
   nats: {{url: "{c.addresses}", replicas: 3}}
 models: [{{alias: m, pool: [{prefix}a, {prefix}b]}}]
 nodes:
