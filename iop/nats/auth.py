@@ -89,7 +89,7 @@ def node_routes(node: config.Node) -> tuple[list[str], list[str], list[str]]:
     return asks, tells, serves
 
 
-def permissions(node_id: str, routes: tuple[list[str], list[str], list[str]]) -> dict[str, Any]:
+def _permissions(node_id: str, routes: tuple[list[str], list[str], list[str]]) -> dict[str, Any]:
     """What node `node_id` may do on NATS inside its account, as a nats-server `permissions` block.
 
     Pool providers: pull from their own durable consumer (MSG.NEXT) and ack on its ack subjects.
@@ -105,8 +105,8 @@ def permissions(node_id: str, routes: tuple[list[str], list[str], list[str]]) ->
     }
 
 
-def _threshold(subject: str) -> str:
-    return HEARTBEAT_RESPONSE_S if subject.endswith(".hb") else PULL_RESPONSE_S
+def _threshold(node_id: str, subject: str) -> str:
+    return HEARTBEAT_RESPONSE_S if subject == wire.heartbeat_subject(node_id) else PULL_RESPONSE_S
 
 
 def accounts(edge_password: str, nodes: Iterable[tuple[config.Node, str]]) -> str:
@@ -131,10 +131,10 @@ def accounts(edge_password: str, nodes: Iterable[tuple[config.Node, str]]) -> st
     result: dict[str, Any] = {EDGE_ACCOUNT: edge}
     for nid, (asks, tells, serves) in routes.items():
         name = node_account(nid)
-        edge["exports"] += [{"service": s, "accounts": [name], "response_threshold": _threshold(s)} for s in asks]
+        edge["exports"] += [{"service": s, "accounts": [name], "response_threshold": _threshold(nid, s)} for s in asks]
         edge["exports"] += [{"stream": s, "accounts": [name]} for s in tells]
         edge["imports"] += [{"service": {"account": name, "subject": s}} for s in serves]
-        user = {**users[nid], "permissions": permissions(nid, (asks, tells, serves))}
+        user = {**users[nid], "permissions": _permissions(nid, (asks, tells, serves))}
         result[name] = {
             "users": [user],
             "imports": [{"service": {"account": EDGE_ACCOUNT, "subject": s}} for s in asks]
