@@ -643,3 +643,43 @@ skill_search = false
 tool_suggest = false
 skill_mcp_dependency_install = false
 """
+
+
+@asynccontextmanager
+async def nats_server_of(conf: Path) -> AsyncIterator[int]:
+    """A bare nats-server started here with the config file `conf`, not iop's: yields its client
+    port once it says it is ready; stopped (SIGTERM, then SIGKILL) by its PID at the end."""
+    from iop.nats.bundle import nats_server_path
+
+    proc = await asyncio.create_subprocess_exec(
+        nats_server_path(),
+        "-c",
+        str(conf),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    drain: asyncio.Task[bytes] | None = None
+    try:
+        port, seen = 0, b""
+        async with asyncio.timeout(15):
+            while b"Server is ready" not in (line := await proc.stderr.readline()):
+                assert line, f"nats-server exited during start-up: {seen.decode(errors='replace')}"
+                seen += line
+                if m := re.search(rb"Listening for client connections on \S+:(\d+)", line):
+                    port = int(m.group(1))
+        drain = asyncio.create_task(proc.stderr.read())
+        yield port
+    finally:
+        if proc.returncode is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                async with asyncio.timeout(10):
+                    await proc.wait()
+            except TimeoutError:
+                os.kill(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        if drain is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(drain, 5)

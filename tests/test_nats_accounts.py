@@ -4,8 +4,6 @@ acks and catalog read reach the edge's JetStream through the imports the reload 
 
 from __future__ import annotations
 
-import asyncio
-import re
 import secrets
 from pathlib import Path
 
@@ -15,9 +13,8 @@ import pytest
 from iop import config
 from iop.errors import BusError
 from iop.nats import auth
-from iop.nats.bundle import nats_server_path
 from iop.nats.server import EmbeddedNats
-from tests.harness import deployment, running_edge, running_node
+from tests.harness import deployment, nats_server_of, running_edge, running_node
 
 BEFORE = """
 models:
@@ -79,26 +76,11 @@ async def test_a_store_from_before_node_accounts_is_moved_to_the_edge_s_account(
     conf = tmp_path / "old.conf"
     conf.write_text(OLD_SERVER.format(store=store, password=password))
     # What an iop before accounts wrote: its streams in NATS's global account.
-    proc = await asyncio.create_subprocess_exec(
-        nats_server_path(), "-c", str(conf), stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
-    )
-    assert proc.stderr is not None
-    try:
-        port = 0
-        async with asyncio.timeout(15):
-            while b"Server is ready" not in (line := await proc.stderr.readline()):
-                assert line, "nats-server exited"
-                if m := re.search(rb"client connections on \S+:(\d+)", line):
-                    port = int(m.group(1))
-        drain = asyncio.create_task(proc.stderr.read())
+    async with nats_server_of(conf) as port:
         nc = await nats.connect(f"nats://127.0.0.1:{port}", user="old", password=password)
         kv = await nc.jetstream().create_key_value(bucket="iop_responses")
         await kv.put("r.owner.resp_1", b"kept")
         await nc.close()
-    finally:
-        proc.terminate()
-        await proc.wait()
-        await drain
     assert (store / "jetstream" / "$G").is_dir()
 
     server = EmbeddedNats("127.0.0.1:0", store)

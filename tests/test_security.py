@@ -7,8 +7,6 @@ import contextlib
 import json
 import logging
 import os
-import re
-import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -32,14 +30,22 @@ from iop.edge.usage_query import read_records
 from iop.errors import BusError, ConfigError, Unauthorized
 from iop.nats import connection
 from iop.nats.access import SECRET_FILE, Credentials, NatsAccess
-from iop.nats.bundle import nats_server_path
 from iop.nats.server import EmbeddedNats
 from iop.node import policy as node_policy
 from iop.node.catalog import CatalogSource
 from iop.node.runtime import NodeRuntime
 from iop.responses.cache import GONE_ROOT, gone_subject
 from tests.fakes import fake_upstream
-from tests.harness import deployment, deployment_running, eventually, iop_process, running_edge, running_node, until
+from tests.harness import (
+    deployment,
+    deployment_running,
+    eventually,
+    iop_process,
+    nats_server_of,
+    running_edge,
+    running_node,
+    until,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-iop-test-key-5d1e9a"
@@ -500,36 +506,8 @@ async def tls_nats_server(d: Path, *, verify_clients: bool) -> AsyncIterator[str
         f'host: "127.0.0.1"\nport: -1\n'
         f'tls {{ cert_file: "{d / "server.pem"}", key_file: "{d / "server.key"}"{client_ca} }}\n'
     )
-    proc = await asyncio.create_subprocess_exec(
-        nats_server_path(),
-        "-c",
-        str(conf),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert proc.stderr is not None
-    try:
-        port, seen = None, b""
-        async with asyncio.timeout(15):
-            while b"Server is ready" not in (line := await proc.stderr.readline()):
-                assert line, f"nats-server exited during start-up: {seen.decode(errors='replace')}"
-                seen += line
-                if m := re.search(rb"Listening for client connections on \S+:(\d+)", line):
-                    port = int(m.group(1))
-        drain = asyncio.create_task(proc.stderr.read())
+    async with nats_server_of(conf) as port:
         yield f"tls://127.0.0.1:{port}"
-    finally:
-        if proc.returncode is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                async with asyncio.timeout(10):
-                    await proc.wait()
-            except TimeoutError:
-                os.kill(proc.pid, signal.SIGKILL)
-                await proc.wait()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(drain, 5)
 
 
 async def _round_trip(nc: NATS) -> bytes:
@@ -931,19 +909,7 @@ async def test_nats_creds_server_config_gives_an_external_nats_the_same_least_pr
     # The operator's own settings (JetStream on a store of theirs), then the printed block.
     js = f'jetstream {{ store_dir: "{tmp_path / "external-store"}" }}\n'
     conf.write_text('host: "127.0.0.1"\nport: -1\n' + js + "\n".join(printed.stdout) + "\n")
-    proc = await asyncio.create_subprocess_exec(
-        nats_server_path(), "-c", str(conf), stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
-    )
-    assert proc.stderr is not None
-    drain: asyncio.Task[bytes] | None = None
-    try:
-        port = 0
-        async with asyncio.timeout(15):
-            while b"Server is ready" not in (line := await proc.stderr.readline()):
-                assert line, "nats-server exited: the printed block is not a valid configuration"
-                if m := re.search(rb"client connections on \S+:(\d+)", line):
-                    port = int(m.group(1))
-        drain = asyncio.create_task(proc.stderr.read())
+    async with nats_server_of(conf) as port:
         url = f"nats://127.0.0.1:{port}"
         async with iop_process("nats-creds", "--config", str(path), "--node", "n1", cwd=tmp_path) as lines:
             assert await lines.exit_code() == 0
@@ -976,11 +942,6 @@ async def test_nats_creds_server_config_gives_an_external_nats_the_same_least_pr
             chat = {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}
             r = await http.post("/v1/chat/completions", json=chat)
             assert r.status_code == 200, r.text
-    finally:
-        proc.terminate()
-        await proc.wait()
-        if drain is not None:
-            await asyncio.wait_for(drain, 5)
 
 
 async def test_node_reported_strings_reach_log_and_status_bounded_and_escaped(
