@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import re
 import resource
 import shutil
@@ -324,6 +325,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def port_to_reuse() -> int:
+    """A loopback port free now and below the kernel's ephemeral range, for a server a test stops
+    and starts again on the same port: no port the OS hands out (port 0, a client's own end) falls
+    there, so another worker's process cannot take it in between, as one took a `free_port()`."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for _ in range(200):
+        port = random.randrange(10_000, max(10_001, low))
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
 
 
 def pid_gone(pid: int) -> bool:

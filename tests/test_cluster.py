@@ -28,7 +28,7 @@ from iop.nats import connection, streams
 from iop.nats.access import SECRET_FILE, Credentials
 from iop.nats.server import EmbeddedNats
 from tests.fakes import FakeUpstream, bound_socket, fake_upstream
-from tests.harness import deployment, edge_process, eventually, iop_process, running_edge, running_node
+from tests.harness import deployment, edge_process, eventually, iop_process, port_to_reuse, running_edge, running_node
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -62,8 +62,19 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def ports_to_reuse(n: int) -> list[int]:
+    """n distinct ports no other process is handed meanwhile: a member killed and started again
+    (test_stream_leader_killed_...) takes its client and route ports back."""
+    ports: list[int] = []
+    while len(ports) < n:
+        if (p := port_to_reuse()) not in ports:
+            ports.append(p)
+    return ports
+
+
 async def start_cluster(base: Path, name: str = "iop-test") -> Cluster:
-    routes = [f"127.0.0.1:{p}" for p in free_ports(3)]
+    ports = ports_to_reuse(6)
+    routes = [f"127.0.0.1:{p}" for p in ports[:3]]
     servers = []
     for i, listen in enumerate(routes):
         store = base / f"s{i}"
@@ -74,7 +85,7 @@ async def start_cluster(base: Path, name: str = "iop-test") -> Cluster:
         else:
             shutil.copy(base / "s0" / SECRET_FILE, store / SECRET_FILE)
         cluster = config.ClusterSettings(name=name, listen=listen, routes=routes, server_name=f"s{i}")
-        servers.append(EmbeddedNats("127.0.0.1:0", store, cluster=cluster))
+        servers.append(EmbeddedNats(f"127.0.0.1:{ports[3 + i]}", store, cluster=cluster))
     await asyncio.gather(*(s.start() for s in servers))
     return Cluster(servers, routes)
 

@@ -23,7 +23,7 @@ from iop.nats import connection
 from iop.nats.server import EmbeddedNats
 from iop.node.adapters.openai import upstream_request_id
 from tests.fakes import FakeUpstream, fake_upstream
-from tests.harness import EdgeHandle, deployment, edge_process, running_edge, running_node, until
+from tests.harness import EdgeHandle, deployment, edge_process, port_to_reuse, running_edge, running_node, until
 
 ECHO = [sys.executable, "-c", "import sys; sys.stdout.write(sys.stdin.read())"]
 FAIL = [sys.executable, "-c", "import sys; sys.exit(3)"]
@@ -357,7 +357,7 @@ def test_usage_csv_neutralises_names_a_spreadsheet_would_run_as_formulas() -> No
 
 
 async def test_records_wait_while_nats_is_down_and_are_written_after(tmp_path: Path) -> None:
-    server = EmbeddedNats("127.0.0.1:0", tmp_path / "nats")
+    server = EmbeddedNats(f"127.0.0.1:{port_to_reuse()}", tmp_path / "nats")  # started again on it below
     await server.start()
     dep = deployment(
         "models: [{alias: agent, route: n/echo}]\nnodes: [{id: n, adapters: "
