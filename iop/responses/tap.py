@@ -15,7 +15,10 @@ from iop.responses.live import Recording
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
-_FRAME_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_FRAME_ENDS = (b"\r\n\r\n", b"\n\n", b"\r\r")
+_FRAME_END = re.compile(b"|".join(re.escape(e) for e in _FRAME_ENDS))
+_RESPONSE_KEY = b'"response":'
+"""In the lifecycle events only (a key; inside a JSON string its quotes would be escaped)."""
 _LIFECYCLE = frozenset(
     {
         "response.created",
@@ -86,23 +89,36 @@ class KeepingSend:
         return _encode(response)
 
     async def _frames(self, data: bytes) -> bytes:
-        if b'"response":' not in data:
+        """`data` (whole frames) as the client gets it: only the lifecycle events that carry the
+        response object are decoded and patched; the deltas and item events between them pass as
+        slices of `data`, never split into frames."""
+        at = data.find(_RESPONSE_KEY)
+        if at < 0:
             if self.recording is not None:
                 await self.recording.feed(data)
             return data  # deltas and item events: nothing to change, nothing decoded
         out: list[bytes] = []
         pos = 0
-        for end in _FRAME_END.finditer(data):
-            frame = await self._frame(data[pos : end.end()])
-            if self.recording is not None and not self.recording.ended:
-                await self.recording.feed(frame)  # (a final frame was, in `_frame`)
-            out.append(frame)
-            pos = end.end()
-        out.append(data[pos:])
+        while at >= 0:
+            start = _frame_start(data, pos, at)
+            found = _FRAME_END.search(data, at)
+            end = found.end() if found is not None else len(data)
+            await self._passing(out, data[pos:start])
+            frame = await self._frame(data[start:end])
+            await self._passing(out, frame)  # (a final frame was recorded in `_frame`)
+            pos = end
+            at = data.find(_RESPONSE_KEY, pos)
+        await self._passing(out, data[pos:])
         return b"".join(out)
 
+    async def _passing(self, out: list[bytes], data: bytes) -> None:
+        if data:
+            if self.recording is not None and not self.recording.ended:
+                await self.recording.feed(data)
+            out.append(data)
+
     async def _frame(self, frame: bytes) -> bytes:
-        if b'"response":' not in frame:
+        if _RESPONSE_KEY not in frame:
             return frame
         lines = frame.splitlines()
         payload = b"\n".join(line[5:].lstrip(b" ") for line in lines if line.startswith(b"data:"))
@@ -132,6 +148,18 @@ class KeepingSend:
 
 def _split(data: bytes) -> tuple[bytes, bytes]:
     """`data` as its whole SSE frames and the start of the next one."""
-    ends = [m.end() for m in _FRAME_END.finditer(data)]
-    cut = ends[-1] if ends else 0
+    cut = _frame_start(data, 0, len(data))
     return data[:cut], data[cut:]
+
+
+def _frame_start(data: bytes, lo: int, hi: int) -> int:
+    """Where the frame holding `data[hi]` starts: just past the last frame end in `data[lo:hi]`, or `lo`.
+
+    Searched from the end, not matched from `lo`: in a run of three or more line breaks the two
+    may part the blank lines differently, which SSE reads the same (a blank line ends no event)."""
+    cut = lo
+    for end in _FRAME_ENDS:
+        i = data.rfind(end, lo, hi)
+        if i >= 0 and i + len(end) > cut:
+            cut = i + len(end)
+    return cut
