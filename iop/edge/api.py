@@ -173,7 +173,7 @@ class ApiEndpoint:
             turn.body.pop("store", None)  # not a field of /responses/compact: its answer is not a response
             turn.store = False
         out.send = KeepingSend(out.send, responses, owner, turn, stream)
-        return _encode_json(turn.body), turn, owner
+        return turn.encoded(), turn, owner
 
     async def _background(
         self, body: bytes, head: Head, scope: Scope, owner: str, turn: Turn, out: TrackedSend
@@ -195,7 +195,7 @@ class ApiEndpoint:
         resumed = await background.resumed(self.edge.responses, held, self.edge.accepts)
         if resumed is not None:
             turn, stored, work = resumed
-            head = parse_head(self.api, _encode_json(turn.body))
+            head = parse_head(self.api, turn.encoded())
             scope: Scope = {"type": "http", "method": "POST", "path": "/v1/responses", "headers": []}
             await self._run_background(head, scope, held.owner, turn, stored.response, work.key, work.tenant)
 
@@ -210,7 +210,7 @@ class ApiEndpoint:
         recording = background.recording(edge.responses, owner, turn)
         keeper = KeepingSend(background.nowhere, edge.responses, owner, turn, True, recording)
         inner = TrackedSend(keeper, trace)
-        body, head = _encode_json({**turn.body, "stream": True}), head._replace(stream=True, lead=0)
+        body, head = turn.encoded(stream=True), head._replace(stream=True, lead=0)
         never = asyncio.Event()
 
         async def no_client() -> Message:

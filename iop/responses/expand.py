@@ -68,6 +68,16 @@ class Turn:
     """Bytes of the whole input (the earlier turns' items and this turn's), encoded."""
     lease: Held | None = None
     """A background response's lease: its answer is kept only while this edge holds it."""
+    encoded_input: bytes | None = None
+    """`body["input"]` as JSON, when it was encoded already (a conversation's, to measure it)."""
+
+    def encoded(self, **changes: Any) -> bytes:
+        """The request to dispatch as JSON (with `changes` to its fields); an input encoded already
+        is spliced in as it is."""
+        body = {**self.body, **changes}
+        if self.encoded_input is not None and "input" not in changes:
+            body["input"] = msgspec.Raw(self.encoded_input)
+        return _encode(body)
 
 
 class Responses:
@@ -148,11 +158,15 @@ class Responses:
             # One named by item_reference (the front opened those sent whole): the same.
             sent = compaction.opened(sent, self.sealer, owner, foreign=True)
         out["input"] = history + sent
-        size = len(_encode(out["input"])) if history else 0
+        # A conversation is measured and dispatched on the same bytes: encoded once.
+        encoded = _encode(out["input"]) if history else None
+        size = len(encoded) if encoded is not None else 0
         if max_bytes is not None and size > max_bytes:
             raise _too_large(size, max_bytes)
         stored = asked and self.store is not None
-        return Turn(out, turn_items, previous or None, stored, referenced, background, chain=chain, size=size)
+        turn = Turn(out, turn_items, previous or None, stored, referenced, background, chain=chain, size=size)
+        turn.encoded_input = encoded
+        return turn
 
     async def keep(self, owner: str, turn: Turn, response: dict[str, Any]) -> None:
         """Keep an answered turn (when it is to be kept); a store that cannot is logged, never raised."""
@@ -172,10 +186,11 @@ class Responses:
         new = [i for i in turn.items if isinstance(i, dict) and i.get("id") not in turn.referenced]
         new += [i for i in response.get("output") or [] if isinstance(i, dict)]
         output = response.get("output") or []
-        size = (turn.size or len(_encode(turn.items))) + len(_encode(output))
+        encoded = _encode(turn.items)  # measured and written: encoded once
+        size = (turn.size or len(encoded)) + len(_encode(output))
         try:
             record = Stored(response, list(turn.items), turn.previous, turn.chain, size)
-            kept = await self.store.keep(owner, record, new)
+            kept = await self.store.keep(owner, record, new, encoded)
         except Exception as exc:  # NATS down, a bucket at its limit: the answer still goes out
             log.warning("response store: %s not kept: %s", response.get("id"), type(exc).__name__)
             return
@@ -183,16 +198,23 @@ class Responses:
             log.warning("response store: an answer without a usable response id is not kept")
 
     async def _resolve(self, items: list[Any], owner: str) -> list[tuple[Any, bool]]:
-        async def one(i: int, item: Any) -> tuple[Any, bool]:
-            if not isinstance(item, Mapping) or item.get("type") != "item_reference":
-                return item, False
-            ref = item.get("id")
+        """Each input item, an `item_reference` replaced by the item it names (all read at once),
+        with whether it came from one. Only the references are awaited: a long input of items sent
+        whole costs no task per item."""
+        out: list[tuple[Any, bool]] = [(item, False) for item in items]
+        refs = [n for n, item in enumerate(items) if isinstance(item, Mapping) and item.get("type") == "item_reference"]
+        if not refs:
+            return out
+
+        async def one(i: int) -> None:
+            ref = items[i].get("id")
             found = await self.store.item(owner, ref) if self.store is not None and isinstance(ref, str) else None
             if found is None:
                 raise NotFound(f"Item with id '{ref}' not found.", param=f"input[{i}]", code="item_not_found")
-            return found, True
+            out[i] = (found, True)
 
-        return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(items))))
+        await asyncio.gather(*(one(i) for i in refs))
+        return out
 
     async def _history(self, previous: str, owner: str, max_bytes: int | None) -> tuple[list[Any], list[str]]:
         """The input and output items of `previous` and every response before it, oldest first, and their ids.

@@ -83,6 +83,17 @@ class Stored(msgspec.Struct):
     that would pass the limit is refused without reading the chain (0: a record from before it was kept)."""
 
 
+class _Written(msgspec.Struct):
+    """A `Stored` as it is written when its input items are encoded already (their size was
+    measured on those bytes): the same JSON, without encoding a long input a second time."""
+
+    response: dict[str, Any]
+    input: msgspec.Raw
+    previous: str | None
+    chain: list[str]
+    size: int
+
+
 _encode = msgspec.json.Encoder().encode
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -204,13 +215,21 @@ class ResponseStore:
         return _item(raw) if raw is not None else None
 
     @_reachable
-    async def keep(self, owner: str, stored: Stored, items: list[dict[str, Any]]) -> bool:
-        """Keep `stored` and index `items` (the new ones it holds) by id; False when its id cannot be kept."""
+    async def keep(
+        self, owner: str, stored: Stored, items: list[dict[str, Any]], encoded_input: bytes | None = None
+    ) -> bool:
+        """Keep `stored` and index `items` (the new ones it holds) by id; False when its id cannot be kept.
+        `encoded_input`: `stored.input` as JSON already (written as it is)."""
         response_id = stored.response.get("id")
         if not isinstance(response_id, str) or not valid_id(response_id):
             return False
         puts = [self._put(f"i.{owner}.{item['id']}", _encode(item)) for item in items if valid_id(item.get("id"))]
-        data, fresh = _encode(stored), self.fresh
+        if encoded_input is None:
+            data = _encode(stored)
+        else:
+            raw = msgspec.Raw(encoded_input)
+            data = _encode(_Written(stored.response, raw, stored.previous, stored.chain, stored.size))
+        fresh = self.fresh
         ticket, stamp = (fresh.ticket() if fresh is not None else None), time.time()
         # The response and its items at once: one round trip to the bucket before the answer goes
         # out, not two. A client learns the ids from that answer, sent once every write is acked.
