@@ -39,7 +39,15 @@ from bench.scale import raise_fd_limit
 from bench.stack import Stack, start_stack
 
 # api name in the table → (API the client speaks, model alias through iop)
-APIS = {"chat": ("chat", "bench"), "responses": ("responses", "bench"), "responses→chat": ("responses", "bench-chat")}
+APIS = {
+    "chat": ("chat", "bench"),
+    "responses": ("responses", "bench"),
+    "responses→chat": ("responses", "bench-chat"),
+    "responses stored": ("responses", "bench"),
+}
+STORED = frozenset({"responses stored"})
+"""Arms whose request says `store: true` (the others `false`, as Codex sends): the edge keeps the
+turn, its input included, in the response store before the answer's end leaves."""
 
 
 @dataclass
@@ -119,10 +127,11 @@ def _cells(stack: Stack, upstream: Proc, port: int, edge_port: int, opts: Bodies
             for mode in opts.modes:
                 stream = mode == "stream"
                 path = "/v1" + load.endpoint(api)
+                stored = name in STORED
                 direct = load.request_of(
-                    load.Target("127.0.0.1", port, path), fixtures.body(api, "fake-model", size, stream)
+                    load.Target("127.0.0.1", port, path), fixtures.body(api, "fake-model", size, stream, stored)
                 )
-                body = fixtures.body(api, alias, size, stream)
+                body = fixtures.body(api, alias, size, stream, stored)
                 via = load.request_of(load.Target("127.0.0.1", edge_port, path), body)
                 before = {k: f() for k, f in ours.items()}
                 ticks, t0 = machine_ticks(), time.monotonic()

@@ -118,7 +118,7 @@ def chat_body(model: str, size: int, stream: bool, seed: int = 7) -> bytes:
     return _dump(req)
 
 
-def responses_body(model: str, size: int, stream: bool, seed: int = 7) -> bytes:
+def responses_body(model: str, size: int, stream: bool, seed: int = 7, store: bool = False) -> bytes:
     """A Responses request of about `size` bytes: instructions, tools, input items with tool calls."""
     rng = random.Random(seed)
     tools = [
@@ -131,7 +131,7 @@ def responses_body(model: str, size: int, stream: bool, seed: int = 7) -> bytes:
         "instructions": prose(rng, min(3000, max(20, size // 40))),
         "input": items,
         "stream": stream,
-        "store": False,
+        "store": store,
         "max_output_tokens": 16,
     }
     if tools:
@@ -149,8 +149,11 @@ def responses_body(model: str, size: int, stream: bool, seed: int = 7) -> bytes:
     return _dump(req)
 
 
-def body(api: str, model: str, size: int, stream: bool) -> bytes:
-    return (chat_body if api == "chat" else responses_body)(model, size, stream)
+def body(api: str, model: str, size: int, stream: bool, store: bool = False) -> bytes:
+    """`store`: a Responses request that asks for its turn to be kept (`store: true`)."""
+    if api == "chat":
+        return chat_body(model, size, stream)
+    return responses_body(model, size, stream, store=store)
 
 
 def _dump(req: dict[str, Any]) -> bytes:

@@ -51,6 +51,7 @@ from typing import Any
 
 from bench.abtest import AbOptions, run_ab
 from bench.affinity import AffinityOptions, run_affinity
+from bench.bodies import APIS as BODY_APIS
 from bench.bodies import BodiesOptions, run_bodies
 from bench.capacity import CapacityOptions, run_capacity
 from bench.chain import ChainOptions, run_chain
@@ -120,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--waiting", type=int, default=10_000, help="memory: requests held waiting, also with --quick")
     ap.add_argument(
         "--body-sizes", default=None, help="bodies: comma-separated body bytes (default 1000,100000,800000,3000000)"
+    )
+    ap.add_argument(
+        "--body-apis",
+        default=None,
+        help="bodies: comma-separated arms (default chat,responses,responses→chat,responses stored)",
     )
     ap.add_argument(
         "--body-pairs",
@@ -257,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
                 bo.requests = a.body_pairs
             if a.body_sizes:
                 bo.sizes = [int(x) for x in a.body_sizes.split(",") if x.strip()]
+            if a.body_apis:
+                bo.apis = [x.strip() for x in a.body_apis.split(",") if x.strip()]
+                if unknown := [x for x in bo.apis if x not in BODY_APIS]:
+                    ap.error(f"--body-apis: no arm {', '.join(unknown)} (there are {', '.join(BODY_APIS)})")
             attempt("bodies", lambda: run_bodies(owned, workdir, bo))
         if "tracing" in only:
             to = TracingOptions(rounds=1 if a.quick else 3, seconds=1.5 if a.quick else 3.0, archive=a.archive)

@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api", choices=["chat", "responses"], default="chat")
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--size", type=int, default=0, help="an agent-sized body of this many bytes (bench/fixtures.py)")
+    ap.add_argument("--store", action="store_true", help="with --size, a Responses body that asks for store: true")
     ap.add_argument("-c", "--concurrency", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
@@ -176,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
             owned, out, "profile", [{"alias": "bench", "pool": ["fake"]}], [openai_pool_node("n", [("fake", port, 64)])]
         )
         target = load.Target("127.0.0.1", int(stack.url.rsplit(":", 1)[1]), "/v1" + load.endpoint(a.api))
-        body = fixtures.body(a.api, "bench", a.size, a.stream) if a.size else load.body_of(a.api, "bench", a.stream)
+        body = (
+            fixtures.body(a.api, "bench", a.size, a.stream, a.store)
+            if a.size
+            else load.body_of(a.api, "bench", a.stream)
+        )
         load.run(load.LoadSpec(target, body, concurrency=8, requests=500, max_seconds=10))
         result: dict[str, load.LoadResult] = {}
         spec = load.LoadSpec(target, body, concurrency=a.concurrency, requests=10_000_000, max_seconds=a.seconds + 2)
