@@ -78,8 +78,10 @@ def summarize(raw: Path, top: int = 12) -> str:
     for line in raw.read_text(errors="replace").splitlines():
         stack, _, n = line.rpartition(" ")
         # The main thread only (it runs the event loop); threads started by `threading` (asyncio's
-        # child watcher, executors) begin in threading.py.
-        if not n.isdigit() or stack.startswith("_bootstrap (threading.py"):
+        # child watcher, executors) begin in threading.py (py-spy names the frame `_bootstrap` or,
+        # as its newer releases do, `Thread._bootstrap`).
+        first = stack.split(";", 1)[0]
+        if not n.isdigit() or "_bootstrap (threading.py" in first:
             continue
         count = int(n)
         parsed = [m for f in stack.split(";") if (m := _FRAME.match(f.strip()))]
