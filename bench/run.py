@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     only = {x.strip() for x in a.only.split(",") if x.strip()}
     if unknown := only - set(SCENARIOS):
         ap.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+    body_apis = [x.strip() for x in (a.body_apis or "").split(",") if x.strip()]
+    if strange := [x for x in body_apis if x not in BODY_APIS]:
+        ap.error(f"--body-apis: no arm {', '.join(strange)} (there are {', '.join(BODY_APIS)})")
     rounds = a.rounds or (1 if a.quick else 5)
     seconds = a.seconds or (0.8 if a.quick else 3.0)
     out = a.out or REPO / "bench" / "results" / f"{time.strftime('%Y-%m-%d-%H%M%S')}.json"
@@ -263,10 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                 bo.requests = a.body_pairs
             if a.body_sizes:
                 bo.sizes = [int(x) for x in a.body_sizes.split(",") if x.strip()]
-            if a.body_apis:
-                bo.apis = [x.strip() for x in a.body_apis.split(",") if x.strip()]
-                if unknown := [x for x in bo.apis if x not in BODY_APIS]:
-                    ap.error(f"--body-apis: no arm {', '.join(unknown)} (there are {', '.join(BODY_APIS)})")
+            if body_apis:
+                bo.apis = body_apis
             attempt("bodies", lambda: run_bodies(owned, workdir, bo))
         if "tracing" in only:
             to = TracingOptions(rounds=1 if a.quick else 3, seconds=1.5 if a.quick else 3.0, archive=a.archive)

@@ -195,8 +195,13 @@ async def _refused(edge: Any, owner: str, response_id: str) -> None:
         "message": "the key that created this response was revoked",
         "type": "invalid_api_key",
     }
-    await eventually(lambda: _no_lease(edge.edge), timeout_s=10)
-    assert await store.work(owner, response_id) is None
+
+    async def nothing_left() -> bool:
+        # The run deletes its lease, then its work record: the lease's watch may hear of the first
+        # before the second is written, so both are waited for.
+        return await _no_lease(edge.edge) and await store.work(owner, response_id) is None
+
+    await eventually(nothing_left, timeout_s=10)
 
 
 async def _no_lease(edge: Any) -> bool:
