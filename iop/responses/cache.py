@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,12 +71,20 @@ _info = msgspec.json.Decoder(_Info).decode
 @dataclass(slots=True)
 class Entry:
     stored: Any
-    """The decoded record (`store.Stored`); shared by every reader, who never changes it."""
+    """The decoded record (`store.Stored`); shared by every reader, who never changes it. Or, with
+    `decode`, the record's JSON, decoded at its first read (a turn this edge wrote: most are
+    never read here, and its writer's objects go on to the client, so it could not share them)."""
     size: int
     stamp: float
     """Unix time of its oldest message (its parts are written before it)."""
     seq: int
     """Stream sequence of its oldest message."""
+    decode: Callable[[bytes], Any] | None = None
+
+    def record(self) -> Any:
+        if self.decode is not None:
+            self.stored, self.decode = self.decode(self.stored), None
+        return self.stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +121,7 @@ class TurnCache:
             self._drop(key)
             return None
         self.entries.move_to_end(key)
-        return entry.stored
+        return entry.record()
 
     def put(self, owner: str, response_id: str, entry: Entry, ticket: Ticket, reconnects: int) -> None:
         key = (owner, response_id)

@@ -236,7 +236,8 @@ class ResponseStore:
         seq, *_ = await asyncio.gather(self._put(f"r.{owner}.{response_id}", data), *puts)
         if fresh is not None and ticket is not None and _cacheable(stored):
             # A copy of its own, as a read would give: the caller's objects go on to the client.
-            fresh.put(owner, response_id, Entry(_stored(data), len(data), stamp, seq), ticket)
+            # Decoded when it is first read here, if ever (a client resending its whole input never).
+            fresh.put(owner, response_id, Entry(data, len(data), stamp, seq, _stored), ticket)
         return True
 
     @_reachable
