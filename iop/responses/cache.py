@@ -44,6 +44,8 @@ _INFO_EVERY_S = 1.0
 _REMEMBERED = 4096
 """Deletions remembered for reads in flight (an older read is not kept: it may have raced one)."""
 _TIMEOUT_S = 5.0
+_INDEXED = 32_768
+"""Item index entries this edge remembers writing (about 200 bytes each), least recently used out."""
 
 
 def gone_subject(owner: str, response_id: str) -> str:
@@ -110,6 +112,12 @@ class TurnCache:
         self._forgotten: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._floor = 0
         """Tickets before this epoch keep nothing (the deletions they raced may no longer be remembered)."""
+        self.indexed: OrderedDict[tuple[str, str], tuple[int, int, float, int]] = OrderedDict()
+        """(owner, item id) → (hash of the item's JSON, its stream sequence, Unix time, epoch): the item
+        index entries (`i.<owner>.<id>`) this edge wrote, so that an item a client sends again, the
+        same, is not written again while the store still holds it (`indexed_still`)."""
+        self._owner_forgot: OrderedDict[str, int] = OrderedDict()
+        """The epoch of each owner's latest forget: a deletion takes that owner's items with it."""
 
     def get(self, owner: str, response_id: str) -> Any:
         """The record, while it may still be in the store; None otherwise."""
@@ -146,13 +154,55 @@ class TurnCache:
         self._forgotten.move_to_end(key)
         if len(self._forgotten) > _REMEMBERED:
             _, self._floor = self._forgotten.popitem(last=False)
+        # A deleted response's items are deleted with it; which ones, an announcement does not say.
+        self._owner_forgot[owner] = self.epoch
+        self._owner_forgot.move_to_end(owner)
+        if len(self._owner_forgot) > _REMEMBERED:
+            _, self._floor = self._owner_forgot.popitem(last=False)
 
     def clear(self) -> None:
         self.entries.clear()
         self._forgotten.clear()
+        self.indexed.clear()
+        self._owner_forgot.clear()
         self.bytes = 0
         self.epoch += 1
         self._floor = self.epoch
+
+    def indexed_still(self, owner: str, item_id: str, digest: int, now: float) -> bool:
+        """Whether the store still holds the item index entry this edge wrote for `item_id`, the
+        same item (`digest`), young enough not to expire before a turn written now: at most half
+        the bucket's age limit old. Like a cached record, only once a check found the cache fresh."""
+        key = (owner, item_id)
+        got = self.indexed.get(key)
+        if got is None:
+            return False
+        was, seq, stamp, epoch = got
+        if (
+            was != digest
+            or seq < self.first_seq
+            or epoch < self._floor
+            or self._owner_forgot.get(owner, -1) > epoch
+            or (self.max_age_s > 0 and now >= stamp + self.max_age_s / 2)
+        ):
+            del self.indexed[key]
+            return False
+        self.indexed.move_to_end(key)
+        return True
+
+    def note_indexed(
+        self, owner: str, item_id: str, digest: int, seq: int, stamp: float, ticket: Ticket, reconnects: int
+    ) -> None:
+        """This edge wrote the item index entry for `item_id` (taking `ticket` before the write)."""
+        if ticket.reconnects != reconnects or ticket.epoch < self._floor or seq < 0:
+            return
+        if self._owner_forgot.get(owner, -1) > ticket.epoch:
+            return  # a deletion of the owner's raced the write: the entry may be gone already
+        key = (owner, item_id)
+        self.indexed[key] = (digest, seq, stamp, ticket.epoch)
+        self.indexed.move_to_end(key)
+        while len(self.indexed) > _INDEXED:
+            self.indexed.popitem(last=False)
 
     def ticket(self, reconnects: int) -> Ticket:
         return Ticket(self.epoch, reconnects)
@@ -194,6 +244,9 @@ class Freshness:
 
     def put(self, owner: str, response_id: str, entry: Entry, ticket: Ticket) -> None:
         self.cache.put(owner, response_id, entry, ticket, self.reconnects)
+
+    def note_indexed(self, owner: str, item_id: str, digest: int, seq: int, stamp: float, ticket: Ticket) -> None:
+        self.cache.note_indexed(owner, item_id, digest, seq, stamp, ticket, self.reconnects)
 
     async def check(self, since: float) -> bool:
         """True when a lookup that began at `since` (monotonic) may be answered from the cache."""

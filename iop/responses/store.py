@@ -223,7 +223,7 @@ class ResponseStore:
         response_id = stored.response.get("id")
         if not isinstance(response_id, str) or not valid_id(response_id):
             return False
-        puts = [self._put(f"i.{owner}.{item['id']}", _encode(item)) for item in items if valid_id(item.get("id"))]
+        index = {item["id"]: _encode(item) for item in items if valid_id(item.get("id"))}
         if encoded_input is None:
             data = _encode(stored)
         else:
@@ -231,9 +231,32 @@ class ResponseStore:
             data = _encode(_Written(stored.response, raw, stored.previous, stored.chain, stored.size))
         fresh = self.fresh
         ticket, stamp = (fresh.ticket() if fresh is not None else None), time.time()
+        digests = {i: hash(value) for i, value in index.items()} if fresh is not None else {}
+        # An item the client sent again, as this edge wrote it and still in the store, is not
+        # written again: a client resending its whole history would rewrite every item each turn.
+        known = [i for i in index if fresh is not None and fresh.cache.indexed_still(owner, i, digests[i], stamp)]
+        skipped = set(known)
+        writes = [i for i in index if i not in skipped]
+        checked = [fresh.check(time.monotonic())] if fresh is not None and known else []
         # The response and its items at once: one round trip to the bucket before the answer goes
         # out, not two. A client learns the ids from that answer, sent once every write is acked.
-        seq, *_ = await asyncio.gather(self._put(f"r.{owner}.{response_id}", data), *puts)
+        seq, *done = await asyncio.gather(
+            self._put(f"r.{owner}.{response_id}", data),
+            *(self._put(f"i.{owner}.{i}", index[i]) for i in writes),
+            *checked,
+        )
+        seqs = dict(zip(writes, done[: len(writes)], strict=True))
+        if fresh is not None and known:
+            # Still there once every deletion announced before this turn was heard (a deletion
+            # takes its owner's remembered items with it) and the bucket's first sequence read.
+            ok = bool(done[-1])
+            again = [i for i in known if not (ok and fresh.cache.indexed_still(owner, i, digests[i], stamp))]
+            if again:
+                more = await asyncio.gather(*(self._put(f"i.{owner}.{i}", index[i]) for i in again))
+                seqs.update(zip(again, more, strict=True))
+        if fresh is not None and ticket is not None:
+            for i, at in seqs.items():
+                fresh.note_indexed(owner, i, digests[i], at, stamp, ticket)
         if fresh is not None and ticket is not None and _cacheable(stored):
             # A copy of its own, as a read would give: the caller's objects go on to the client.
             # Decoded when it is first read here, if ever (a client resending its whole input never).
