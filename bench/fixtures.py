@@ -140,7 +140,11 @@ def responses_body(model: str, size: int, stream: bool, seed: int = 7, store: bo
     while n < size:
         items.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": prose(rng, 30)}]})
         call = f"call_{turn}"
-        items.append({"type": "function_call", "call_id": call, "name": "tool_1", "arguments": '{"arg_0":"x.py"}'})
+        fc: dict[str, Any] = {"type": "function_call", "call_id": call, "name": "tool_1"}
+        fc["arguments"] = '{"arg_0":"x.py"}'
+        if store:
+            fc["id"] = f"fc_{turn}"  # a client resending its history resends the output items' ids
+        items.append(fc)
         output = code(rng, min(12_000, size // 8 + 64))
         items.append({"type": "function_call_output", "call_id": call, "output": output})
         n += sum(len(_dump(i)) + 1 for i in items[-3:])
