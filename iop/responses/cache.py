@@ -44,8 +44,9 @@ _INFO_EVERY_S = 1.0
 _REMEMBERED = 4096
 """Deletions remembered for reads in flight (an older read is not kept: it may have raced one)."""
 _TIMEOUT_S = 5.0
-_INDEXED = 32_768
-"""Item index entries this edge remembers writing (about 200 bytes each), least recently used out."""
+INDEXED_PER_MIB = 512
+"""Item index entries an edge remembers writing per MiB of `cache_mb` (about 400 bytes each:
+32,768 in 12.5 MiB beside the default 64 MiB of turns), least recently used out first."""
 
 
 def gone_subject(owner: str, response_id: str) -> str:
@@ -201,7 +202,7 @@ class TurnCache:
         key = (owner, item_id)
         self.indexed[key] = (digest, seq, stamp, ticket.epoch)
         self.indexed.move_to_end(key)
-        while len(self.indexed) > _INDEXED:
+        while len(self.indexed) > (self.max_bytes * INDEXED_PER_MIB) >> 20:
             self.indexed.popitem(last=False)
 
     def ticket(self, reconnects: int) -> Ticket:
