@@ -136,8 +136,9 @@ class ApiEndpoint:
                 spans.admitted(trace, head.model, body)
                 admitting = False
             if head.stateful and not self.pinned:
-                body, turn, owner = await self._expand(scope, body, head.stream, out)
-                head = head._replace(lead=0)  # another body: the node reads it whole
+                body, turn, owner = await self._expand(scope, body, head, out)
+                if turn.sent is None:
+                    head = head._replace(lead=0)  # another body: the node reads it whole
                 if turn.background and not head.stream:
                     await self._background(body, head, scope, owner, turn, out)
                     return
@@ -162,10 +163,15 @@ class ApiEndpoint:
             elif trace.span is not None:
                 trace.span.end()
 
-    async def _expand(self, scope: Scope, body: bytes, stream: bool, out: TrackedSend) -> tuple[bytes, Turn, str]:
+    async def _expand(self, scope: Scope, body: bytes, head: Head, out: TrackedSend) -> tuple[bytes, Turn, str]:
         """The stateless request to dispatch; the answer's send then keeps and echoes the state."""
         responses = self.edge.responses
         owner = self.edge.owner(scope)
+        if head.as_sent and self.api == "responses":
+            turn = responses.as_sent(body, head.lead)
+            out.send = KeepingSend(out.send, responses, owner, turn, head.stream)
+            return turn.encoded(), turn, owner
+        stream = head.stream
         request = _decode_json(body)
         turn = await responses.expand(request, owner, self.edge.max_body_bytes)
         turn.request = request

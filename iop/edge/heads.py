@@ -74,17 +74,27 @@ class ResponsesHead(msgspec.Struct):
     tools: list[_Object] | None = None
     include: list[str] | None = None
     prompt_cache_key: str | None = None
-    store: bool | None = None
+    store: bool | msgspec.UnsetType | None = msgspec.UNSET
     previous_response_id: str | None = None
     max_output_tokens: int | None = None
     generate: Any = None
     """Codex's warm-up sends `false` (iop/edge/responses_front.py answers it); never checked here."""
+    background: Any = msgspec.UNSET
+    """Only whether it is there (iop/responses/expand.py checks it)."""
 
     def stateful(self) -> bool:
         """The request names or makes state the edge holds (iop/responses): it is expanded first."""
         if self.store is not False or self.previous_response_id is not None:
             return True
         return not isinstance(self.input, str) and any(i.type == "item_reference" for i in self.input)
+
+    def kept_as_sent(self) -> bool:
+        """A turn to keep that names no state and no option the edge applies (no `store`,
+        `previous_response_id` or `background` key, no item_reference, its input a list of items):
+        its bytes go on as they came, with `store: false` (iop/responses/expand.py, `as_sent`)."""
+        if self.store is not msgspec.UNSET or self.previous_response_id is not None or isinstance(self.input, str):
+            return False
+        return self.background is msgspec.UNSET and not any(i.type == "item_reference" for i in self.input)
 
     def for_front(self) -> bool:
         """A warm-up, or compaction in the input: iop/edge/responses_front.py answers or opens it."""
@@ -147,6 +157,8 @@ class Head(NamedTuple):
     """The most output tokens the request allows (the router's size of its answer)."""
     lead: int = 0
     """`wire.WorkItem.lead` of this very body: where its first and only top-level `model` ends."""
+    as_sent: bool = False
+    """A Responses turn to keep whose bytes go on as they came (`ResponsesHead.kept_as_sent`)."""
 
 
 KNOWN = "iop.responses_head"
@@ -191,9 +203,9 @@ def parse_head(api: wire.Api, body: bytes, known: Known | None = None) -> Head:
     if api == "responses":
         resp, at = known if known is not None else responses_head(body)
         model = str(resp.model)
-        return Head(
-            model, resp.stream, resp.prompt_cache_key, None, resp.stateful(), max_tokens=resp.max_output_tokens, lead=at
-        )
+        stateful, max_tokens = resp.stateful(), resp.max_output_tokens
+        as_sent = stateful and resp.kept_as_sent()
+        return Head(model, resp.stream, resp.prompt_cache_key, None, stateful, max_tokens, at, as_sent)
     return _checked(lambda b: _head(api, b), body)
 
 

@@ -21,11 +21,25 @@ from iop import edgeconf
 from iop.errors import BadRequest, NotFound
 from iop.openai import compaction
 from iop.responses.caps import ResponseCaps
-from iop.responses.store import ResponseStore, Stored
+from iop.responses.store import ResponseStore, Stored, valid_id
 from iop.responses.takeover import Held, Takeover, new_runner
 
 log = logging.getLogger("iop.responses")
 _encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+
+
+class _Sent(msgspec.Struct):
+    input: msgspec.Raw
+
+
+class _ItemId(msgspec.Struct):
+    id: Any = None
+
+
+_sent = msgspec.json.Decoder(_Sent).decode
+_raw_items = msgspec.json.Decoder(list[msgspec.Raw]).decode
+_item_id = msgspec.json.Decoder(_ItemId).decode
 
 MAX_CHAIN = 10_000
 """Turns a `previous_response_id` chain may have (ids never repeat; this only bounds a broken store)."""
@@ -70,10 +84,18 @@ class Turn:
     """A background response's lease: its answer is kept only while this edge holds it."""
     encoded_input: bytes | None = None
     """`body["input"]` as JSON, when it was encoded already (a conversation's, to measure it)."""
+    sent: bytes | None = None
+    """The request to dispatch, as bytes (a turn kept as sent: `Responses.as_sent`; `body` is empty)."""
+    items_json: bytes | None = None
+    """This turn's input items as the client sent them, when they were not decoded (`as_sent`)."""
+    index: list[tuple[str, bytes]] = field(default_factory=list)
+    """Of those, the ones with an id, by id (`as_sent`): what `keep` indexes in place of `items`."""
 
     def encoded(self, **changes: Any) -> bytes:
         """The request to dispatch as JSON (with `changes` to its fields); an input encoded already
         is spliced in as it is."""
+        if self.sent is not None:
+            return self.sent if not changes else _encode({**_decode(self.sent), **changes})
         body = {**self.body, **changes}
         if self.encoded_input is not None and "input" not in changes:
             body["input"] = msgspec.Raw(self.encoded_input)
@@ -168,6 +190,23 @@ class Responses:
         turn.encoded_input = encoded
         return turn
 
+    def as_sent(self, body: bytes, lead: int) -> Turn:
+        """The turn of a request whose head is `kept_as_sent` (iop/edge/heads.py), read without
+        decoding it: its bytes go on with `store: false` spliced in (after the leading `model`
+        when `lead` says where it ends, so the node still finds it there), its input is kept as the
+        bytes it came in, and only its items that name an `id` are read, for their index entries."""
+        items_json = bytes(_sent(body).input)
+        index: list[tuple[str, bytes]] = []
+        for raw in _raw_items(items_json):
+            item = bytes(raw)
+            if b'"id"' in item and valid_id(item_id := _item_id(item).id):
+                index.append((item_id, item))
+        at = lead if lead else len(body) - len(body.lstrip()) + 1
+        sent = b"".join((body[:at], b',"store":false' if lead else b'"store":false,', memoryview(body)[at:]))
+        turn = Turn({}, [], None, self.store is not None)
+        turn.sent, turn.items_json, turn.index = sent, items_json, index
+        return turn
+
     async def keep(self, owner: str, turn: Turn, response: dict[str, Any]) -> None:
         """Keep an answered turn (when it is to be kept); a store that cannot is logged, never raised."""
         if not turn.store or self.store is None:
@@ -186,11 +225,12 @@ class Responses:
         new = [i for i in turn.items if isinstance(i, dict) and i.get("id") not in turn.referenced]
         new += [i for i in response.get("output") or [] if isinstance(i, dict)]
         output = response.get("output") or []
-        encoded = _encode(turn.items)  # measured and written: encoded once
+        # Measured and written on the same bytes: the input encoded once, or as it was sent.
+        encoded = turn.items_json if turn.items_json is not None else _encode(turn.items)
         size = (turn.size or len(encoded)) + len(_encode(output))
         try:
             record = Stored(response, list(turn.items), turn.previous, turn.chain, size)
-            kept = await self.store.keep(owner, record, new, encoded)
+            kept = await self.store.keep(owner, record, new, encoded, turn.index)
         except Exception as exc:  # NATS down, a bucket at its limit: the answer still goes out
             log.warning("response store: %s not kept: %s", response.get("id"), type(exc).__name__)
             return

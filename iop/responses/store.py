@@ -216,14 +216,21 @@ class ResponseStore:
 
     @_reachable
     async def keep(
-        self, owner: str, stored: Stored, items: list[dict[str, Any]], encoded_input: bytes | None = None
+        self,
+        owner: str,
+        stored: Stored,
+        items: list[dict[str, Any]],
+        encoded_input: bytes | None = None,
+        encoded_items: list[tuple[str, bytes]] | None = None,
     ) -> bool:
         """Keep `stored` and index `items` (the new ones it holds) by id; False when its id cannot be kept.
-        `encoded_input`: `stored.input` as JSON already (written as it is)."""
+        `encoded_input`: `stored.input` as JSON already (written as it is); `encoded_items`: more
+        items to index, by id, as JSON already (before `items`: an id in both is `items`')."""
         response_id = stored.response.get("id")
         if not isinstance(response_id, str) or not valid_id(response_id):
             return False
-        index = {item["id"]: _encode(item) for item in items if valid_id(item.get("id"))}
+        index = dict(encoded_items or ())
+        index.update((item["id"], _encode(item)) for item in items if valid_id(item.get("id")))
         if encoded_input is None:
             data = _encode(stored)
         else:

@@ -1,0 +1,125 @@
+"""A Responses turn the edge keeps that names no state (no `store`, `previous_response_id` or
+`background` key, no item_reference) goes on as the bytes it came in, `store: false` spliced in,
+and is kept as the expansion would keep it: the same request reaches the upstream, the same record
+and item entries reach the store."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from iop.edge.heads import parse_head
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
+from iop.openai.passthrough import LEAD
+from iop.responses.expand import Responses
+from tests.fakes import fake_upstream
+from tests.harness import deployment, deployment_running
+from tests.test_responses_cache import edge
+from tests.test_responses_chain_reads import OWNER
+from tests.test_responses_store import KEY_A, auth, one_provider
+from tests.test_responses_store import keys as keys  # the fixture: the edge's key variables
+
+ITEMS = [
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": 'say "id": é'}]},
+    {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "read", "arguments": '{"id":"x"}'},
+    {"type": "function_call_output", "call_id": "c1", "output": "a\\nb"},
+    {"type": "message", "id": "msg_1", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+    {"type": "reasoning", "id": "not a valid id", "summary": []},
+]
+
+AS_SENT = {
+    "model first": b'{"model":"m","input":' + json.dumps(ITEMS).encode() + b',"stream":true}',
+    "model later": b'{"instructions":"be brief","input":' + json.dumps(ITEMS).encode() + b',"model":"m"}',
+    "spaces": b' \n{ "model" : "m" , "input" : ' + json.dumps(ITEMS, indent=2).encode() + b" }",
+    "escaped model": b'{"model":"\\u006d","input":[]}',
+}
+NOT_AS_SENT = {
+    "store true": {"model": "m", "input": ITEMS, "store": True},
+    "store null": {"model": "m", "input": ITEMS, "store": None},
+    "previous": {"model": "m", "input": ITEMS, "store": True, "previous_response_id": "resp_x"},
+    "background": {"model": "m", "input": ITEMS, "background": False},
+    "string input": {"model": "m", "input": "hi"},
+    "a reference": {"model": "m", "input": [{"type": "item_reference", "id": "fc_1"}]},
+}
+
+
+@pytest.fixture
+async def nc(nats_server: EmbeddedNats) -> AsyncIterator[NATS]:
+    client = await connection.connect(nats_server.url, "edge-a")
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("name", list(NOT_AS_SENT))
+def test_a_turn_that_names_state_or_an_option_is_expanded_as_before(name: str) -> None:
+    head = parse_head("responses", json.dumps(NOT_AS_SENT[name]).encode())
+    assert head.stateful and not head.as_sent
+
+
+@pytest.mark.parametrize("name", list(AS_SENT))
+async def test_a_turn_kept_as_sent_dispatches_and_keeps_what_its_expansion_would(nc: NATS, name: str) -> None:
+    body = AS_SENT[name]
+    head = parse_head("responses", body)
+    assert head.stateful and head.as_sent
+    responses: Responses = await edge(nc)
+    assert responses.store is not None
+    fast, slow = responses.as_sent(body, head.lead), await responses.expand(json.loads(body), OWNER)
+    sent = fast.encoded()
+    assert json.loads(sent) == json.loads(slow.encoded()) == {**json.loads(body), "store": False}
+    # The client's bytes, one member added: after the leading model (the node still finds it
+    # there), or first.
+    if head.lead:
+        assert sent == body[: head.lead] + b',"store":false' + body[head.lead :]
+        found = LEAD.match(sent)
+        assert found is not None and found.end() == head.lead
+    else:
+        assert sent.replace(b'"store":false,', b"", 1) == body
+    for n, turn in enumerate((fast, slow)):
+        answer = {"id": f"resp_{n}", "output": [{"type": "message", "id": f"out_{n}", "role": "assistant"}]}
+        await responses.keep(OWNER, turn, answer)
+    got = [await responses.store.response(OWNER, f"resp_{n}") for n in range(2)]
+    assert got[0] is not None and got[1] is not None
+    assert got[0].input == got[1].input == json.loads(body)["input"]
+    # Its size (what a next turn's limit counts) is the input as the client encoded it.
+    assert got[1].size <= got[0].size <= got[1].size + body.count(b" ") + body.count(b"\n")
+    for item in json.loads(body)["input"]:
+        found_item = await responses.store.item(OWNER, item["id"]) if "id" in item else None
+        if item.get("id") in ("fc_1", "msg_1"):
+            assert found_item == item
+
+
+async def test_the_upstream_gets_the_clients_bytes_and_the_turn_is_kept(nats_server: EmbeddedNats) -> None:
+    body = AS_SENT["model first"].replace(b',"stream":true', b"")
+    async with (
+        fake_upstream(api="responses") as up,
+        deployment_running(deployment(one_provider(up.url, "responses")), nats_server.url) as h,
+        h.http() as http,
+    ):
+        answer = await http.post(
+            "/v1/responses", content=body, headers={**auth(KEY_A), "content-type": "application/json"}
+        )
+        assert answer.status_code == 200, answer.text
+        kept: dict[str, Any] = answer.json()
+        assert kept["store"] is True
+        # The node set the provider's model in place; nothing else of the client's bytes changed.
+        assert up.raw_bodies == [body.replace(b'"model":"m"', b'"model":"served-model","store":false', 1)]
+        read = await http.get(f"/v1/responses/{kept['id']}/input_items", headers=auth(KEY_A))
+        assert read.status_code == 200, read.text
+        listed = read.json()["data"]  # newest first; an item sent without an id is listed with one
+        assert len(listed) == len(ITEMS)
+        sent_first = zip(listed, ITEMS[::-1], strict=True)
+        assert [{k: v for k, v in i.items() if k != "id" or "id" in s} for i, s in sent_first] == ITEMS[::-1]
+        follow = await http.post(
+            "/v1/responses",
+            json={"model": "m", "input": [{"type": "item_reference", "id": "fc_1"}]},
+            headers=auth(KEY_A),
+        )
+        assert follow.status_code == 200, follow.text
+        assert up.bodies[-1]["input"] == [ITEMS[1]]
