@@ -46,8 +46,9 @@ APIS = {
     "responses stored": ("responses", "bench"),
 }
 STORED = frozenset({"responses stored"})
-"""Arms whose request says `store: true` (the others `false`, as Codex sends): the edge keeps the
-turn, its input included, in the response store before the answer's end leaves."""
+"""Arms whose request leaves `store` out, as the openai SDK does unless told (the others send
+`false`, as Codex does): the edge keeps the turn, its input included, in the response store before
+the answer's end leaves."""
 
 
 @dataclass

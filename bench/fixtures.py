@@ -131,9 +131,10 @@ def responses_body(model: str, size: int, stream: bool, seed: int = 7, store: bo
         "instructions": prose(rng, min(3000, max(20, size // 40))),
         "input": items,
         "stream": stream,
-        "store": store,
         "max_output_tokens": 16,
     }
+    if not store:
+        req["store"] = False  # as Codex sends; a kept turn leaves `store` out, as the openai SDK does
     if tools:
         req["tools"] = tools
     turn, n = 0, len(_dump(req))
