@@ -24,7 +24,7 @@ from tests.test_responses_chain_reads import OWNER
 from tests.test_responses_store import KEY_A, auth, one_provider
 from tests.test_responses_store import keys as keys  # the fixture: the edge's key variables
 
-ITEMS = [
+ITEMS: list[dict[str, Any]] = [
     {"type": "message", "role": "user", "content": [{"type": "input_text", "text": 'say "id": é'}]},
     {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "read", "arguments": '{"id":"x"}'},
     {"type": "function_call_output", "call_id": "c1", "output": "a\\nb"},
