@@ -37,15 +37,19 @@ AS_SENT = {
     "model later": b'{"instructions":"be brief","input":' + json.dumps(ITEMS).encode() + b',"model":"m"}',
     "spaces": b' \n{ "model" : "m" , "input" : ' + json.dumps(ITEMS, indent=2).encode() + b" }",
     "escaped model": b'{"model":"\\u006d","input":[]}',
+    "string input": b'{"model":"m","input":"say \\"hi\\" \\u00e9"}',
 }
 NOT_AS_SENT = {
     "store true": {"model": "m", "input": ITEMS, "store": True},
     "store null": {"model": "m", "input": ITEMS, "store": None},
     "previous": {"model": "m", "input": ITEMS, "store": True, "previous_response_id": "resp_x"},
     "background": {"model": "m", "input": ITEMS, "background": False},
-    "string input": {"model": "m", "input": "hi"},
     "a reference": {"model": "m", "input": [{"type": "item_reference", "id": "fc_1"}]},
 }
+
+
+def _items(sent: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "message", "role": "user", "content": sent}] if isinstance(sent, str) else sent
 
 
 @pytest.fixture
@@ -72,7 +76,10 @@ async def test_a_turn_kept_as_sent_dispatches_and_keeps_what_its_expansion_would
     assert responses.store is not None
     fast, slow = responses.as_sent(body, head.lead), await responses.expand(json.loads(body), OWNER)
     sent = fast.encoded()
-    assert json.loads(sent) == json.loads(slow.encoded()) == {**json.loads(body), "store": False}
+    assert json.loads(sent) == {**json.loads(body), "store": False}
+    # What the expansion would dispatch, but for a text input, which it would send as its message.
+    expanded = json.loads(slow.encoded())
+    assert {**json.loads(sent), "input": _items(json.loads(sent)["input"])} == expanded
     # The client's bytes, one member added: after the leading model (the node still finds it
     # there), or first.
     if head.lead:
@@ -86,10 +93,10 @@ async def test_a_turn_kept_as_sent_dispatches_and_keeps_what_its_expansion_would
         await responses.keep(OWNER, turn, answer)
     got = [await responses.store.response(OWNER, f"resp_{n}") for n in range(2)]
     assert got[0] is not None and got[1] is not None
-    assert got[0].input == got[1].input == json.loads(body)["input"]
+    assert got[0].input == got[1].input == _items(json.loads(body)["input"])
     # Its size (what a next turn's limit counts) is the input as the client encoded it.
     assert got[1].size <= got[0].size <= got[1].size + body.count(b" ") + body.count(b"\n")
-    for item in json.loads(body)["input"]:
+    for item in _items(json.loads(body)["input"]):
         found_item = await responses.store.item(OWNER, item["id"]) if "id" in item else None
         if item.get("id") in ("fc_1", "msg_1"):
             assert found_item == item

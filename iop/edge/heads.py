@@ -90,11 +90,13 @@ class ResponsesHead(msgspec.Struct):
 
     def kept_as_sent(self) -> bool:
         """A turn to keep that names no state and no option the edge applies (no `store`,
-        `previous_response_id` or `background` key, no item_reference, its input a list of items):
-        its bytes go on as they came, with `store: false` (iop/responses/expand.py, `as_sent`)."""
-        if self.store is not msgspec.UNSET or self.previous_response_id is not None or isinstance(self.input, str):
+        `previous_response_id` or `background` key, no item_reference): its bytes go on as they
+        came, with `store: false` (iop/responses/expand.py, `as_sent`)."""
+        if self.store is not msgspec.UNSET or self.previous_response_id is not None:
             return False
-        return self.background is msgspec.UNSET and not any(i.type == "item_reference" for i in self.input)
+        if self.background is not msgspec.UNSET:
+            return False
+        return isinstance(self.input, str) or not any(i.type == "item_reference" for i in self.input)
 
     def for_front(self) -> bool:
         """A warm-up, or compaction in the input: iop/edge/responses_front.py answers or opens it."""

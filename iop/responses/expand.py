@@ -31,7 +31,7 @@ _decode = msgspec.json.Decoder().decode
 
 
 class _SentItems(msgspec.Struct):
-    input: list[msgspec.Raw]
+    input: str | list[msgspec.Raw]
 
 
 class _ItemId(msgspec.Struct):
@@ -202,13 +202,17 @@ class Responses:
         bytes it came in, and only its items that name an `id` are read, for their index entries."""
         # Two scans at msgspec's speed, no Python object per item: each item's bytes, and its id.
         items = _sent_items(body).input
-        ids = _sent_ids(body).input
-        index = [(i.id, bytes(raw)) for i, raw in zip(ids, items, strict=True) if valid_id(i.id)]
+        if isinstance(items, str):
+            items_json, index = _encode(_input_items(items)), []  # a user message of that text
+        else:
+            ids = _sent_ids(body).input
+            index = [(i.id, bytes(raw)) for i, raw in zip(ids, items, strict=True) if valid_id(i.id)]
+            items_json = _encode(items)
         space = _SPACE.match(body)  # (always a match, perhaps empty)
         at = lead if lead else (space.end() if space is not None else 0) + 1
         sent = b"".join((body[:at], b',"store":false' if lead else b'"store":false,', memoryview(body)[at:]))
         turn = Turn({}, [], None, self.store is not None)
-        turn.sent, turn.items_json, turn.index = sent, _encode(items), index
+        turn.sent, turn.items_json, turn.index = sent, items_json, index
         return turn
 
     async def keep(self, owner: str, turn: Turn, response: dict[str, Any]) -> None:
