@@ -6,14 +6,12 @@ and item entries reach the store."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
 
 from iop.edge.heads import parse_head
-from iop.nats import connection
 from iop.nats.server import EmbeddedNats
 from iop.openai.passthrough import LEAD
 from iop.responses.expand import Responses
@@ -21,6 +19,7 @@ from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running
 from tests.test_responses_cache import edge
 from tests.test_responses_chain_reads import OWNER
+from tests.test_responses_chain_reads import nc as nc  # the fixture: one edge's connection
 from tests.test_responses_store import KEY_A, auth, one_provider
 from tests.test_responses_store import keys as keys  # the fixture: the edge's key variables
 
@@ -50,15 +49,6 @@ NOT_AS_SENT = {
 
 def _items(sent: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"type": "message", "role": "user", "content": sent}] if isinstance(sent, str) else sent
-
-
-@pytest.fixture
-async def nc(nats_server: EmbeddedNats) -> AsyncIterator[NATS]:
-    client = await connection.connect(nats_server.url, "edge-a")
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 @pytest.mark.parametrize("name", list(NOT_AS_SENT))

@@ -5,29 +5,15 @@ one real nats-server, each with its own store and cache."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError
 
-from iop.nats import connection
-from iop.nats.server import EmbeddedNats
 from iop.responses.expand import Responses
 from tests.test_responses_cache import edge
+from tests.test_responses_cache import ncs as ncs  # the fixture: two edges' connections
 from tests.test_responses_chain_reads import OWNER
-
-
-@pytest.fixture
-async def ncs(nats_server: EmbeddedNats) -> AsyncIterator[tuple[NATS, NATS]]:
-    a = await connection.connect(nats_server.url, "edge-a")
-    b = await connection.connect(nats_server.url, "edge-b")
-    try:
-        yield a, b
-    finally:
-        await a.close()
-        await b.close()
 
 
 def call(n: int, arguments: str = "{}") -> dict[str, Any]:
