@@ -37,14 +37,24 @@ AS_SENT = {
     "spaces": b' \n{ "model" : "m" , "input" : ' + json.dumps(ITEMS, indent=2).encode() + b" }",
     "escaped model": b'{"model":"\\u006d","input":[]}',
     "string input": b'{"model":"m","input":"say \\"hi\\" \\u00e9"}',
+    "store true": b'{"model":"m", "store": true,"input":' + json.dumps(ITEMS).encode() + b"}",
+    "store true, model later": b'{"store":true,"input":[],"model":"m","model":"m"}',
+    "a nested store key": b'{"model":"m","input":[],"tools":[{"type":"function","name":"f","parameters":{"store":1}}]}',
 }
 NOT_AS_SENT = {
-    "store true": {"model": "m", "input": ITEMS, "store": True},
     "store null": {"model": "m", "input": ITEMS, "store": None},
     "previous": {"model": "m", "input": ITEMS, "store": True, "previous_response_id": "resp_x"},
     "background": {"model": "m", "input": ITEMS, "background": False},
     "a reference": {"model": "m", "input": [{"type": "item_reference", "id": "fc_1"}]},
 }
+
+
+def turn_lead_is_the_models(sent: bytes, lead: int) -> bool:
+    """`lead` is where the one leading `model` of `sent` ends, or 0 when the node must read the body."""
+    found = LEAD.match(sent)
+    if not lead:
+        return found is None or sent.count(b'"model"') > 1
+    return found is not None and found.end() == lead and sent.count(b'"model"') == 1
 
 
 def _items(sent: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -64,18 +74,23 @@ async def test_a_turn_kept_as_sent_dispatches_and_keeps_what_its_expansion_would
     assert head.stateful and head.as_sent
     responses: Responses = await edge(nc)
     assert responses.store is not None
-    fast, slow = responses.as_sent(body, head.lead), await responses.expand(json.loads(body), OWNER)
+    fast = responses.as_sent(body, head.lead, head.as_sent == "rewrite")
+    slow = await responses.expand(json.loads(body), OWNER)
     sent = fast.encoded()
     assert json.loads(sent) == {**json.loads(body), "store": False}
+    assert turn_lead_is_the_models(sent, fast.lead)
     # What the expansion would dispatch, but for a text input, which it would send as its message.
     expanded = json.loads(slow.encoded())
     assert {**json.loads(sent), "input": _items(json.loads(sent)["input"])} == expanded
-    # The client's bytes, one member added: after the leading model (the node still finds it
-    # there), or first.
-    if head.lead:
+    assert head.as_sent == ("rewrite" if "store" in json.loads(body) else "splice")
+    if head.as_sent == "rewrite":
+        # Its top-level members once each, store false, the others' values as they came.
+        assert sent.count(b'"model"') == 1
+    elif head.lead:
+        # The client's bytes, one member added: after the leading model (the node still finds it
+        # there), or first.
         assert sent == body[: head.lead] + b',"store":false' + body[head.lead :]
-        found = LEAD.match(sent)
-        assert found is not None and found.end() == head.lead
+        assert fast.lead == head.lead
     else:
         assert sent.replace(b'"store":false,', b"", 1) == body
     for n, turn in enumerate((fast, slow)):

@@ -137,8 +137,8 @@ class ApiEndpoint:
                 admitting = False
             if head.stateful and not self.pinned:
                 body, turn, owner = await self._expand(scope, body, head, out)
-                if turn.sent is None:
-                    head = head._replace(lead=0)  # another body: the node reads it whole
+                # Another body: the node reads it whole, unless it went on as sent.
+                head = head._replace(lead=turn.lead if turn.sent is not None else 0)
                 if turn.background and not head.stream:
                     await self._background(body, head, scope, owner, turn, out)
                     return
@@ -168,7 +168,7 @@ class ApiEndpoint:
         responses = self.edge.responses
         owner = self.edge.owner(scope)
         if head.as_sent and self.api == "responses":
-            turn = responses.as_sent(body, head.lead)
+            turn = responses.as_sent(body, head.lead, head.as_sent == "rewrite")
             out.send = KeepingSend(out.send, responses, owner, turn, head.stream)
             return turn.encoded(), turn, owner
         stream = head.stream

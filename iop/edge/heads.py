@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Callable, MutableMapping
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import msgspec
 
@@ -67,6 +67,12 @@ class ChatHead(msgspec.Struct):
     """Only whether it is there: without it the node adds its own without reading the body (`lead`)."""
 
 
+AsSent = Literal["", "splice", "rewrite"]
+"""How a kept Responses turn goes on as sent (`ResponsesHead.kept_as_sent`): not at all (""), its
+bytes with `store: false` added ("splice"), or its top-level members with `store` set false
+("rewrite": the body gave `store`)."""
+
+
 class ResponsesHead(msgspec.Struct):
     model: ModelName
     input: str | list[_Item]
@@ -88,15 +94,17 @@ class ResponsesHead(msgspec.Struct):
             return True
         return not isinstance(self.input, str) and any(i.type == "item_reference" for i in self.input)
 
-    def kept_as_sent(self) -> bool:
-        """A turn to keep that names no state and no option the edge applies (no `store`,
-        `previous_response_id` or `background` key, no item_reference): its bytes go on as they
-        came, with `store: false` (iop/responses/expand.py, `as_sent`)."""
-        if self.store is not msgspec.UNSET or self.previous_response_id is not None:
-            return False
+    def kept_as_sent(self) -> AsSent:
+        """A turn to keep that names no state and no option the edge applies (`store` true or
+        left out, no `previous_response_id` or `background` key, no item_reference): its bytes go
+        on as they came, with `store: false` (iop/responses/expand.py, `as_sent`)."""
+        if (self.store is not msgspec.UNSET and self.store is not True) or self.previous_response_id is not None:
+            return ""
         if self.background is not msgspec.UNSET:
-            return False
-        return isinstance(self.input, str) or not any(i.type == "item_reference" for i in self.input)
+            return ""
+        if not isinstance(self.input, str) and any(i.type == "item_reference" for i in self.input):
+            return ""
+        return "splice" if self.store is msgspec.UNSET else "rewrite"
 
     def for_front(self) -> bool:
         """A warm-up, or compaction in the input: iop/edge/responses_front.py answers or opens it."""
@@ -159,7 +167,7 @@ class Head(NamedTuple):
     """The most output tokens the request allows (the router's size of its answer)."""
     lead: int = 0
     """`wire.WorkItem.lead` of this very body: where its first and only top-level `model` ends."""
-    as_sent: bool = False
+    as_sent: AsSent = ""
     """A Responses turn to keep whose bytes go on as they came (`ResponsesHead.kept_as_sent`)."""
 
 
@@ -206,7 +214,7 @@ def parse_head(api: wire.Api, body: bytes, known: Known | None = None) -> Head:
         resp, at = known if known is not None else responses_head(body)
         model = str(resp.model)
         stateful, max_tokens = resp.stateful(), resp.max_output_tokens
-        as_sent = stateful and resp.kept_as_sent()
+        as_sent = resp.kept_as_sent() if stateful else ""
         return Head(model, resp.stream, resp.prompt_cache_key, None, stateful, max_tokens, at, as_sent)
     return _checked(lambda b: _head(api, b), body)
 

@@ -21,6 +21,7 @@ import msgspec
 from iop import edgeconf
 from iop.errors import BadRequest, NotFound
 from iop.openai import compaction
+from iop.openai.passthrough import LEAD
 from iop.responses.caps import ResponseCaps
 from iop.responses.store import ResponseStore, Stored, valid_id
 from iop.responses.takeover import Held, Takeover, new_runner
@@ -43,6 +44,8 @@ class _SentIds(msgspec.Struct):
 
 
 _SPACE = re.compile(rb"[ \t\n\r]*")
+_FALSE = msgspec.Raw(b"false")
+_top_level = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _sent_items = msgspec.json.Decoder(_SentItems).decode
 _sent_ids = msgspec.json.Decoder(_SentIds).decode
 
@@ -91,6 +94,8 @@ class Turn:
     """`body["input"]` as JSON, when it was encoded already (a conversation's, to measure it)."""
     sent: bytes | None = None
     """The request to dispatch, as bytes (a turn kept as sent: `Responses.as_sent`; `body` is empty)."""
+    lead: int = 0
+    """`sent`'s lead (iop/edge/heads.py): where its first and only top-level `model` ends, or 0."""
     items_json: bytes | None = None
     """This turn's input items as the client sent them, when they were not decoded (`as_sent`)."""
     index: list[tuple[str, bytes]] = field(default_factory=list)
@@ -195,11 +200,12 @@ class Responses:
         turn.encoded_input = encoded
         return turn
 
-    def as_sent(self, body: bytes, lead: int) -> Turn:
+    def as_sent(self, body: bytes, lead: int, rewrite: bool = False) -> Turn:
         """The turn of a request whose head is `kept_as_sent` (iop/edge/heads.py), read without
         decoding it: its bytes go on with `store: false` spliced in (after the leading `model`
         when `lead` says where it ends, so the node still finds it there), its input is kept as the
-        bytes it came in, and only its items that name an `id` are read, for their index entries."""
+        bytes it came in, and only its items that name an `id` are read, for their index entries.
+        `rewrite`: the body gave `store`, set false among its top-level members instead."""
         # Two scans at msgspec's speed, no Python object per item: each item's bytes, and its id.
         items = _sent_items(body).input
         if isinstance(items, str):
@@ -208,11 +214,20 @@ class Responses:
             ids = _sent_ids(body).input
             index = [(i.id, bytes(raw)) for i, raw in zip(ids, items, strict=True) if valid_id(i.id)]
             items_json = _encode(items)
-        space = _SPACE.match(body)  # (always a match, perhaps empty)
-        at = lead if lead else (space.end() if space is not None else 0) + 1
-        sent = b"".join((body[:at], b',"store":false' if lead else b'"store":false,', memoryview(body)[at:]))
+        if rewrite:
+            # Every top-level member once, `store` false, the rest as they came (a key given
+            # twice once, with its last value, as it is read).
+            fields = _top_level(body)
+            fields["store"] = _FALSE
+            sent = _encode(fields)
+            found = LEAD.match(sent)  # the one `model`, first if it came first
+            lead = found.end() if found is not None else 0
+        else:
+            space = _SPACE.match(body)  # (always a match, perhaps empty)
+            at = lead if lead else (space.end() if space is not None else 0) + 1
+            sent = b"".join((body[:at], b',"store":false' if lead else b'"store":false,', memoryview(body)[at:]))
         turn = Turn({}, [], None, self.store is not None)
-        turn.sent, turn.items_json, turn.index = sent, items_json, index
+        turn.sent, turn.lead, turn.items_json, turn.index = sent, lead, items_json, index
         return turn
 
     async def keep(self, owner: str, turn: Turn, response: dict[str, Any]) -> None:
