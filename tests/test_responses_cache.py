@@ -218,3 +218,19 @@ async def test_over_http_a_delete_on_one_edge_breaks_the_chain_on_another_at_onc
             assert ids[1] in r.json()["error"]["message"]
             assert (await on_other.get(f"/v1/responses/{ids[1]}", headers=a_key)).status_code == 404
             assert (await on_other.get(f"/v1/responses/{ids[0]}", headers=a_key)).status_code == 200
+
+
+def test_a_read_that_raced_a_deletion_no_longer_remembered_keeps_nothing() -> None:
+    """Past the deletions the cache remembers, a read older than the oldest remembered keeps
+    nothing, however many owners deleted (each owner's latest deletion is remembered too)."""
+    cache = TurnCache(1 << 20, 60.0)
+    entry = Entry(Stored({"id": "resp_k"}, []), 10, 1e18, 1)
+    cache.forget("o-first", "resp_0")  # one owner's deletion, long ago
+    before = cache.ticket(0)  # a read begins
+    cache.forget("o-k", "resp_k")  # and its turn is deleted while it is on its way
+    for n in range(4094):  # then thousands of deletions by other owners, two each
+        cache.forget(f"o-{n}", "resp_a")
+        cache.forget(f"o-{n}", "resp_b")
+    cache.forget("o-last", "resp_c")  # one owner too many: the first owner's is no longer remembered
+    cache.put("o-k", "resp_k", entry, before, 0)
+    assert cache.get("o-k", "resp_k") is None

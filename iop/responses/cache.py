@@ -153,13 +153,14 @@ class TurnCache:
         self.epoch += 1
         self._forgotten[key] = self.epoch
         self._forgotten.move_to_end(key)
-        if len(self._forgotten) > _REMEMBERED:
-            _, self._floor = self._forgotten.popitem(last=False)
         # A deleted response's items are deleted with it; which ones, an announcement does not say.
         self._owner_forgot[owner] = self.epoch
         self._owner_forgot.move_to_end(owner)
+        # What is no longer remembered raises the floor, never lowers it (two memories feed it).
+        if len(self._forgotten) > _REMEMBERED:
+            self._floor = max(self._floor, self._forgotten.popitem(last=False)[1])
         if len(self._owner_forgot) > _REMEMBERED:
-            _, self._floor = self._owner_forgot.popitem(last=False)
+            self._floor = max(self._floor, self._owner_forgot.popitem(last=False)[1])
 
     def clear(self) -> None:
         self.entries.clear()
