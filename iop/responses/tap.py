@@ -104,6 +104,10 @@ class KeepingSend:
             found = _FRAME_END.search(data, at)
             end = found.end() if found is not None else len(data)
             await self._passing(out, data[pos:start])
+            if out and _is_final(data[start:at]):
+                # The events before the final one leave now, not after the keep's write to the store.
+                await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                out.clear()
             frame = await self._frame(data[start:end])
             await self._passing(out, frame)  # (a final frame was recorded in `_frame`)
             pos = end
@@ -144,6 +148,12 @@ class KeepingSend:
         if not self.kept:
             self.kept = True
             await self.responses.keep(self.owner, self.turn, response)
+
+
+def _is_final(head: bytes) -> bool:
+    """Whether a frame whose bytes before its `"response":` key are `head` may be a final event (its
+    type named before that key, as upstreams send it; a wrong guess costs one more send, nothing else)."""
+    return b"response.completed" in head or b"response.incomplete" in head or b"response.failed" in head
 
 
 def _split(data: bytes) -> tuple[bytes, bytes]:
