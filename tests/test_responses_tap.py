@@ -104,3 +104,34 @@ async def test_only_lifecycle_events_are_rewritten() -> None:
     for frame in data.split(b"\n\n"):
         if frame and b'"response": {' not in frame:
             assert frame + b"\n\n" in out
+
+
+async def test_a_whole_answer_leaves_head_and_body_together_after_its_keep() -> None:
+    """Neither part waits alone for the store's write: the head is held for the body (one write)."""
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    store = _Store(sent)
+    keeping = KeepingSend(send, store, "owner", Turn({}, [], None, True), False)  # type: ignore[arg-type]
+    response = {"id": "resp_up", "object": "response", "status": "completed", "output": [], "store": False}
+    body = json.dumps(response).encode()
+    await keeping({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    assert sent == []
+    await keeping({"type": "http.response.body", "body": body[:10], "more_body": True})
+    await keeping({"type": "http.response.body", "body": body[10:]})
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert store.kept and store.kept[0][1] == 0  # kept before either left
+    assert json.loads(sent[1]["body"])["store"] is True
+
+
+async def test_an_error_answer_passes_at_once() -> None:
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    keeping = KeepingSend(send, _Store(sent), "owner", Turn({}, [], None, True), False)  # type: ignore[arg-type]
+    await keeping({"type": "http.response.start", "status": 429, "headers": []})
+    assert [m["status"] for m in sent] == [429]

@@ -48,10 +48,15 @@ class KeepingSend:
         self.ok = False
         self.pending = b""
         self.kept = False
+        self.start: Message | None = None
 
     async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.ok = message["status"] == 200
+            if self.ok and not self.stream:
+                # Held for the body, which leaves after the keep's write: head and body in one write.
+                self.start = message
+                return
             await self.send(message)
             return
         if not self.ok or message["type"] != "http.response.body":
@@ -63,7 +68,11 @@ class KeepingSend:
             # A whole answer may arrive in several sends: it is one JSON object.
             self.pending = data if more else b""
             if not more:
-                await self.send({"type": "http.response.body", "body": await self._whole(data)})
+                body = await self._whole(data)
+                if self.start is not None:
+                    start, self.start = self.start, None
+                    await self.send(start)
+                await self.send({"type": "http.response.body", "body": body})
             return
         frames, self.pending = _split(data) if more else (data, b"")
         out = await self._frames(frames)
