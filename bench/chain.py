@@ -1,7 +1,7 @@
 """Scenario: stored-state expansion of a long `previous_response_id` chain (issue 30: 50 turns ≤ 1 ms).
 
-In this process, as bench/fairness.py measures admission: a nats-server of its own (file store),
-the edge's own `ResponseStore` and `Responses`. Chains of 1, 10 and 50 agent-like turns are built
+In this process on the edge's event loop, as bench/fairness.py measures admission: a nats-server of
+its own (file store), the edge's own `ResponseStore` and `Responses`. Chains of 1, 10 and 50 agent-like turns are built
 as the edge builds them (`Responses.expand`, then `Responses.keep` with the answer): each turn a
 user message or a function_call_output of 1-2 KB of source code, its answer a function_call and a
 short message. At the end of each chain the next turn's expansion is timed, one at a time, on three edges in
@@ -19,7 +19,6 @@ and the CPU of everything else on the machine beside it.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import statistics
 import time
@@ -33,6 +32,7 @@ from bench import fixtures
 from bench.procs import Owned, busy_cores, cpu_s, log, machine_ticks
 from bench.report import table
 from iop import edgeconf
+from iop.cli.common import run_async
 from iop.nats import connection
 from iop.nats.server import EmbeddedNats
 from iop.responses.expand import Responses
@@ -55,7 +55,7 @@ class ChainOptions:
 def run_chain(owned: Owned, workdir: Path, opts: ChainOptions) -> dict[str, Any]:
     """Figures by chain length (`owned` unused: the nats-server is this process's child, stopped here)."""
     del owned
-    rows = asyncio.run(_measure(workdir / "chain-nats", opts))
+    rows = run_async(_measure(workdir / "chain-nats", opts))
     return {"expansions": opts.expansions, "lengths": rows}
 
 

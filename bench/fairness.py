@@ -18,8 +18,9 @@ node starting it) and time to first token at the client, p50/p99; the flooder's 
 slot utilisation over the time work waited (the upstream's timeline, as bench/capacity.py); and
 the CPU of everything else on the machine beside it.
 
-Beside the runs, in this process: the edge's CPU per admission with 1 and 1,000 tenants (issue
-30's figure), the parts a pool request goes through before it holds a slot:
+Beside the runs, in this process on the edge's event loop (uvloop, or IOP_LOOP's): the edge's CPU
+per admission with 1 and 1,000 tenants (issue 30's figure), the parts a pool request goes through
+before it holds a slot:
 
     key         the client key found among one per tenant, and its tenant's policy
     queued      a saturated pool (capacity 4) with two requests of every tenant waiting: one
@@ -55,6 +56,7 @@ from bench.experiments.scheduler import per_admission_us
 from bench.procs import Owned, busy_cores, free_port, http_json, log, machine_ticks
 from bench.stack import openai_pool_node, start_stack
 from iop import config, heap
+from iop.cli.common import run_async
 from iop.edge.keys import EdgeKeys, parse_keys
 from iop.edge.limits import Limiter
 from iop.edge.scheduler import Scheduler
@@ -161,18 +163,18 @@ def run_fairness(owned: Owned, workdir: Path, opts: FairnessOptions) -> dict[str
 def admission_cpu(opts: FairnessOptions, workdir: Path) -> dict[str, Any]:
     """CPU per admission in this process (µs), by the number of tenants: medians of the rounds."""
     out: dict[str, Any] = {}
-    limited = asyncio.run(_limits_us(opts.admission_tenants, workdir / "admission-nats"))
+    limited = run_async(_limits_us(opts.admission_tenants, workdir / "admission-nats"))
     for n in opts.admission_tenants:
         rows: list[dict[str, float]] = []
         ticks0 = machine_ticks()
         t0 = time.monotonic()
         cpu0 = _own_cpu_s()
         for _ in range(opts.admission_rounds):
-            python_floor = asyncio.run(_floor_us(n, opts.admissions))
-            python_whole, _ = asyncio.run(_queued_us(n, opts.admissions))
+            python_floor = run_async(_floor_us(n, opts.admissions))
+            python_whole, _ = run_async(_queued_us(n, opts.admissions))
             with as_the_edge_collects():
-                floor = asyncio.run(_floor_us(n, opts.admissions))
-                whole, grant = asyncio.run(_queued_us(n, opts.admissions))
+                floor = run_async(_floor_us(n, opts.admissions))
+                whole, grant = run_async(_queued_us(n, opts.admissions))
                 rows.append(
                     {
                         "key_us": _key_us(n, opts.admissions),
@@ -180,7 +182,7 @@ def admission_cpu(opts: FairnessOptions, workdir: Path) -> dict[str, Any]:
                         "python_gc_us": python_whole - python_floor,
                         "grant_us": grant,
                         "floor_us": floor,
-                        "free_us": asyncio.run(_free_us(n, opts.admissions)),
+                        "free_us": run_async(_free_us(n, opts.admissions)),
                     }
                 )
         wall = max(1e-9, time.monotonic() - t0)

@@ -21,6 +21,7 @@ import asyncio
 import time
 from collections import deque
 
+from iop.cli.common import run_async
 from iop.edge.scheduler import Scheduler
 from iop.edge.share import SlotShare
 from iop.edge.slots import Grant
@@ -121,20 +122,20 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.announcer:
         for _ in range(3):
-            bare, beside = (asyncio.run(per_request_us(a.dispatches, on)) for on in (False, True))
+            bare, beside = (run_async(per_request_us(a.dispatches, on)) for on in (False, True))
             print(f"{bare:6.2f} us CPU per request alone, {beside:6.2f} with the announcer: +{beside - bare:.2f} us")
         return
     if a.tenants:
         for n in (int(x) for x in a.tenants.split(",") if x):
             for fair in (True, False):
-                us, grant_us = asyncio.run(per_admission_us(n, a.dispatches, fair))
+                us, grant_us = run_async(per_admission_us(n, a.dispatches, fair))
                 print(
                     f"{n:5} tenants waiting, fair queueing {'on ' if fair else 'off'}: {us:6.1f} us CPU per admission,"
                     f" {grant_us:5.1f} us of it the release that grants"
                 )
         return
     for n in (int(x) for x in a.sizes.split(",") if x):
-        us = asyncio.run(per_dispatch_us(n, max(1, a.dispatches // max(1, n // 30))))
+        us = run_async(per_dispatch_us(n, max(1, a.dispatches // max(1, n // 30))))
         print(f"{n:5} providers in the pool: {us:8.1f} us per acquire + release")
 
 

@@ -29,20 +29,26 @@ def load_or_exit(path: str, *, show_warnings: bool = True) -> config_mod.Loaded:
     return loaded
 
 
-def run_async(main: Any) -> None:
-    """Run on uvloop when it is installed (IOP_LOOP=asyncio forces asyncio's own loop)."""
-    import asyncio
+def loop_factory() -> Any:
+    """The event loop iop's processes run on: uvloop's when it is installed (IOP_LOOP=asyncio forces
+    asyncio's own); None for asyncio's."""
     import contextlib
     import importlib
     import os
 
-    factory = None
     if os.environ.get("IOP_LOOP", "uvloop") == "uvloop":
         # By name: uvloop is absent on some platforms (Windows), where asyncio's loop serves.
         with contextlib.suppress(ImportError):
-            factory = importlib.import_module("uvloop").new_event_loop
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(main)
+            return importlib.import_module("uvloop").new_event_loop
+    return None
+
+
+def run_async(main: Any) -> Any:
+    """Run `main` to its end on iop's event loop (`loop_factory`)."""
+    import asyncio
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(main)
 
 
 def log_warnings(loaded: config_mod.Loaded, node_id: str | None = None) -> None:
