@@ -145,8 +145,8 @@ async def _measure(store_dir: Path, opts: ChainOptions) -> list[dict[str, Any]]:
             rng = random.Random(10_000 + n)
             body = {"model": MODEL, "previous_response_id": last, "input": _turn_input(rng, n)}
             turn = await edges["off"].expand(body, owner)  # once unmeasured: the same bytes every time
-            size = len(msgspec.json.encode(turn.body["input"]))
-            items = len(turn.body["input"])
+            sent = msgspec.json.decode(turn.encoded())["input"]
+            size, items = len(msgspec.json.encode(sent)), len(sent)
             await edges["warm"].expand(body, owner)
             walls: dict[str, list[float]] = {a: [] for a in ARMS}
             cpu = dict.fromkeys(ARMS, 0.0)

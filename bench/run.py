@@ -133,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="bodies: direct/iop pairs per cell (20, quick 10); messages: triples (100, quick 30)",
     )
+    ap.add_argument(
+        "--chain-lengths",
+        default=None,
+        help="chain: turns of each chain, comma-separated (default 1,10,50; 400 is ~850 KB of input)",
+    )
     ap.add_argument("--routing-rates", default=None, help="routing: offered loads, req/s (default 1,2,4,8)")
     ap.add_argument("--routing-requests", type=int, default=None, help="routing: least requests per run (60)")
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/<date>.json)")
@@ -150,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     body_apis = [x.strip() for x in (a.body_apis or "").split(",") if x.strip()]
     if strange := [x for x in body_apis if x not in BODY_APIS]:
         ap.error(f"--body-apis: no arm {', '.join(strange)} (there are {', '.join(BODY_APIS)})")
+    chain_lengths = [x.strip() for x in (a.chain_lengths or "").split(",") if x.strip()]
+    if strange := [x for x in chain_lengths if not x.isdigit() or int(x) < 1]:
+        ap.error(f"--chain-lengths: not a number of turns: {', '.join(strange)}")
     rounds = a.rounds or (1 if a.quick else 5)
     seconds = a.seconds or (0.8 if a.quick else 3.0)
     out = a.out or REPO / "bench" / "results" / f"{time.strftime('%Y-%m-%d-%H%M%S')}.json"
@@ -277,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             attempt("wsturns", lambda: run_wsturns(owned, workdir, wo))
         if "chain" in only:
             ch = ChainOptions.quick() if a.quick else ChainOptions()
+            if chain_lengths:
+                ch.lengths = [int(n) for n in chain_lengths]
             attempt("chain", lambda: run_chain(owned, workdir, ch))
         if "messages" in only:
             mo = MessagesOptions(storage=a.storage, archive=a.archive)

@@ -22,7 +22,8 @@ from iop.nats import connection
 from iop.nats.access import SECRET_FILE, Credentials
 from iop.nats.server import EmbeddedNats
 from iop.responses import takeover
-from iop.responses.store import ResponseStore, Stored, owner_of
+from iop.responses.records import Stored
+from iop.responses.store import ResponseStore, owner_of
 from tests.fakes import bound_socket, fake_upstream
 from tests.harness import EdgeHandle, deployment, edge_process, eventually, running_edge, running_node, sse_events
 

@@ -224,3 +224,17 @@ async def test_a_body_that_only_mentions_generate_or_compaction_reaches_the_upst
         r = await http.post("/v1/responses", content=warm, headers=json_type)
         assert r.status_code == 200 and r.json()["output"] == []
         assert up.raw_bodies == [body]
+
+
+async def test_a_turn_continuing_a_stored_compaction_gives_the_model_its_summary(nats_server: EmbeddedNats) -> None:
+    """The stored answer's compaction item is opened from its kept JSON (iop/responses/records.py)."""
+    turns = [Turn(text="Summary: two files listed."), Turn(text="Next.")]
+    async with chat_edge(nats_server, turns) as (up, h), h.http() as http:
+        first = await post(http, {"model": "m", "input": [*WINDOW, {"type": "compaction_trigger"}]})
+        assert first.status_code == 200, first.text
+        sealed = first.json()["output"][0]["encrypted_content"]
+        second = await post(http, {"model": "m", "previous_response_id": first.json()["id"], "input": "go on"})
+    assert second.status_code == 200, second.text
+    sent = json.dumps(up.bodies[1])
+    assert "Summary: two files listed." in sent and sealed not in sent
+    assert up.bodies[1]["messages"][-1] == {"role": "user", "content": "go on"}

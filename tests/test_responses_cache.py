@@ -4,6 +4,7 @@ owner's. Two edges are two connections to one real nats-server, each with its ow
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +17,8 @@ from iop.nats import connection
 from iop.nats.server import EmbeddedNats
 from iop.responses.cache import Entry, TurnCache
 from iop.responses.expand import PreviousResponseNotFound, Responses
-from iop.responses.store import ResponseStore, Stored, owner_of
+from iop.responses.records import Stored
+from iop.responses.store import ResponseStore, owner_of
 from tests.fakes import fake_upstream
 from tests.harness import deployment, eventually, running_edge, running_node
 from tests.test_responses_chain_reads import OTHER, OWNER, chain_of, direct_gets
@@ -43,7 +45,7 @@ def body(previous: str) -> dict[str, Any]:
 
 
 def contents(outcome: Any) -> list[Any]:
-    return [i["content"] for i in outcome.body["input"]]
+    return [i["content"] for i in json.loads(outcome.encoded())["input"]]
 
 
 async def test_a_chain_this_edge_wrote_expands_without_a_store_read_and_only_for_its_owner(
@@ -145,7 +147,7 @@ async def test_the_cache_stays_within_its_bound_and_the_chain_whole(ncs: tuple[N
     assert cache.bytes == sum(e.size for e in cache.entries.values()) > (1 << 20) - 70_000
     assert (OWNER, ids[-1]) in cache.entries and len(cache.entries) < 40  # the least recently used went
     gets, turn = await direct_gets(a, on_a, body(ids[-1]), OWNER)
-    assert gets == 1 and len(turn.body["input"]) == 2 * 40 + 1  # the evicted turns read in one batch
+    assert gets == 1 and len(json.loads(turn.encoded())["input"]) == 2 * 40 + 1  # the evicted turns read in one batch
     assert cache.bytes <= 1 << 20
 
 

@@ -4,6 +4,7 @@ as one read a turn: another owner's id, a deleted or a missing earlier turn brea
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,7 +15,8 @@ from iop import edgeconf
 from iop.nats import connection
 from iop.nats.server import EmbeddedNats
 from iop.responses.expand import PreviousResponseNotFound, Responses
-from iop.responses.store import ResponseStore, Stored, owner_of
+from iop.responses.records import Stored
+from iop.responses.store import ResponseStore, owner_of
 
 OWNER, OTHER = owner_of(b"sk-a"), owner_of(b"sk-b")
 
@@ -70,7 +72,7 @@ async def test_a_thirty_turn_chain_is_read_in_two_direct_gets(nc: NATS) -> None:
     ids = await chain_of(responses, 30)
     gets, turn = await direct_gets(nc, responses, {"model": "m", "previous_response_id": ids[-1], "input": "go"}, OWNER)
     assert gets == 2  # the previous response, then every earlier one at once (one a turn: 30)
-    contents = [i["content"] for i in turn.body["input"]]
+    contents = [i["content"] for i in json.loads(turn.encoded())["input"]]
     assert contents == [c for t in range(30) for c in (f"u{t}", f"a{t}")] + ["go"]
     assert turn.chain == ids
 
@@ -80,7 +82,7 @@ async def test_a_turn_kept_in_parts_is_whole_in_the_chain(nc: NATS) -> None:
     responses = Responses(ResponseStore(opened.kv, 8192, nc))
     ids = await chain_of(responses, 6, big=20_000)
     turn = await responses.expand({"model": "m", "previous_response_id": ids[-1], "input": "go"}, OWNER)
-    assert [i["content"] for i in turn.body["input"]][7] == "x" * 20_000
+    assert [i["content"] for i in json.loads(turn.encoded())["input"]][7] == "x" * 20_000
     await opened.kv.purge(f"r.{OWNER}.resp_3.2")  # a part aged out: that turn is gone, the chain broken
     with pytest.raises(PreviousResponseNotFound, match="resp_3"):
         await responses.expand({"model": "m", "previous_response_id": ids[-1], "input": "go"}, OWNER)
@@ -109,7 +111,7 @@ async def test_a_deleted_missing_or_anothers_earlier_turn_breaks_the_chain(nc: N
         forged.chain.remove(gone)
         await store.keep(OWNER, forged, [])
     turn = await responses.expand({"model": "m", "previous_response_id": "resp_forged", "input": "go"}, OWNER)
-    assert [i["content"] for i in turn.body["input"]] == ["u0", "a0", "go"]
+    assert [i["content"] for i in json.loads(turn.encoded())["input"]] == ["u0", "a0", "go"]
 
 
 async def test_a_store_without_its_connection_reads_a_chain_one_turn_at_a_time(nc: NATS) -> None:
@@ -117,7 +119,7 @@ async def test_a_store_without_its_connection_reads_a_chain_one_turn_at_a_time(n
     responses = Responses(ResponseStore(opened.kv, nc.max_payload))
     ids = await chain_of(responses, 5)
     gets, turn = await direct_gets(nc, responses, {"model": "m", "previous_response_id": ids[-1], "input": "go"}, OWNER)
-    assert gets == 5 and len(turn.body["input"]) == 11
+    assert gets == 5 and len(json.loads(turn.encoded())["input"]) == 11
     assert await asyncio.wait_for(opened.responses(OWNER, [*ids, "no.such"]), 5) == [
         *(await asyncio.gather(*(opened.response(OWNER, i) for i in ids))),
         None,

@@ -12,7 +12,8 @@ import pytest
 
 from iop.nats import connection
 from iop.nats.server import EmbeddedNats
-from iop.responses.store import ResponseStore, Stored
+from iop.responses.records import Stored
+from iop.responses.store import ResponseStore
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, running_edge, running_node, sse_events
 

@@ -26,7 +26,7 @@ from iop.openai.responses_events import response_error, response_object
 from iop.responses import live
 from iop.responses.expand import Responses, Turn
 from iop.responses.live import Recording
-from iop.responses.store import Stored
+from iop.responses.records import Stored
 from iop.responses.takeover import MAX_TAKEOVERS, Held, Work, hold, work_of
 
 log = logging.getLogger("iop.responses")

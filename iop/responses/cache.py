@@ -83,6 +83,9 @@ class Entry:
     seq: int
     """Stream sequence of its oldest message."""
     decode: Callable[[bytes], Any] | None = None
+    items: Any = None
+    """The record as a conversation reads it (iop/responses/records.py: its items as JSON,
+    views of the record's bytes), once a conversation read it."""
 
     def record(self) -> Any:
         if self.decode is not None:
@@ -122,6 +125,11 @@ class TurnCache:
 
     def get(self, owner: str, response_id: str) -> Any:
         """The record, while it may still be in the store; None otherwise."""
+        entry = self.entry(owner, response_id)
+        return entry.record() if entry is not None else None
+
+    def entry(self, owner: str, response_id: str) -> Entry | None:
+        """The record's entry, while the record may still be in the store; None otherwise."""
         key = (owner, response_id)
         entry = self.entries.get(key)
         if entry is None:
@@ -130,7 +138,7 @@ class TurnCache:
             self._drop(key)
             return None
         self.entries.move_to_end(key)
-        return entry.record()
+        return entry
 
     def put(self, owner: str, response_id: str, entry: Entry, ticket: Ticket, reconnects: int) -> None:
         key = (owner, response_id)

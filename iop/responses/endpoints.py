@@ -18,8 +18,9 @@ from starlette.types import Scope
 from iop.errors import BadRequest, NotFound
 from iop.responses import background, live
 from iop.responses.expand import Responses
+from iop.responses.records import Stored
 from iop.responses.replay import sse
-from iop.responses.store import ResponseStore, Stored
+from iop.responses.store import ResponseStore
 
 _SSE = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 STREAM_WAIT_S = 600.0

@@ -22,8 +22,10 @@ from iop import edgeconf
 from iop.errors import BadRequest, NotFound
 from iop.openai import compaction
 from iop.openai.passthrough import LEAD
+from iop.responses import records
 from iop.responses.caps import ResponseCaps
-from iop.responses.store import ResponseStore, Stored, valid_id
+from iop.responses.records import Stored
+from iop.responses.store import ResponseStore, valid_id
 from iop.responses.takeover import Held, Takeover, new_runner
 
 log = logging.getLogger("iop.responses")
@@ -180,18 +182,28 @@ class Responses:
         items = await self._resolve(_input_items(out.get("input")), owner)
         referenced = {str(item.get("id")) for item, ref in items if ref}
         turn_items = [item for item, _ in items]
-        history, chain = await self._history(previous, owner, max_bytes) if previous else ([], [])
-        if any(isinstance(i, Mapping) and i.get("type") == "compaction" for i in history):
-            # A stored compaction answer: the model reads the summary its item holds.
-            # Another service's item (a Responses upstream's own compaction) goes on as it is.
-            history = compaction.opened(history, self.sealer, owner, "previous_response_id", foreign=True)
+        history, chain, compacted = await self._history(previous, owner, max_bytes) if previous else ([], [], False)
         sent = turn_items
         if referenced and any(isinstance(i, Mapping) and i.get("type") == "compaction" for i in sent):
             # One named by item_reference (the front opened those sent whole): the same.
             sent = compaction.opened(sent, self.sealer, owner, foreign=True)
-        out["input"] = history + sent
-        # A conversation is measured and dispatched on the same bytes: encoded once.
-        encoded = _encode(out["input"]) if history else None
+        # A conversation is measured and dispatched on the same bytes: the earlier turns' items as
+        # they were kept, this turn's encoded once.
+        encoded: bytes | None = None
+        if history and compacted:
+            # A stored compaction answer: the model reads the summary its item holds.
+            # Another service's item (a Responses upstream's own compaction) goes on as it is.
+            opened = compaction.opened(
+                _decode(records.joined(history)), self.sealer, owner, "previous_response_id", foreign=True
+            )
+            out["input"] = opened + sent
+            encoded = _encode(out["input"])
+        elif history:
+            mine = memoryview(_encode(sent))[1:-1]
+            encoded = records.joined([*history, mine] if sent else history)
+            out["input"] = msgspec.Raw(encoded)
+        else:
+            out["input"] = sent
         size = len(encoded) if encoded is not None else 0
         if max_bytes is not None and size > max_bytes:
             raise _too_large(size, max_bytes)
@@ -279,31 +291,35 @@ class Responses:
         await asyncio.gather(*(one(i) for i in refs))
         return out
 
-    async def _history(self, previous: str, owner: str, max_bytes: int | None) -> tuple[list[Any], list[str]]:
-        """The input and output items of `previous` and every response before it, oldest first, and their ids.
+    async def _history(
+        self, previous: str, owner: str, max_bytes: int | None
+    ) -> tuple[list[memoryview], list[str], bool]:
+        """The input and output items of `previous` and every response before it, oldest first, as
+        the JSON they were kept as (iop/responses/records.py), their ids, and whether an item may be
+        a compaction item.
 
         The previous response names all its ancestors, so they are read in one batched direct get:
         two round trips to NATS for a conversation of up to 512 turns, one more per 512 after that;
         turns in this edge's cache (iop/responses/cache.py) are not read, after one round trip for both.
         """
         since = time.monotonic()
-        last = await self._stored(previous, owner, since)
+        store = self.store
+        got = await store.items(owner, [previous], since) if store is not None else [None]
+        last = got[0] if got[0] is not None else _gone(previous)
         if max_bytes is not None and last.size > max_bytes:
             raise _too_large(last.size, max_bytes)  # before the chain is read
         chain = [*last.chain, previous]
         if len(chain) > MAX_CHAIN:
             raise BadRequest(f"the conversation is longer than {MAX_CHAIN} responses", param="previous_response_id")
-        found = await self.store.responses(owner, last.chain, since) if self.store is not None else []
-        earlier = [stored if stored is not None else _gone(at) for at, stored in zip(last.chain, found, strict=True)]
-        history: list[Any] = []
-        for stored in (*earlier, last):
-            history += stored.input
-            history += stored.response.get("output") or []
-        return history, chain
-
-    async def _stored(self, response_id: str, owner: str, since: float | None = None) -> Stored:
-        stored = await self.store.response(owner, response_id, since) if self.store is not None else None
-        return stored if stored is not None else _gone(response_id)
+        found = await store.items(owner, last.chain, since) if store is not None else []
+        history: list[memoryview] = []
+        compacted = False
+        for at, turn in zip((*last.chain, previous), (*found, last), strict=True):
+            if turn is None:
+                _gone(at)
+            history += turn.parts
+            compacted = compacted or turn.compacted
+        return history, chain, compacted
 
 
 def _gone(response_id: str) -> NoReturn:

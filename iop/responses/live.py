@@ -35,8 +35,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from iop.errors import Unavailable
+from iop.responses.records import Stored
 from iop.responses.replay import replay_events, sse
-from iop.responses.store import ResponseStore, Stored
+from iop.responses.store import ResponseStore
 
 log = logging.getLogger("iop.responses")
 _encode = msgspec.json.Encoder().encode

@@ -37,6 +37,7 @@ from iop.errors import BusError, Unavailable
 from iop.nats import connection, streams
 from iop.nats.acked import AckedPublishes
 from iop.responses.cache import Entry, Freshness, TurnCache, gone_subject
+from iop.responses.records import Stored, StoredItems, Written, items_of, stored_items
 
 log = logging.getLogger("iop.responses")
 
@@ -66,32 +67,6 @@ def owner_of(secret: bytes | None) -> str:
 
 def valid_id(value: object) -> bool:
     return isinstance(value, str) and _ID.match(value) is not None
-
-
-class Stored(msgspec.Struct):
-    """One stored response."""
-
-    response: dict[str, Any]
-    """The response object as the client got it (output included)."""
-    input: list[dict[str, Any]]
-    """This turn's input items (references resolved, each with an id); earlier turns are in `previous`."""
-    previous: str | None = None
-    chain: list[str] = msgspec.field(default_factory=list)
-    """Every earlier response of the conversation, oldest first (`previous` last): read all at once."""
-    size: int = 0
-    """Bytes of the conversation's items up to and including this response (encoded JSON): a next turn
-    that would pass the limit is refused without reading the chain (0: a record from before it was kept)."""
-
-
-class _Written(msgspec.Struct):
-    """A `Stored` as it is written when its input items are encoded already (their size was
-    measured on those bytes): the same JSON, without encoding a long input a second time."""
-
-    response: dict[str, Any]
-    input: msgspec.Raw
-    previous: str | None
-    chain: list[str]
-    size: int
 
 
 _encode = msgspec.json.Encoder().encode
@@ -188,13 +163,22 @@ class ResponseStore:
         Those in this edge's cache come from memory once it is known fresh for a lookup that began
         at `since` (monotonic; default now): lookups of one request share that check.
         """
+        return await self._records(owner, response_ids, since, False)
+
+    @_reachable
+    async def items(self, owner: str, response_ids: list[str], since: float | None = None) -> list[StoredItems | None]:
+        """`responses()` as a conversation reads them: their items as JSON, not decoded (iop/responses/records.py)."""
+        return await self._records(owner, response_ids, since, True)
+
+    async def _records(self, owner: str, response_ids: list[str], since: float | None, as_items: bool) -> list[Any]:
         keys = [f"r.{owner}.{i}" if valid_id(i) else "" for i in response_ids]
-        out: list[Stored | None] = [None] * len(keys)
+        out: list[Any] = [None] * len(keys)
         fresh = self.fresh
         pairs = list(zip(keys, response_ids, strict=True))
-        cached = fresh is not None and any(k and fresh.cache.get(owner, i) is not None for k, i in pairs)
+        cached = fresh is not None and any(k and fresh.cache.entry(owner, i) is not None for k, i in pairs)
         if fresh is not None and cached and await fresh.check(time.monotonic() if since is None else since):
-            out = [fresh.cache.get(owner, i) if k else None for k, i in pairs]
+            entries = [fresh.cache.entry(owner, i) if k else None for k, i in pairs]
+            out = [(items_of(e) if as_items else e.record()) if e is not None else None for e in entries]
         missing = [k for k, o in zip(keys, out, strict=True) if k and o is None]
         if not missing:
             return out
@@ -204,9 +188,15 @@ class ResponseStore:
             got = found.get(k) if out[n] is None and k else None
             if got is None:
                 continue
-            stored = out[n] = _stored(got[0])
-            if fresh is not None and ticket is not None and got[1] >= 0 and _cacheable(stored):
-                fresh.put(owner, i, Entry(stored, len(got[0]), got[2], got[1]), ticket)
+            got_items = stored_items(got[0]) if as_items else None
+            stored = None if got_items is not None else _stored(got[0])
+            out[n] = got_items if got_items is not None else stored
+            state = got_items if got_items is not None else stored
+            if fresh is not None and ticket is not None and got[1] >= 0 and _cacheable(state):
+                # Read as items, the record stays its JSON until another read decodes it.
+                entry = Entry(stored, len(got[0]), got[2], got[1]) if stored is not None else None
+                entry = entry or Entry(got[0], len(got[0]), got[2], got[1], _stored, got_items)
+                fresh.put(owner, i, entry, ticket)
         return out
 
     @_reachable
@@ -235,7 +225,7 @@ class ResponseStore:
             data = _encode(stored)
         else:
             raw = msgspec.Raw(encoded_input)
-            data = _encode(_Written(stored.response, raw, stored.previous, stored.chain, stored.size))
+            data = _encode(Written(stored.response, raw, stored.previous, stored.chain, stored.size))
         fresh = self.fresh
         ticket, stamp = (fresh.ticket() if fresh is not None else None), time.time()
         digests = {i: hash(value) for i, value in index.items()} if fresh is not None else {}
@@ -485,9 +475,12 @@ class ResponseStore:
         await self.kv.purge(key)
 
 
-def _cacheable(stored: Stored) -> bool:
-    """A record no edge writes again (a background response may still be cancelled or taken over)."""
-    return not stored.response.get("background") and stored.response.get("status") not in _CHANGING
+def _cacheable(state: Any) -> bool:
+    """A record no edge writes again (a background response may still be cancelled or taken over):
+    `state` the record (`Stored`), or its response's state as its items were read."""
+    if isinstance(state, Stored):
+        return not state.response.get("background") and state.response.get("status") not in _CHANGING
+    return not state.background and state.status not in _CHANGING
 
 
 def _time(stamp: str | None) -> float:
