@@ -5,6 +5,7 @@ lists and deletes, and only the client key that stored a response ever reaches i
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -292,6 +293,27 @@ async def test_responses_store_keeps_a_response_larger_than_one_nats_message(nat
         assert await store.response("other", "resp_big") is None
         assert await store.delete("o", "resp_big")
         assert await store.response("o", "resp_big") is None and await store.item("o", "msg_big") is None
+    finally:
+        await nc.close()
+
+
+async def test_responses_store_an_upstream_status_of_any_shape_is_kept_and_read(nats_server: EmbeddedNats) -> None:
+    """The response object is the upstream's: a status that is no string is kept, read and expanded."""
+    nc = await connection.connect(nats_server.url, "test-store", wait_s=5)
+    try:
+        from iop import edgeconf
+        from iop.responses.expand import Responses
+
+        store = await ResponseStore.open(nc, edgeconf.ResponsesSettings())
+        output = [{"type": "message", "role": "assistant", "content": "a"}]
+        response = {"id": "resp_odd", "object": "response", "status": ["completed"], "output": output}
+        assert await store.keep("o", Stored(response, [{"type": "message", "role": "user", "content": "q"}]), [])
+        other = await ResponseStore.open(nc, edgeconf.ResponsesSettings())  # its cache empty: read and kept
+        assert (await other.items("o", ["resp_odd"]))[0] is not None
+        got = await other.response("o", "resp_odd")
+        assert got is not None and got.response["status"] == ["completed"]
+        turn = await Responses(other).expand({"model": "m", "previous_response_id": "resp_odd", "input": "go"}, "o")
+        assert [i["content"] for i in json.loads(turn.encoded())["input"]] == ["q", "a", "go"]
     finally:
         await nc.close()
 

@@ -193,9 +193,10 @@ class ResponseStore:
             out[n] = got_items if got_items is not None else stored
             state = got_items if got_items is not None else stored
             if fresh is not None and ticket is not None and got[1] >= 0 and _cacheable(state):
-                # Read as items, the record stays its JSON until another read decodes it.
-                entry = Entry(stored, len(got[0]), got[2], got[1]) if stored is not None else None
-                entry = entry or Entry(got[0], len(got[0]), got[2], got[1], _stored, got_items)
+                if stored is not None:
+                    entry = Entry(stored, len(got[0]), got[2], got[1])
+                else:  # read as items: the record stays its JSON until another read decodes it
+                    entry = Entry(got[0], len(got[0]), got[2], got[1], _stored, got_items)
                 fresh.put(owner, i, entry, ticket)
         return out
 
@@ -479,8 +480,10 @@ def _cacheable(state: Any) -> bool:
     """A record no edge writes again (a background response may still be cancelled or taken over):
     `state` the record (`Stored`), or its response's state as its items were read."""
     if isinstance(state, Stored):
-        return not state.response.get("background") and state.response.get("status") not in _CHANGING
-    return not state.background and state.status not in _CHANGING
+        status, background = state.response.get("status"), state.response.get("background")
+    else:
+        status, background = state.status, state.background
+    return not background and not (isinstance(status, str) and status in _CHANGING)
 
 
 def _time(stamp: str | None) -> float:
