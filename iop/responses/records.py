@@ -61,7 +61,6 @@ class _Kept(msgspec.Struct):
 
     response: _Response
     input: msgspec.Raw
-    previous: str | None = None
     chain: list[str] = msgspec.field(default_factory=list)
     size: int = 0
 
