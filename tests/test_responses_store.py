@@ -463,10 +463,14 @@ async def test_responses_store_listing_pages_past_deleted_keys_and_says_when_the
 
         store = await ResponseStore.open(nc, edgeconf.ResponsesSettings())
         for n in range(6):
-            await store.keep("a" if n % 2 else "b", Stored({"id": f"resp_p{n}", "object": "response", "output": []}, []), [])
+            await store.keep(
+                "a" if n % 2 else "b", Stored({"id": f"resp_p{n}", "object": "response", "output": []}, []), []
+            )
         assert await store.delete("b", "resp_p0") and await store.delete("a", "resp_p5")
         everything, more = await store.listing(10)
-        assert sorted(everything) == [("a", "resp_p1"), ("a", "resp_p3"), ("b", "resp_p2"), ("b", "resp_p4")] and not more
+        assert (
+            sorted(everything) == [("a", "resp_p1"), ("a", "resp_p3"), ("b", "resp_p2"), ("b", "resp_p4")] and not more
+        )
         assert (await store.listing(4))[1] is False  # four there, four asked: no more, the deleted ones not counted
         first, more = await store.listing(3)
         assert len(first) == 3 and set(first) < set(everything) and more

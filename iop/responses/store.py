@@ -37,6 +37,7 @@ from iop.errors import BusError, Unavailable
 from iop.nats import connection, streams
 from iop.nats.acked import AckedPublishes
 from iop.responses.cache import Entry, Freshness, TurnCache, gone_subject
+from iop.responses.keys import bucket_keys
 from iop.responses.records import Stored, StoredItems, Written, items_of, stored_items
 
 log = logging.getLogger("iop.responses")
@@ -309,7 +310,7 @@ class ResponseStore:
         """Who holds a response of this id (for an administrator: ids are unique, so at most one)."""
         if not valid_id(response_id):
             return []
-        keys, _ = await self._keys(f"r.*.{response_id}", 16)
+        keys, _ = await bucket_keys(self.nc, BUCKET, f"r.*.{response_id}", 16, _TIMEOUT_S)
         return [key.split(".")[1] for key in keys]
 
     @_reachable
@@ -317,50 +318,12 @@ class ResponseStore:
         """Up to `limit` (owner, response id) pairs, oldest first, and whether there are more (for an administrator)."""
         if owner is not None and not valid_id(owner):
             return [], False
-        keys, more = await self._keys(f"r.{owner or '*'}.*", limit)
+        keys, more = await bucket_keys(self.nc, BUCKET, f"r.{owner or '*'}.*", limit, _TIMEOUT_S)
         found = []
         for key in keys:
             _, who, response_id = key.split(".")
             found.append((who, response_id))
         return found, more
-
-    async def _keys(self, pattern: str, limit: int) -> tuple[list[str], bool]:
-        """Up to `limit` keys matching `pattern` that are there, oldest first, and whether there are more.
-
-        An ephemeral pull consumer of the keys' last messages, headers only. Its count at creation
-        is exact (nothing is delivered before the first pull), and every message says how many are
-        left after it: the read stops at the end, never at a guess. (nats-py's `KeyValue.watch`
-        signals "nothing pending" when the server's count is 0 before its callback has counted a
-        message already on its way: a key just written could be left out.)
-        """
-        js = self.nc.jetstream()
-        stream = f"KV_{BUCKET}"
-        cfg = js_api.ConsumerConfig(
-            filter_subject=_SUBJECT + pattern,
-            deliver_policy=js_api.DeliverPolicy.LAST_PER_SUBJECT,
-            ack_policy=js_api.AckPolicy.NONE,
-            headers_only=True,
-            inactive_threshold=_TIMEOUT_S * 6,
-            mem_storage=True,
-            num_replicas=1,
-        )
-        info = await js.add_consumer(stream, cfg)
-        keys: list[str] = []
-        left = info.num_pending or 0
-        try:
-            if left:
-                sub = await js.pull_subscribe_bind(info.name, stream)
-                try:
-                    while left and len(keys) <= limit:
-                        for msg in await sub.fetch(min(left, limit + 1 - len(keys), 256), timeout=_TIMEOUT_S):
-                            left = msg.metadata.num_pending
-                            if (msg.headers or {}).get("KV-Operation") is None:  # not a DEL or PURGE marker
-                                keys.append(msg.subject[len(_SUBJECT) :])
-                finally:
-                    await sub.unsubscribe()
-        finally:
-            await js.delete_consumer(stream, info.name)
-        return keys[:limit], len(keys) > limit
 
     async def _get(self, key: str) -> bytes | None:
         try:
