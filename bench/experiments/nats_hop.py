@@ -9,8 +9,10 @@ alone, a message of each size sent, received whole and answered with one byte, o
 - `loopback`: two processes, one socket, no server (the receiver reads 64 KiB at a time);
 - `raw NATS`: the same two processes speaking NATS's text protocol on plain sockets (PUB, MSG)
   through a nats-server of our own (max_payload 8 MiB, as iop's embedded server);
-- `nats-py`: a nats-py client at each end (request and reply), with iop's malloc settings
-  (iop/heap.py), as the edge and the node use it.
+- `nats-py`: a nats-py client at each end (a publish with a reply inbox, and the reply), with
+  iop's malloc settings (iop/heap.py), as the edge and the node use it; the sender publishes with
+  nats-py's `publish` or as the edge sends a large body (iop/nats/bulk.py: the payload not copied
+  into the command), each twice, alternating.
 
 Each line: the round trip's p50 and p90, and CPU-ms per message of the sender, nats-server and the
 receiver, with the machine's other busy cores beside it.
@@ -172,30 +174,54 @@ def run(size: int, messages: int) -> dict[str, dict[str, float]]:
         try:
             assert proc.stdout is not None and proc.stdout.readline()
             pids = {"nats-server": server, "receiver": proc.pid}
-            out["nats-py"] = asyncio.run(_nats_py_send(url, body, messages, pids))
+            for rnd in range(2):  # the two ways of sending alternate
+                for queued in (False, True) if rnd == 0 else (True, False):
+                    path = "nats-py, the edge's bulk publish" if queued else "nats-py"
+                    r = asyncio.run(_nats_py_send(url, body, messages // 2, pids, queued))
+                    out[f"{path} ({rnd + 1})"] = r
         finally:
             proc.terminate()
             proc.wait(10)
     return out
 
 
-async def _nats_py_send(url: str, body: bytes, messages: int, pids: dict[str, int]) -> dict[str, float]:
+async def _nats_py_send(url: str, body: bytes, messages: int, pids: dict[str, int], queued: bool) -> dict[str, float]:
+    """nats-py at the sending end, its reply on an inbox of its own; `queued`: the body published
+    as iop's edge publishes large payloads (iop/nats/bulk.py), else with nats-py's `publish`."""
     import nats
 
     from iop.heap import keep_large_buffers
+    from iop.nats import bulk
 
     keep_large_buffers()
     nc = await nats.connect(url)
     loop = asyncio.get_running_loop()
+    inbox = nc.new_inbox()
+    waiting: list[asyncio.Future[None]] = []
+
+    async def answered(_msg: object) -> None:
+        if waiting and not waiting[0].done():
+            waiting[0].set_result(None)
+
+    await nc.subscribe(inbox, cb=answered)
+
+    async def send() -> None:
+        waiting[:] = [loop.create_future()]
+        if queued:
+            await bulk.publish(nc, SUBJECT, [body], reply=inbox)
+        else:
+            await nc.publish(SUBJECT, body, reply=inbox)
+        await asyncio.wait_for(waiting[0], 10)
+
     try:
         for _ in range(5):
-            await nc.request(SUBJECT, body, timeout=10)
+            await send()
         ticks, cpu0, own0 = machine_ticks(), {k: cpu_s(p) for k, p in pids.items()}, time.process_time()
         times = []
         deadline = loop.time() + 60
         for _ in range(messages):
             t = time.perf_counter()
-            await nc.request(SUBJECT, body, timeout=10)
+            await send()
             times.append((time.perf_counter() - t) * 1000)
             if loop.time() > deadline:
                 break

@@ -26,6 +26,7 @@ from iop import wire
 from iop.edge.channel import Channel
 from iop.edge.storage import WorkStream
 from iop.errors import Unavailable
+from iop.nats import bulk
 from iop.nats.server import MAX_PAYLOAD
 
 PUBLISH_TIMEOUT_S = 2.0
@@ -99,9 +100,8 @@ class Publisher:
         step = wire.body_part_size(self.nc.max_payload)
         try:
             for offset in range(0, len(body), step):
-                # nats-py joins the payload onto its command line: any buffer does, and a view is no copy.
-                part = cast(bytes, body[offset : offset + step])
-                await self.nc.publish(wire.body_subject(ch.node, ch.id, offset), part)
+                # A view of the body, queued as it is (iop/nats/bulk.py): no copy of the body here.
+                await bulk.publish(self.nc, wire.body_subject(ch.node, ch.id, offset), [body[offset : offset + step]])
         except nats.errors.Error as exc:  # reconnecting, its buffer full: the node fetches instead
             log.debug("request %s: body not sent ahead: %s", ch.id, exc)
             return

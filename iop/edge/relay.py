@@ -28,6 +28,7 @@ from iop.edge.publish import ACK_PREFIX, Publisher
 from iop.edge.recovery import Recovery
 from iop.edge.storage import WorkStream
 from iop.errors import NodeLost, RelayGap, Unavailable, error_of, failure_of
+from iop.nats import bulk
 
 log = logging.getLogger("iop.edge")
 
@@ -111,7 +112,8 @@ class Relay:
             return
         if isinstance(reply, wire.BodyPart):
             if msg.reply:
-                await self.nc.publish(msg.reply, self.publish.body_part(self._channel(reply.id, msg.subject), reply))
+                part = self.publish.body_part(self._channel(reply.id, msg.subject), reply)
+                await bulk.publish(self.nc, msg.reply, [part])  # a view of the body, not copied
             return
         if isinstance(reply, wire.Accepted):
             return

@@ -20,6 +20,8 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from iop.nats import bulk
+
 WRONG_LAST = (10071, 10164)
 """JetStream's error codes for a compare-and-set that lost (the subject's last sequence moved on)."""
 
@@ -57,8 +59,11 @@ class AckedPublishes:
         self.inbox = self.nc.new_inbox()
         await self.nc.subscribe(self.inbox + ".*", cb=self._on_ack, pending_msgs_limit=10_000_000)
 
-    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int:
-        """Store `data` on `subject`; its stream sequence (a KV key's new revision)."""
+    async def publish(
+        self, subject: str, data: bulk.Buffer | list[bulk.Buffer], headers: dict[str, str] | None = None
+    ) -> int:
+        """Store `data` on `subject`; its stream sequence (a KV key's new revision). `data` may be
+        pieces (a list) to store as one value: without headers a large value's are never joined."""
         token = str(next(self._ids))
         loop = asyncio.get_running_loop()
         acked: asyncio.Future[Msg] = loop.create_future()
@@ -66,7 +71,11 @@ class AckedPublishes:
         timer = loop.call_later(self.timeout_s, _expire, acked)
         try:
             reply = f"{self.inbox}.{token}"
-            await self.nc.publish(subject, data, reply=reply, headers=headers)
+            if headers is None:
+                await bulk.publish(self.nc, subject, data if isinstance(data, list) else [data], reply)
+            else:
+                payload = b"".join(data) if isinstance(data, list) else data
+                await self.nc.publish(subject, payload, reply=reply, headers=headers)  # type: ignore[arg-type]
             msg = await acked
         finally:
             timer.cancel()

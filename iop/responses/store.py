@@ -34,7 +34,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from iop import edgeconf
 from iop.errors import BusError, Unavailable
-from iop.nats import connection, streams
+from iop.nats import bulk, connection, streams
 from iop.nats.acked import AckedPublishes
 from iop.responses.cache import Entry, Freshness, TurnCache, gone_subject
 from iop.responses.keys import bucket_keys
@@ -436,16 +436,17 @@ class ResponseStore:
         """Write `key` (in parts when it is large); the stream sequence of its first message."""
         put = self._put_one
         if len(data) < self.max_value:
-            return await put(key, b"=" + data)
-        chunks = [data[i : i + self.max_value] for i in range(0, len(data), self.max_value)]
-        seqs = await asyncio.gather(*(put(f"{key}.{n}", c) for n, c in enumerate(chunks, 1)))
-        await put(key, b"#%d" % len(chunks))
+            return await put(key, [b"=", data])
+        view = memoryview(data)  # the parts are views of `data`, never copies
+        chunks = [view[i : i + self.max_value] for i in range(0, len(data), self.max_value)]
+        seqs = await asyncio.gather(*(put(f"{key}.{n}", [c]) for n, c in enumerate(chunks, 1)))
+        await put(key, [b"#%d" % len(chunks)])
         return min(seqs)
 
-    async def _put_one(self, key: str, data: bytes) -> int:
+    async def _put_one(self, key: str, pieces: list[bulk.Buffer]) -> int:
         if self.acked is None:
-            return int(await self.kv.put(key, data))
-        return await self.acked.publish(f"$KV.{BUCKET}.{key}", data)
+            return int(await self.kv.put(key, b"".join(pieces)))
+        return await self.acked.publish(f"$KV.{BUCKET}.{key}", pieces)
 
     async def _delete(self, key: str) -> None:
         try:
