@@ -161,6 +161,24 @@ async def test_http1_large_body_arrives_whole_behind_its_head_on_a_kept_connecti
     assert srv.requests[1].endswith(b"content-length: 2\r\n\r\n{}")
 
 
+async def test_http1_a_body_in_pieces_arrives_as_their_concatenation() -> None:
+    big = bytes(range(48, 112)) * (3 * http1.JOIN_BELOW // 64)
+    small: list[bytes | memoryview] = [b'{"a":', memoryview(b"[1, 2]}")[3:]]
+    large: list[bytes | memoryview] = [b'{"x":"', memoryview(big)[5:], b'"}']
+    async with raw_server(answering(OK)) as srv:
+        pool = HttpPool(srv.url)
+        try:
+            for body in (large, small):
+                response = await pool.post("/v1/chat/completions", body)
+                assert (response.status, await response.read()) == (200, b"ok")
+                await response.aclose()
+        finally:
+            await pool.close()
+    sent = [request.partition(b"\r\n\r\n") for request in srv.requests]
+    assert sent[0][2] == b'{"x":"' + big[5:] + b'"}' and f"content-length: {len(big) + 3}".encode() in sent[0][0]
+    assert sent[1][2] == b'{"a": 2]}' and b"content-length: 9" in sent[1][0]
+
+
 async def test_http1_chunked_body_with_extensions_and_trailers_keeps_the_connection() -> None:
     chunked = (
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"

@@ -9,7 +9,7 @@ import pytest
 from iop.edge.heads import parse_head
 from iop.errors import BadRequest
 from iop.nats.server import EmbeddedNats
-from iop.openai.passthrough import native_body
+from iop.openai.passthrough import native_body, native_parts
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, one_provider_yaml
 
@@ -89,6 +89,10 @@ def test_a_body_with_a_lead_goes_upstream_as_the_scan_makes_it_with_the_clients_
     assert fast.endswith(LEADING[lead:])  # every byte after the model as the client sent it
     if model in (None, "alias") and not chat_stream:
         assert fast is LEADING  # nothing to change: not even a copy
+    parts, _ = native_parts(LEADING, model, chat_stream, lead)
+    assert b"".join(parts) == fast
+    if len(parts) > 1:  # the client's bytes after the model are a view of its body, not a copy
+        assert isinstance(parts[-1], memoryview) and parts[-1].obj is LEADING
 
 
 def test_a_lead_that_does_not_describe_the_body_is_not_believed() -> None:

@@ -81,7 +81,7 @@ class _Conn(asyncio.Protocol):
 
     # --- the consumer's side
 
-    def send(self, request: list[bytes]) -> None:
+    def send(self, request: list[bytes | memoryview]) -> None:
         if self.closed:
             raise ProtocolError("connection closed before the request was sent")
         self.state, self.received, self.exc, self._quiet = _HEAD, False, None, 0
@@ -364,16 +364,21 @@ class HttpPool:
         self._conns: set[_Conn] = set()
         self._closed = False
 
-    async def post(self, path: str, body: bytes, headers: Mapping[str, str] | None = None) -> HttpResponse:
-        """POST `body` to base_url's path + `path`; returns once the response head arrived."""
+    async def post(
+        self, path: str, body: bytes | list[bytes | memoryview], headers: Mapping[str, str] | None = None
+    ) -> HttpResponse:
+        """POST `body` (or the concatenation of its pieces) to base_url's path + `path`; returns
+        once the response head arrived."""
         head = self._head
         if headers:
             extra = {k.lower(): v for k, v in headers.items() if k.lower() not in _RESERVED}
             head = _encode_headers(self._headers | extra)
         target = (self._prefix + path).encode("ascii")
-        start = b"POST %s HTTP/1.1\r\n%scontent-length: %d\r\n\r\n" % (target, head, len(body))
+        pieces = body if isinstance(body, list) else [body]
+        size = sum(len(p) for p in pieces)
+        start = b"POST %s HTTP/1.1\r\n%scontent-length: %d\r\n\r\n" % (target, head, size)
         # A large body is written from its own bytes (one writev with the head), not copied behind it.
-        request = [start, body] if len(body) >= JOIN_BELOW else [start + body]
+        request: list[bytes | memoryview] = [start, *pieces] if size >= JOIN_BELOW else [b"".join((start, *pieces))]
         while self._idle:
             conn = self._idle.pop()
             if conn.closed:
@@ -388,7 +393,7 @@ class HttpPool:
             break
         return await self._exchange(await self._connect(), request)
 
-    async def _exchange(self, conn: _Conn, request: list[bytes]) -> HttpResponse:
+    async def _exchange(self, conn: _Conn, request: list[bytes | memoryview]) -> HttpResponse:
         try:
             conn.send(request)
             while conn.state == _HEAD:

@@ -19,7 +19,7 @@ from iop.errors import BadRequest, NotFound, RequestError, UpstreamError, error_
 from iop.node.adapters.base import Send, note_upstream_status, outcome
 from iop.node.http1 import ConnectFailed, HttpError, HttpPool, HttpResponse, Timeout
 from iop.node.tokens import OpeningUsage, UsageTail, usage_of_body
-from iop.openai.passthrough import native_body
+from iop.openai.passthrough import Piece, native_parts
 from iop.openai.raw_strings import Placeholders
 from iop.openai.tool_names import ToolMap
 from iop.openai.translate import (
@@ -111,7 +111,7 @@ class OpenAIAdapter:
             chat_stream = item.stream and item.api in ("chat", "completions")
             # A chat stream always asks for its usage (iop counts tokens); the client sees the
             # usage chunk only if it asked for it too.
-            body, asked = native_body(item.body, model, chat_stream, item.lead)
+            body, asked = native_parts(item.body, model, chat_stream, item.lead)
             strip = UsageChunkFilter() if asked else None
             response = await self._post(item.api, body, item.request_id)
             try:
@@ -236,7 +236,7 @@ class OpenAIAdapter:
             ) from exc
         return upstream, tools, headers
 
-    async def _post(self, api: wire.Api, body: bytes, request_id: str = "") -> HttpResponse:
+    async def _post(self, api: wire.Api, body: bytes | list[Piece], request_id: str = "") -> HttpResponse:
         # The request id goes upstream too (as a UUID), so the upstream's own logs can be joined with iop's.
         safe = request_id and _SAFE_ID.match(request_id)
         headers = {"x-request-id": upstream_request_id(request_id)} if safe else None
