@@ -19,6 +19,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from iop import wire
@@ -35,6 +36,8 @@ log = logging.getLogger("iop.edge")
 Answer = wire.Started | wire.Chunk | wire.Done | wire.Failure
 
 _LATE = object()
+LOST_READ_S = 1.0
+"""How long a lost node's requests wait for its replies already queued here before they fail."""
 """Queued on a channel when its request's start deadline passes (`Relay.replies`)."""
 
 
@@ -49,6 +52,13 @@ class Relay:
         self.publish = Publisher(nc, js, work_stream)
         self.recovery = Recovery(nc, js, self.channels)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._replies: Subscription | None = None
+        self._replying = False
+        """A reply is being handled (taken from the subscription's queue, not done)."""
+        self._handled = 0
+        """Replies handled so far."""
+        self._after: list[tuple[int, asyncio.Event]] = []
+        """Lost nodes' waits for the replies queued before the news (`node_lost`): the count to reach."""
         self.peak_buffered_bytes = 0
         """The most answer bytes one request ever had waiting here for its HTTP client."""
         self.credits_sent = 0
@@ -61,7 +71,7 @@ class Relay:
 
     async def start(self) -> None:
         await self.publish.start()
-        await self.nc.subscribe(
+        self._replies = await self.nc.subscribe(
             self.prefix + ".>",
             cb=self._on_reply,
             pending_msgs_limit=10_000_000,
@@ -95,6 +105,18 @@ class Relay:
         return ch
 
     async def _on_reply(self, msg: Msg) -> None:
+        self._replying = True
+        try:
+            await self._reply(msg)
+        finally:
+            self._replying = False
+            self._handled += 1
+            if self._after:
+                for target, read in [w for w in self._after if w[0] <= self._handled]:
+                    self._after.remove((target, read))
+                    read.set()
+
+    async def _reply(self, msg: Msg) -> None:
         try:
             reply = wire.decode_reply(msg.data)
         except msgspec.DecodeError:
@@ -202,7 +224,26 @@ class Relay:
             await self.nc.publish(wire.credit_subject(ch.node), wire.encode(credit))
 
     def node_lost(self, node: str, reason: str) -> None:
-        """Fail every request running on (or sent to) a node that is gone."""
+        """Fail every request running on (or sent to) a node that is gone.
+
+        Its replies that arrived before the news of its end (a node that stops sends each request
+        it cuts short its failure, then leaves) are read first: they come on another subscription
+        of the same connection, in order on the wire but not across the two subscriptions' tasks."""
+        queued = (self._replies.pending_msgs if self._replies is not None else 0) + self._replying
+        if queued:
+            read = asyncio.Event()
+            self._after.append((self._handled + queued, read))
+            self._spawn(self._lose_after(read, node, reason))
+            return
+        self._lose(node, reason)
+
+    async def _lose_after(self, read: asyncio.Event, node: str, reason: str) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(LOST_READ_S):
+                await read.wait()
+        self._lose(node, reason)
+
+    def _lose(self, node: str, reason: str) -> None:
         for ch in list(self.channels.values()):
             if ch.node == node and not ch.ended:
                 ch.end()
