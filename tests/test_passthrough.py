@@ -9,9 +9,17 @@ import pytest
 from iop.edge.heads import parse_head
 from iop.errors import BadRequest
 from iop.nats.server import EmbeddedNats
-from iop.openai.passthrough import native_body, native_parts
+from iop.openai.passthrough import native_parts
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, one_provider_yaml
+
+
+def native_body(body: bytes, model: str | None, chat_stream: bool, lead: int = 0) -> tuple[bytes, bool]:
+    """The bytes that go upstream: the pieces `native_parts` gives, one after the other (the
+    same object when there is one piece)."""
+    parts, asked = native_parts(body, model, chat_stream, lead)
+    return (parts[0] if len(parts) == 1 else b"".join(parts)), asked  # type: ignore[return-value]
+
 
 BODY = (
     b'{"messages":[{"role":"user","content":"caf\xc3\xa9 \\"quoted\\"\\n"}],  "model" : "alias",'

@@ -38,20 +38,14 @@ _ASK_USAGE = b',"stream_options":{"include_usage":true}'
 Piece = bytes | memoryview
 
 
-def native_body(body: bytes, model: str | None, chat_stream: bool, lead: int = 0) -> tuple[bytes, bool]:
-    """The body to send upstream, and whether iop asked for usage the client did not ask for.
-
-    Unchanged (the same bytes object) when nothing is to be replaced. `lead`: the edge's word that
-    the body's first `lead` bytes hold its only top-level `model` (and, for chat, that it has no
-    `stream_options`); checked against those bytes, and ignored when they do not match.
-    """
-    parts, asked = native_parts(body, model, chat_stream, lead)
-    return (parts[0] if len(parts) == 1 else b"".join(parts)), asked  # type: ignore[return-value]
-
-
 def native_parts(body: bytes, model: str | None, chat_stream: bool, lead: int = 0) -> tuple[list[Piece], bool]:
-    """`native_body` as the pieces it is made of, in order: with a `lead` that holds, a new head and
-    a view of the rest of `body` (no copy of it); else one piece."""
+    """The body to send upstream as the pieces it is made of, in order, and whether iop asked for
+    usage the client did not ask for.
+
+    `[body]` itself when nothing is to be replaced. `lead`: the edge's word that the body's first
+    `lead` bytes hold its only top-level `model` (and, for chat, that it has no `stream_options`);
+    checked against those bytes, and ignored when they do not match. With a `lead` that holds: a
+    new head and a view of the rest of `body` (no copy of it); else one piece."""
     if model is None and not chat_stream:
         return [body], False
     if lead and (found := LEAD.match(body)) is not None and found.end() == lead:
