@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -165,14 +166,15 @@ def start_memory_nats(owned: Owned, workdir: Path, name: str, port: int) -> Proc
     """A nats-server of our own with the work stream created in memory (iop keeps an existing stream)."""
     from iop.nats import connection, streams
     from iop.nats.bundle import nats_server_path
-    from iop.nats.server import MAX_PAYLOAD
+    from iop.nats.server import MAX_PAYLOAD, server_env
 
     conf = workdir / f"{name}-nats.conf"
     store = workdir / f"{name}-nats-mem"
     conf.write_text(
         f'host: "127.0.0.1"\nport: {port}\nmax_payload: {MAX_PAYLOAD}\njetstream {{ store_dir: "{store}" }}\n'
     )
-    proc = owned.start(f"{name}-nats", [nats_server_path(), "-c", str(conf)])
+    # Go's collector as the edge sets it for its own server (iop/nats/server.py).
+    proc = owned.start(f"{name}-nats", [nats_server_path(), "-c", str(conf)], server_env(os.environ))
 
     async def create() -> None:
         nc = await connection.connect(f"nats://127.0.0.1:{port}", "iop-bench", wait_s=15.0)

@@ -15,7 +15,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO
 
@@ -42,6 +42,14 @@ _CLUSTER_CHATTER = (
     b"detected consumer remapping",
 )
 """Warnings a cluster member logs on every start and stop: not news to an operator."""
+
+GO_GC = "400"
+"""The embedded server's GOGC (Go's default is 100). Storing a large message allocates its size
+again in nats-server, and at Go's default the collector runs every few such messages, each run
+marking the store's state: a 3 MB stored turn cost the server 5-7 CPU-ms once its stream held a
+GB, 2.3-2.7 at 400, for about 50 MB more resident (docs/performance.md, "The embedded server's
+collector"). An operator's own GOGC or GOMEMLIMIT is left as it is."""
+_GO_SETTINGS = ("GOGC", "GOMEMLIMIT")
 
 ROUTE_USER = "iop-route"
 """The user cluster members present to each other's route port (password derived like every other)."""
@@ -139,6 +147,7 @@ class EmbeddedNats:
             binary,
             "-c",
             name,
+            env=server_env(os.environ),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
@@ -306,6 +315,14 @@ class EmbeddedNats:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+
+def server_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The embedded server's environment: the edge's, with `GO_GC` unless the operator set Go's own."""
+    env = dict(environ)
+    if not any(name in env for name in _GO_SETTINGS):
+        env["GOGC"] = GO_GC
+    return env
 
 
 def _move_global_account(store: Path, *, clustered: bool) -> None:
