@@ -67,17 +67,27 @@ def test_a_turn_that_names_state_or_an_option_is_expanded_as_before(name: str) -
     assert head.stateful and not head.as_sent
 
 
+@pytest.mark.parametrize("ids_from", ["head", "scan", "a head of another length"])
 @pytest.mark.parametrize("name", list(AS_SENT))
-async def test_a_turn_kept_as_sent_dispatches_and_keeps_what_its_expansion_would(nc: NATS, name: str) -> None:
+async def test_a_turn_kept_as_sent_dispatches_and_keeps_what_its_expansion_would(
+    nc: NATS, name: str, ids_from: str
+) -> None:
     body = AS_SENT[name]
     head = parse_head("responses", body)
     assert head.stateful and head.as_sent
+    sent_input = json.loads(body)["input"]
+    # The head's decode read every item's id (what the edge passes on), none for a text input.
+    assert head.ids == (None if isinstance(sent_input, str) else [i.get("id") for i in sent_input])
     responses: Responses = await edge(nc)
     assert responses.store is not None
-    fast = responses.as_sent(body, head.lead, head.as_sent == "rewrite")
+    ids = {"head": head.ids, "scan": None, "a head of another length": [*(head.ids or []), "fc_9"]}[ids_from]
+    fast = responses.as_sent(body, head.lead, head.as_sent == "rewrite", ids)
     slow = await responses.expand(json.loads(body), OWNER)
     sent = fast.encoded()
     assert json.loads(sent) == {**json.loads(body), "store": False}
+    # Its index entries: every item with a usable id, as the bytes it came in.
+    with_ids = [i for i in _items(sent_input) if i.get("id") in ("fc_1", "msg_1")]
+    assert [(i, json.loads(raw)) for i, raw in fast.index] == [(i["id"], i) for i in with_ids]
     assert turn_lead_is_the_models(sent, fast.lead)
     # What the expansion would dispatch, but for a text input, which it would send as its message.
     expanded = json.loads(slow.encoded())
@@ -105,6 +115,7 @@ async def test_a_turn_kept_as_sent_dispatches_and_keeps_what_its_expansion_would
         found_item = await responses.store.item(OWNER, item["id"]) if "id" in item else None
         if item.get("id") in ("fc_1", "msg_1"):
             assert found_item == item
+    assert await responses.store.item(OWNER, "fc_9") is None
 
 
 async def test_the_upstream_gets_the_clients_bytes_and_the_turn_is_kept(nats_server: EmbeddedNats) -> None:

@@ -168,7 +168,7 @@ class ApiEndpoint:
         responses = self.edge.responses
         owner = self.edge.owner(scope)
         if head.as_sent and self.api == "responses":
-            turn = responses.as_sent(body, head.lead, head.as_sent == "rewrite")
+            turn = responses.as_sent(body, head.lead, head.as_sent == "rewrite", head.ids)
             out.send = KeepingSend(out.send, responses, owner, turn, head.stream)
             return turn.encoded(), turn, owner
         stream = head.stream

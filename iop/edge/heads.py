@@ -40,9 +40,11 @@ class _Message(msgspec.Struct):
 
 
 class _Item(msgspec.Struct):
-    """A Responses input item as far as the edge checks it: an object, its `type` a string."""
+    """A Responses input item as far as the edge checks it: an object, its `type` a string.
+    Its `id` as it came (any JSON), for the index of a turn kept as sent (iop/responses/expand.py)."""
 
     type: str | None = None
+    id: Any = None
 
 
 class ModelName(str):
@@ -169,6 +171,8 @@ class Head(NamedTuple):
     """`wire.WorkItem.lead` of this very body: where its first and only top-level `model` ends."""
     as_sent: AsSent = ""
     """A Responses turn to keep whose bytes go on as they came (`ResponsesHead.kept_as_sent`)."""
+    ids: list[Any] | None = None
+    """With `as_sent` and a list `input`: each input item's `id` as the head's decode read it."""
 
 
 KNOWN = "iop.responses_head"
@@ -215,7 +219,8 @@ def parse_head(api: wire.Api, body: bytes, known: Known | None = None) -> Head:
         model = str(resp.model)
         stateful, max_tokens = resp.stateful(), resp.max_output_tokens
         as_sent = resp.kept_as_sent() if stateful else ""
-        return Head(model, resp.stream, resp.prompt_cache_key, None, stateful, max_tokens, at, as_sent)
+        ids = [i.id for i in resp.input] if as_sent and not isinstance(resp.input, str) else None
+        return Head(model, resp.stream, resp.prompt_cache_key, None, stateful, max_tokens, at, as_sent, ids)
     return _checked(lambda b: _head(api, b), body)
 
 

@@ -98,8 +98,9 @@ class Turn:
     """The request to dispatch, as bytes (a turn kept as sent: `Responses.as_sent`; `body` is empty)."""
     lead: int = 0
     """`sent`'s lead (iop/edge/heads.py): where its first and only top-level `model` ends, or 0."""
-    items_json: bytes | None = None
-    """This turn's input items as the client sent them, when they were not decoded (`as_sent`)."""
+    items_json: bytes | list[msgspec.Raw] | None = None
+    """This turn's input items as the client sent them, when they were not decoded (`as_sent`):
+    their JSON array, or each item's own bytes."""
     index: list[tuple[str, bytes]] = field(default_factory=list)
     """Of those, the ones with an id, by id (`as_sent`): what `keep` indexes in place of `items`."""
 
@@ -212,20 +213,24 @@ class Responses:
         turn.encoded_input = encoded
         return turn
 
-    def as_sent(self, body: bytes, lead: int, rewrite: bool = False) -> Turn:
+    def as_sent(self, body: bytes, lead: int, rewrite: bool = False, ids: list[Any] | None = None) -> Turn:
         """The turn of a request whose head is `kept_as_sent` (iop/edge/heads.py), read without
         decoding it: its bytes go on with `store: false` spliced in (after the leading `model`
         when `lead` says where it ends, so the node still finds it there), its input is kept as the
         bytes it came in, and only its items that name an `id` are read, for their index entries.
-        `rewrite`: the body gave `store`, set false among its top-level members instead."""
-        # Two scans at msgspec's speed, no Python object per item: each item's bytes, and its id.
+        `rewrite`: the body gave `store`, set false among its top-level members instead.
+        `ids`: each input item's `id`, as the head's decode of this body read them."""
+        # One scan at msgspec's speed, no Python object per item: each item's bytes. Their ids
+        # come from the head's decode (`ids`), or a second scan.
         items = _sent_items(body).input
+        items_json: bytes | list[msgspec.Raw]
         if isinstance(items, str):
             items_json, index = _encode(_input_items(items)), []  # a user message of that text
         else:
-            ids = _sent_ids(body).input
-            index = [(i.id, bytes(raw)) for i, raw in zip(ids, items, strict=True) if valid_id(i.id)]
-            items_json = _encode(items)
+            if ids is None or len(ids) != len(items):
+                ids = [i.id for i in _sent_ids(body).input]
+            index = [(i, bytes(raw)) for i, raw in zip(ids, items, strict=True) if valid_id(i)]
+            items_json = items  # written as they came, by the record's encode: not joined here first
         if rewrite:
             # Every top-level member once, `store` false, the rest as they came (a key given
             # twice once, with its last value, as it is read).
@@ -262,7 +267,7 @@ class Responses:
         output = response.get("output") or []
         # Measured and written on the same bytes: the input encoded once, or as it was sent.
         encoded = turn.items_json if turn.items_json is not None else _encode(turn.items)
-        size = (turn.size or len(encoded)) + len(_encode(output))
+        size = (turn.size or records.json_size(encoded)) + len(_encode(output))
         try:
             record = Stored(response, list(turn.items), turn.previous, turn.chain, size)
             kept = await self.store.keep(owner, record, new, encoded, turn.index)

@@ -35,13 +35,21 @@ class Stored(msgspec.Struct):
 
 class Written(msgspec.Struct):
     """A `Stored` as it is written when its input items are encoded already (their size was
-    measured on those bytes): the same JSON, without encoding a long input a second time."""
+    measured on those bytes): the same JSON, without encoding a long input a second time.
+    `input`: the items' JSON array, or each item's JSON (encoded as that array)."""
 
     response: dict[str, Any]
-    input: msgspec.Raw
+    input: msgspec.Raw | list[msgspec.Raw]
     previous: str | None
     chain: list[str]
     size: int
+
+
+def json_size(items: bytes | list[msgspec.Raw]) -> int:
+    """Bytes of `items` as one JSON array: the array itself, or the array its items' JSON makes."""
+    if isinstance(items, bytes):
+        return len(items)
+    return sum(len(i) for i in items) + max(len(items) - 1, 0) + 2
 
 
 _EMPTY = msgspec.Raw(b"[]")

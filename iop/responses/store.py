@@ -212,12 +212,13 @@ class ResponseStore:
         owner: str,
         stored: Stored,
         items: list[dict[str, Any]],
-        encoded_input: bytes | None = None,
+        encoded_input: bytes | list[msgspec.Raw] | None = None,
         encoded_items: list[tuple[str, bytes]] | None = None,
     ) -> bool:
         """Keep `stored` and index `items` (the new ones it holds) by id; False when its id cannot be kept.
-        `encoded_input`: `stored.input` as JSON already (written as it is); `encoded_items`: more
-        items to index, by id, as JSON already (before `items`: an id in both is `items`')."""
+        `encoded_input`: `stored.input` as JSON already, or each item's JSON (written as it is);
+        `encoded_items`: more items to index, by id, as JSON already (before `items`: an id in both
+        is `items`')."""
         response_id = stored.response.get("id")
         if not isinstance(response_id, str) or not valid_id(response_id):
             return False
@@ -226,7 +227,7 @@ class ResponseStore:
         if encoded_input is None:
             data = _encode(stored)
         else:
-            raw = msgspec.Raw(encoded_input)
+            raw = msgspec.Raw(encoded_input) if isinstance(encoded_input, bytes) else encoded_input
             data = _encode(Written(stored.response, raw, stored.previous, stored.chain, stored.size))
         fresh = self.fresh
         ticket, stamp = (fresh.ticket() if fresh is not None else None), time.time()
