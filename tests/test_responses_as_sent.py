@@ -29,6 +29,7 @@ ITEMS: list[dict[str, Any]] = [
     {"type": "function_call_output", "call_id": "c1", "output": "a\\nb"},
     {"type": "message", "id": "msg_1", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
     {"type": "reasoning", "id": "not a valid id", "summary": []},
+    {"type": "reasoning", "id": {"not": ["a", "string"]}, "summary": []},
 ]
 
 AS_SENT = {
@@ -76,8 +77,10 @@ async def test_a_turn_kept_as_sent_dispatches_and_keeps_what_its_expansion_would
     head = parse_head("responses", body)
     assert head.stateful and head.as_sent
     sent_input = json.loads(body)["input"]
-    # The head's decode read every item's id (what the edge passes on), none for a text input.
-    assert head.ids == (None if isinstance(sent_input, str) else [i.get("id") for i in sent_input])
+    # The head's decode read every item's string id (what the edge passes on; any other JSON as
+    # None: never an id, and not held while the request waits), none for a text input.
+    expected_ids = [i.get("id") if isinstance(i.get("id"), str) else None for i in _items(sent_input)]
+    assert head.ids == (None if isinstance(sent_input, str) else expected_ids)
     responses: Responses = await edge(nc)
     assert responses.store is not None
     ids = {"head": head.ids, "scan": None, "a head of another length": [*(head.ids or []), "fc_9"]}[ids_from]
@@ -135,10 +138,12 @@ async def test_the_upstream_gets_the_clients_bytes_and_the_turn_is_kept(nats_ser
         assert up.raw_bodies == [body.replace(b'"model":"m"', b'"model":"served-model","store":false', 1)]
         read = await http.get(f"/v1/responses/{kept['id']}/input_items", headers=auth(KEY_A))
         assert read.status_code == 200, read.text
-        listed = read.json()["data"]  # newest first; an item sent without an id is listed with one
-        assert len(listed) == len(ITEMS)
+        # Newest first; an item sent without a string id is listed with one derived from its place.
+        listed = read.json()["data"]
+        assert len(listed) == len(ITEMS) and all(isinstance(i["id"], str) for i in listed)
         sent_first = zip(listed, ITEMS[::-1], strict=True)
-        assert [{k: v for k, v in i.items() if k != "id" or "id" in s} for i, s in sent_first] == ITEMS[::-1]
+        own = [{k: v for k, v in i.items() if k != "id" or isinstance(s.get("id"), str)} for i, s in sent_first]
+        assert own == [{k: v for k, v in s.items() if k != "id" or isinstance(v, str)} for s in ITEMS[::-1]]
         follow = await http.post(
             "/v1/responses",
             json={"model": "m", "input": [{"type": "item_reference", "id": "fc_1"}]},
@@ -146,3 +151,27 @@ async def test_the_upstream_gets_the_clients_bytes_and_the_turn_is_kept(nats_ser
         )
         assert follow.status_code == 200, follow.text
         assert up.bodies[-1]["input"] == [ITEMS[1]]
+
+
+@pytest.mark.parametrize("name", [n for n in NOT_AS_SENT if n != "store null"])  # that one is a 400
+async def test_an_expanded_turn_with_an_id_that_is_no_string_is_kept(nats_server: EmbeddedNats, name: str) -> None:
+    # The expansion path: an object as an item's id is passed on and kept, never a reference (it
+    # was a 500: the keep looked the id up among the referenced ones, a set).
+    async with (
+        fake_upstream(api="responses") as up,
+        deployment_running(deployment(one_provider(up.url, "responses")), nats_server.url) as h,
+        h.http() as http,
+    ):
+        first = await http.post("/v1/responses", json={"model": "m", "input": ITEMS}, headers=auth(KEY_A))
+        assert first.status_code == 200, first.text
+        odd = {"type": "reasoning", "id": {"not": "a string"}, "summary": []}
+        body = {**NOT_AS_SENT[name], "input": [*_items(NOT_AS_SENT[name]["input"]), odd]}
+        if "previous_response_id" in body:
+            body["previous_response_id"] = first.json()["id"]
+        answer = await http.post("/v1/responses", json=body, headers=auth(KEY_A))
+        assert answer.status_code == 200, answer.text
+        assert up.bodies[-1]["input"][-1] == odd
+        read = await http.get(f"/v1/responses/{answer.json()['id']}/input_items", headers=auth(KEY_A))
+        assert read.status_code == 200, read.text
+        listed = read.json()["data"][0]  # newest first
+        assert listed["type"] == "reasoning" and isinstance(listed["id"], str)

@@ -171,8 +171,9 @@ class Head(NamedTuple):
     """`wire.WorkItem.lead` of this very body: where its first and only top-level `model` ends."""
     as_sent: AsSent = ""
     """A Responses turn to keep whose bytes go on as they came (`ResponsesHead.kept_as_sent`)."""
-    ids: list[Any] | None = None
-    """With `as_sent` and a list `input`: each input item's `id` as the head's decode read it."""
+    ids: list[str | None] | None = None
+    """With `as_sent` and a list `input`: each input item's `id` as the head's decode read it, when a
+    string (None when it gave none or another JSON value)."""
 
 
 KNOWN = "iop.responses_head"
@@ -219,7 +220,10 @@ def parse_head(api: wire.Api, body: bytes, known: Known | None = None) -> Head:
         model = str(resp.model)
         stateful, max_tokens = resp.stateful(), resp.max_output_tokens
         as_sent = resp.kept_as_sent() if stateful else ""
-        ids = [i.id for i in resp.input] if as_sent and not isinstance(resp.input, str) else None
+        # Only strings can be ids: any other JSON an item gives as its `id` is not held while
+        # the request waits (it could be many times the body's bytes as Python objects).
+        items = resp.input if as_sent and not isinstance(resp.input, str) else None
+        ids = [i.id if isinstance(i.id, str) else None for i in items] if items is not None else None
         return Head(model, resp.stream, resp.prompt_cache_key, None, stateful, max_tokens, at, as_sent, ids)
     return _checked(lambda b: _head(api, b), body)
 

@@ -262,7 +262,9 @@ class Responses:
                 return
         # Items with ids are indexed for item_reference: those the client sent (but not the ones
         # that came from a reference, already there) and every output item.
-        new = [i for i in turn.items if isinstance(i, dict) and i.get("id") not in turn.referenced]
+        # (An id that is not a string was never a reference, nor is it indexed: not hashable either.)
+        referenced = turn.referenced
+        new = [i for i in turn.items if isinstance(i, dict) and not _among(i.get("id"), referenced)]
         new += [i for i in response.get("output") or [] if isinstance(i, dict)]
         output = response.get("output") or []
         # Measured and written on the same bytes: the input encoded once, or as it was sent.
@@ -333,6 +335,10 @@ def _gone(response_id: str) -> NoReturn:
     raise PreviousResponseNotFound(
         f"Previous response with id '{response_id}' not found.", param="previous_response_id"
     )
+
+
+def _among(item_id: object, ids: set[str]) -> bool:
+    return isinstance(item_id, str) and item_id in ids
 
 
 def _input_items(value: object) -> list[Any]:
