@@ -85,7 +85,7 @@ def echoed_tools(tools: object) -> list[dict[str, Any]]:
     """The request's tools a chat translation serves, as the response echoes them."""
     if not isinstance(tools, list):
         return []
-    return [echoed_tool(t) for t in tools if isinstance(t, Mapping) and t.get("type") in _SERVED_TOOLS]
+    return [echoed_tool(t) for t in tools if isinstance(t, Mapping) and _string(t.get("type")) in _SERVED_TOOLS]
 
 
 def echoed_text(text: object) -> dict[str, Any]:

@@ -43,6 +43,14 @@ log = logging.getLogger("iop.responses")
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 _FINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def _final(event: dict[str, Any]) -> bool:
+    """The event ends its response (its `type`, from the upstream, may be any JSON)."""
+    kind = event.get("type")
+    return isinstance(kind, str) and kind in _FINAL
+
+
 ASK_S = 2.0
 """How long a follower waits for the running edge to say what it missed."""
 QUIET_S = 15.0
@@ -248,7 +256,7 @@ async def follow(
                     break  # one was lost on the way: ask for the gap
                 last = seq
                 yield sse([event])
-                if event.get("type") in _FINAL:
+                if _final(event):
                     return
     finally:
         try:
@@ -258,7 +266,7 @@ async def follow(
     now = await finished(stored, max(0.0, deadline - asyncio.get_running_loop().time()))
     events, recorded = await _kept_events(store, owner, now)
     if run is not None and recorded != run:
-        yield sse([e for e in events if e.get("type") in _FINAL])  # another run's end: the whole response
+        yield sse([e for e in events if _final(e)])  # another run's end: the whole response
     elif recorded is not None or last < 0:
         # A replay of a response that was never recorded (cancelled) has its own numbers: only
         # a follower that heard nothing yet takes it.

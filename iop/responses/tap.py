@@ -140,7 +140,7 @@ class KeepingSend:
         except msgspec.DecodeError:
             return frame
         kind = event.get("type") if isinstance(event, dict) else None
-        if kind not in _LIFECYCLE or not isinstance(event.get("response"), dict):
+        if not isinstance(kind, str) or kind not in _LIFECYCLE or not isinstance(event.get("response"), dict):
             return frame
         self._patch(event["response"])
         if kind in _FINAL:
