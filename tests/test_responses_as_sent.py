@@ -42,7 +42,7 @@ AS_SENT = {
     "store true, model later": b'{"store":true,"input":[],"model":"m","model":"m"}',
     "a nested store key": b'{"model":"m","input":[],"tools":[{"type":"function","name":"f","parameters":{"store":1}}]}',
 }
-NOT_AS_SENT = {
+NOT_AS_SENT: dict[str, dict[str, Any]] = {
     "store null": {"model": "m", "input": ITEMS, "store": None},
     "previous": {"model": "m", "input": ITEMS, "store": True, "previous_response_id": "resp_x"},
     "background": {"model": "m", "input": ITEMS, "background": False},
