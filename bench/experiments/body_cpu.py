@@ -1,6 +1,6 @@
 """CPU and page faults per agent-sized request, for each process on iop's path.
 
-    python -m bench.experiments.body_cpu [--api responses] [--size 3000000] [--store] [-n 100]
+    python -m bench.experiments.body_cpu [--api responses] [--size 3000000] [--store] [-n 100] [--latency fixed:100]
 
 Starts the bench upstream, an edge and a node (as `python -m bench.spy` does), warms up with 30
 requests, then sends `-n` more of one agent-sized body (bench/fixtures.py; `--store`: a Responses
@@ -8,6 +8,10 @@ body the edge keeps), one at a time, and prints for the edge, the node and nats-
 and system CPU-ms and minor page faults per request, with the machine's other busy cores beside
 them. Over 100 requests the CPU clock's 10 ms tick is 0.1 ms a request: finer than the bodies
 scenario's per-cell CPU (20 requests), for telling two commits apart by what one request costs.
+
+`--latency` gives the upstream a think time before its first byte (the bench upstream's spec), as
+a model's prefill of a long input would: what the edge does meanwhile (a kept turn's input written
+ahead, iop/responses/expand.py) then costs the client nothing; with none, every step is in line.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=3_000_000)
     ap.add_argument("--store", action="store_true", help="a Responses body that the edge keeps")
     ap.add_argument("-n", type=int, default=100, help="requests measured (at most 120 s of them)")
+    ap.add_argument("--latency", default="0", help="the upstream's delay before its first byte: 0, fixed:MS, ...")
     a = ap.parse_args(argv)
     if a.store and a.api != "responses":
         sys.exit("body_cpu: --store is for --api responses")
@@ -42,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     owned = Owned(out)
     try:
         port = free_port()
-        upstream = start_upstream(owned, "upstream", [port])
+        upstream = start_upstream(owned, "upstream", [port], "--latency", a.latency)
         stack = start_stack(
             owned, out, "cpu", [{"alias": "bench", "pool": ["fake"]}], [openai_pool_node("n", [("fake", port, 64)])]
         )

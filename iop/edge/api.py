@@ -9,6 +9,7 @@ Pinned requests (qualification: one provider, an admin's) are a mode of the same
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any, Protocol
 
@@ -142,6 +143,11 @@ class ApiEndpoint:
                 if turn.background and not head.stream:
                     await self._background(body, head, scope, owner, turn, out)
                     return
+                try:
+                    await self._serve(body, head, scope, receive, out, scope.get(WATCH))
+                finally:
+                    self.edge.responses.settle(turn)
+                return
             await self._serve(body, head, scope, receive, out, scope.get(WATCH))
         except RequestError as exc:
             trace.error = exc.code
@@ -170,6 +176,7 @@ class ApiEndpoint:
         if head.as_sent and self.api == "responses":
             turn = responses.as_sent(body, head.lead, head.as_sent == "rewrite", head.ids)
             out.send = KeepingSend(out.send, responses, owner, turn, head.stream)
+            out.dispatched = functools.partial(responses.dispatched, owner, turn)
             return turn.encoded(), turn, owner
         stream = head.stream
         request = _decode_json(body)
@@ -179,6 +186,7 @@ class ApiEndpoint:
             turn.body.pop("store", None)  # not a field of /responses/compact: its answer is not a response
             turn.store = False
         out.send = KeepingSend(out.send, responses, owner, turn, stream)
+        out.dispatched = functools.partial(responses.dispatched, owner, turn)
         return turn.encoded(), turn, owner
 
     async def _background(
@@ -291,6 +299,9 @@ class ApiEndpoint:
                 async with attempt:  # a retryable failure before the client saw anything: the next provider
                     trace.model = _upstream_model(edge, attempt.provider, dispatch.alias)
                     await attempt.send(self._item(attempt.channel, body, dispatch.alias, head, trace.id))
+                    dispatched, out.dispatched = out.dispatched, None
+                    if dispatched is not None:
+                        dispatched()
                     failed = await self._answer(attempt, head.stream, out, dispatch.arrived)
                     if failed is not None:
                         trace.error = failed.code  # a stream that failed after it began

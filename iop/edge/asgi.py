@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
@@ -27,6 +28,9 @@ class TrackedSend:
         self.trace = trace
         self.headers: list[tuple[bytes, bytes]] = []
         """Added to the answer's head, whatever it is (a limited tenant's x-ratelimit-* headers)."""
+        self.dispatched: Callable[[], None] | None = None
+        """Called once, when the request's work item is first sent (a kept Responses turn's input
+        is written then: iop/responses/expand.py)."""
 
     async def __call__(self, message: Message) -> None:
         trace = self.trace

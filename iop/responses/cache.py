@@ -75,7 +75,7 @@ _info = msgspec.json.Decoder(_Info).decode
 class Entry:
     stored: Any
     """The decoded record (`store.Stored`); shared by every reader, who never changes it. Or, with
-    `decode`, the record's JSON, decoded at its first read (a turn this edge wrote: most are
+    `decode`, the record's JSON (or its pieces, `encoded`), decoded at its first read (a turn this edge wrote: most are
     never read here, and its writer's objects go on to the client, so it could not share them)."""
     size: int
     stamp: float
@@ -87,9 +87,16 @@ class Entry:
     """The record as a conversation reads it (iop/responses/records.py: its items as JSON,
     views of the record's bytes), once a conversation read it."""
 
+    def encoded(self) -> bytes:
+        """The record's JSON while it is not decoded (`decode` set): its pieces joined at the first
+        read (a record written in two, its input ahead of its answer: iop/responses/records.py)."""
+        if isinstance(self.stored, tuple):
+            self.stored = b"".join(self.stored)
+        return self.stored  # type: ignore[no-any-return]
+
     def record(self) -> Any:
         if self.decode is not None:
-            self.stored, self.decode = self.decode(self.stored), None
+            self.stored, self.decode = self.decode(self.encoded()), None
         return self.stored
 
 

@@ -22,13 +22,16 @@ from iop import edgeconf
 from iop.errors import BadRequest, NotFound
 from iop.openai import compaction
 from iop.openai.passthrough import LEAD
+from iop.openai.responses_events import new_id
 from iop.responses import records
 from iop.responses.caps import ResponseCaps
 from iop.responses.records import Stored
-from iop.responses.store import ResponseStore, valid_id
+from iop.responses.store import Ahead, ResponseStore, valid_id
 from iop.responses.takeover import Held, Takeover, new_runner
 
 log = logging.getLogger("iop.responses")
+AHEAD_BYTES = 256 * 1024
+"""An input to keep at least this large is written while its answer is made (`Responses.dispatched`)."""
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 
@@ -103,6 +106,10 @@ class Turn:
     their JSON array, or each item's own bytes."""
     index: list[tuple[str, bytes]] = field(default_factory=list)
     """Of those, the ones with an id, by id (`as_sent`): what `keep` indexes in place of `items`."""
+    own_id: str | None = None
+    """The id this edge gives the answer it keeps, for its whole life (`Responses.dispatched`)."""
+    ahead: asyncio.Task[Ahead | None] | None = None
+    """Its input being written to the store while its answer is made (a large one), until `keep` takes it."""
 
     def encoded(self, **changes: Any) -> bytes:
         """The request to dispatch as JSON (with `changes` to its fields); an input encoded already
@@ -134,6 +141,7 @@ class Responses:
         self.takeover: Takeover | None = None
         """Takes over the background responses of edges that are gone (started with the store)."""
         self.stopping = False
+        self._forgetting: set[asyncio.Task[None]] = set()
 
     def lost(self, response_id: str) -> None:
         """Another edge took over a background response this edge runs: its run here stops, unkept."""
@@ -247,6 +255,32 @@ class Responses:
         turn.sent, turn.lead, turn.items_json, turn.index = sent, lead, items_json, index
         return turn
 
+    def dispatched(self, owner: str, turn: Turn) -> None:
+        """The turn's work is on its way to a node. An answer to keep gets its id here (the upstream's
+        is replaced: two providers, or one that repeats its ids, could name two answers alike), and
+        a large input is written under it now, while the answer is made, not after it."""
+        if not turn.store or self.store is None or turn.background or turn.own_id is not None:
+            return
+        turn.own_id = new_id("resp_")
+        large = turn.items_json is not None and records.json_size(turn.items_json) >= AHEAD_BYTES
+        if large or (turn.items_json is None and turn.size >= AHEAD_BYTES):
+            turn.ahead = asyncio.create_task(self._write_ahead(self.store, owner, turn, turn.own_id))
+
+    async def _write_ahead(self, store: ResponseStore, owner: str, turn: Turn, response_id: str) -> Ahead | None:
+        if turn.items_json is None:
+            turn.items_json = _encode(turn.items)  # encoded here, off the answer's path; `keep` reuses it
+            if len(turn.items_json) < AHEAD_BYTES:
+                return None  # a long history, a short turn: written with its answer
+        return await store.write_ahead(owner, response_id, records.ahead(turn.items_json))
+
+    def settle(self, turn: Turn) -> None:
+        """The request is over: an input written ahead that no kept answer took is removed."""
+        task, turn.ahead = turn.ahead, None
+        if task is not None and self.store is not None:
+            forget = asyncio.create_task(_forget_ahead(self.store, task))
+            self._forgetting.add(forget)
+            forget.add_done_callback(self._forgetting.discard)
+
     async def keep(self, owner: str, turn: Turn, response: dict[str, Any]) -> None:
         """Keep an answered turn (when it is to be kept); a store that cannot is logged, never raised."""
         if not turn.store or self.store is None:
@@ -267,12 +301,16 @@ class Responses:
         new = [i for i in turn.items if isinstance(i, dict) and not _among(i.get("id"), referenced)]
         new += [i for i in response.get("output") or [] if isinstance(i, dict)]
         output = response.get("output") or []
+        if turn.ahead is not None:
+            await asyncio.wait([turn.ahead])  # it encodes `items_json` first, when it was not
         # Measured and written on the same bytes: the input encoded once, or as it was sent.
         encoded = turn.items_json if turn.items_json is not None else _encode(turn.items)
         size = (turn.size or records.json_size(encoded)) + len(_encode(output))
         try:
             record = Stored(response, list(turn.items), turn.previous, turn.chain, size)
-            kept = await self.store.keep(owner, record, new, encoded, turn.index)
+            task, turn.ahead = turn.ahead, None
+            ahead = await task if task is not None else None
+            kept = await self.store.keep(owner, record, new, encoded, turn.index, ahead)
         except Exception as exc:  # NATS down, a bucket at its limit: the answer still goes out
             log.warning("response store: %s not kept: %s", response.get("id"), type(exc).__name__)
             return
@@ -327,6 +365,15 @@ class Responses:
             history += turn.parts
             compacted = compacted or turn.compacted
         return history, chain, compacted
+
+
+async def _forget_ahead(store: ResponseStore, task: asyncio.Task[Ahead | None]) -> None:
+    try:
+        ahead = await task
+        if ahead is not None:
+            await store.forget_ahead(ahead)
+    except Exception as exc:  # NATS down: the parts age out with the bucket's limits
+        log.warning("response store: parts written ahead not removed: %s", type(exc).__name__)
 
 
 def _gone(response_id: str) -> NoReturn:

@@ -45,6 +45,28 @@ class Written(msgspec.Struct):
     size: int
 
 
+class Rest(msgspec.Struct):
+    """A `Stored` without its input: what follows an input written ahead (`ahead`) in its record."""
+
+    response: dict[str, Any]
+    previous: str | None
+    chain: list[str]
+    size: int
+
+
+def ahead(items: bytes | list[msgspec.Raw]) -> bytes:
+    """A record's first bytes, its input, as they can be written before its answer exists: the
+    JSON of a `Stored` with `input` its first member (the rest follows from `rest`)."""
+    if isinstance(items, bytes):
+        return b"".join((b'{"input":', items))
+    return b"".join((b'{"input":[', b",".join(items), b"]"))
+
+
+def rest(stored: Stored) -> bytes:
+    """What follows `ahead`'s bytes in the record of `stored`, its input left out."""
+    return b"," + memoryview(_encode(Rest(stored.response, stored.previous, stored.chain, stored.size)))[1:]
+
+
 def json_size(items: bytes | list[msgspec.Raw]) -> int:
     """Bytes of `items` as one JSON array: the array itself, or the array its items' JSON makes."""
     if isinstance(items, bytes):
@@ -113,7 +135,7 @@ def _items(input_json: Any, output_json: Any, record: Any, status: Any, backgrou
 def items_of(entry: Entry) -> StoredItems:
     """A cached record's items: views of its JSON, or encoded from it once it was decoded."""
     if entry.items is None:
-        entry.items = stored_items(entry.stored) if entry.decode is not None else of_stored(entry.stored)
+        entry.items = stored_items(entry.encoded()) if entry.decode is not None else of_stored(entry.stored)
     return entry.items  # type: ignore[no-any-return]
 
 

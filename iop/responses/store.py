@@ -22,7 +22,6 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime
 from typing import Any, ParamSpec, TypeVar
 
 import msgspec
@@ -36,7 +35,9 @@ from iop import edgeconf
 from iop.errors import BusError, Unavailable
 from iop.nats import bulk, connection, streams
 from iop.nats.acked import AckedPublishes
+from iop.responses import records
 from iop.responses.cache import Entry, Freshness, TurnCache, gone_subject
+from iop.responses.direct import TIMEOUT_S, DirectGets, Got
 from iop.responses.keys import bucket_keys
 from iop.responses.records import Stored, StoredItems, Written, items_of, stored_items
 
@@ -48,15 +49,10 @@ _ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 ANONYMOUS = "anonymous"
 """The owner of every response on an edge without client keys: anyone who can call it."""
 _HEADROOM = 4096  # a KV put's headers and subject ride in the same message
-_DIRECT = f"$JS.API.DIRECT.GET.KV_{BUCKET}"
-_SUBJECT = f"$KV.{BUCKET}."
 _BATCH = 512
 """Keys one direct get may name (the server answers more than 1,024 with 413)."""
-_TIMEOUT_S = 5.0
 _CHANGING = frozenset({"queued", "in_progress"})
 """Statuses of a record that is still to be written again (a background response): never cached."""
-Got = tuple[bytes, int, float]
-"""A value read, with the stream sequence and the time of its oldest message (-1, 0.0: not known)."""
 
 
 def owner_of(secret: bytes | None) -> str:
@@ -113,8 +109,7 @@ class ResponseStore:
         self._nc = nc
         self.fresh = fresh
         """The records kept in memory and when they may be served (None: every read goes to NATS)."""
-        self._batched = True
-        """Direct gets of many keys answered (a server before 2.11, or a user not allowed them: one a key)."""
+        self._direct = DirectGets(nc, BUCKET) if nc is not None else None
 
     @property
     def nc(self) -> NATS:
@@ -214,21 +209,29 @@ class ResponseStore:
         items: list[dict[str, Any]],
         encoded_input: bytes | list[msgspec.Raw] | None = None,
         encoded_items: list[tuple[str, bytes]] | None = None,
+        ahead: Ahead | None = None,
     ) -> bool:
         """Keep `stored` and index `items` (the new ones it holds) by id; False when its id cannot be kept.
         `encoded_input`: `stored.input` as JSON already, or each item's JSON (written as it is);
         `encoded_items`: more items to index, by id, as JSON already (before `items`: an id in both
-        is `items`')."""
+        is `items`'); `ahead`: its input, written already under this id (`write_ahead`)."""
         response_id = stored.response.get("id")
         if not isinstance(response_id, str) or not valid_id(response_id):
             return False
         index = dict(encoded_items or ())
         index.update((item["id"], _encode(item)) for item in items if valid_id(item.get("id")))
-        if encoded_input is None:
-            data = _encode(stored)
+        key = f"r.{owner}.{response_id}"
+        data: bytes | tuple[bytes, bytes]
+        if ahead is not None:
+            written = records.rest(stored)  # after the parts written ahead
+            data, size, since = (ahead.data, written), len(ahead.data) + len(written), ahead.stamp
         else:
-            raw = msgspec.Raw(encoded_input) if isinstance(encoded_input, bytes) else encoded_input
-            data = _encode(Written(stored.response, raw, stored.previous, stored.chain, stored.size))
+            if encoded_input is None:
+                written = _encode(stored)
+            else:
+                raw = msgspec.Raw(encoded_input) if isinstance(encoded_input, bytes) else encoded_input
+                written = _encode(Written(stored.response, raw, stored.previous, stored.chain, stored.size))
+            data, size, since = written, len(written), None
         fresh = self.fresh
         ticket, stamp = (fresh.ticket() if fresh is not None else None), time.time()
         digests = {i: hash(value) for i, value in index.items()} if fresh is not None else {}
@@ -241,7 +244,7 @@ class ResponseStore:
         # The response and its items at once: one round trip to the bucket before the answer goes
         # out, not two. A client learns the ids from that answer, sent once every write is acked.
         seq, *done = await asyncio.gather(
-            self._put(f"r.{owner}.{response_id}", data),
+            self._put(key, written, ahead),
             *(self._put(f"i.{owner}.{i}", index[i]) for i in writes),
             *checked,
         )
@@ -260,8 +263,20 @@ class ResponseStore:
         if fresh is not None and ticket is not None and _cacheable(stored):
             # A copy of its own, as a read would give: the caller's objects go on to the client.
             # Decoded when it is first read here, if ever (a client resending its whole input never).
-            fresh.put(owner, response_id, Entry(data, len(data), stamp, seq, _stored), ticket)
+            fresh.put(owner, response_id, Entry(data, size, stamp if since is None else since, seq, _stored), ticket)
         return True
+
+    @_reachable
+    async def write_ahead(self, owner: str, response_id: str, data: bytes) -> Ahead:
+        """A record's first bytes (`records.ahead`: its input) written before its answer exists, as
+        its first parts: `keep` writes the rest and then its head, which makes it readable."""
+        key, stamp = f"r.{owner}.{response_id}", time.time()
+        seqs = await self._parts(key, memoryview(data), 1)
+        return Ahead(key, data, len(seqs), min(seqs), stamp)
+
+    async def forget_ahead(self, ahead: Ahead) -> None:
+        """Parts written ahead for an answer that was never kept (it failed, its client left)."""
+        await asyncio.gather(*(self.kv.purge(f"{ahead.key}.{n}") for n in range(1, ahead.parts + 1)))
 
     @_reachable
     async def keep_events(self, owner: str, response_id: str, events: bytes) -> None:
@@ -311,7 +326,7 @@ class ResponseStore:
         """Who holds a response of this id (for an administrator: ids are unique, so at most one)."""
         if not valid_id(response_id):
             return []
-        keys, _ = await bucket_keys(self.nc, BUCKET, f"r.*.{response_id}", 16, _TIMEOUT_S)
+        keys, _ = await bucket_keys(self.nc, BUCKET, f"r.*.{response_id}", 16, TIMEOUT_S)
         return [key.split(".")[1] for key in keys]
 
     @_reachable
@@ -319,7 +334,7 @@ class ResponseStore:
         """Up to `limit` (owner, response id) pairs, oldest first, and whether there are more (for an administrator)."""
         if owner is not None and not valid_id(owner):
             return [], False
-        keys, more = await bucket_keys(self.nc, BUCKET, f"r.{owner or '*'}.*", limit, _TIMEOUT_S)
+        keys, more = await bucket_keys(self.nc, BUCKET, f"r.{owner or '*'}.*", limit, TIMEOUT_S)
         found = []
         for key in keys:
             _, who, response_id = key.split(".")
@@ -347,7 +362,7 @@ class ResponseStore:
         """The values of those of `keys` that are there, as `_get` reads each one (its parts joined)."""
         heads: dict[str, Got] = {}
         for n in range(0, len(keys), _BATCH):
-            got = await self._last_of(keys[n : n + _BATCH])
+            got = await self._last(keys[n : n + _BATCH])
             if got is None:  # a server (or bucket) without batched direct gets: one request a key
                 values = await asyncio.gather(*(self._get(k) for k in keys))
                 return {k: (v, -1, 0.0) for k, v in zip(keys, values, strict=True) if v is not None}
@@ -370,7 +385,7 @@ class ResponseStore:
         return found
 
     async def _get_many_raw(self, keys: list[str]) -> dict[str, Got]:
-        got = await self._last_of(keys)
+        got = await self._last(keys)
         if got is None:
             values = await asyncio.gather(*(self._raw(k) for k in keys))
             return {k: (v, -1, 0.0) for k, v in zip(keys, values, strict=True) if v is not None}
@@ -382,67 +397,23 @@ class ResponseStore:
         except (KeyNotFoundError, NotFoundError):
             return None
 
-    async def _last_of(self, keys: list[str]) -> dict[str, Got] | None:
-        """The last value of each key, deleted ones left out, in one direct get (None: not answered so)."""
-        if not keys:
-            return {}
-        if self._nc is None or not self._batched:
-            return None
-        if len(keys) == 1:
-            return await self._last_one(self._nc, keys[0])
-        nc, found = self._nc, dict[str, Got]()
-        done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    async def _last(self, keys: list[str]) -> dict[str, Got] | None:
+        return await self._direct.last_of(keys) if self._direct is not None else None
 
-        async def one(msg: Any) -> None:
-            headers = msg.headers or {}
-            status = headers.get("Status")
-            if status is not None:
-                if not done.done():
-                    done.set_result(status)
-            elif headers.get("KV-Operation") is None:  # a DEL or PURGE marker: the key is gone
-                key = headers.get("Nats-Subject", "")[len(_SUBJECT) :]
-                found[key] = (msg.data, int(headers.get("Nats-Sequence", -1)), _time(headers.get("Nats-Time-Stamp")))
+    async def _put(self, key: str, data: bytes, ahead: Ahead | None = None) -> int:
+        """Write `key` (in parts when it is large, after those written `ahead`); the stream sequence
+        of its first message."""
+        if ahead is None and len(data) < self.max_value:
+            return await self._put_one(key, [b"=", data])
+        first = ahead.parts + 1 if ahead is not None else 1
+        seqs = await self._parts(key, memoryview(data), first)  # views of `data`, never copies
+        await self._put_one(key, [b"#%d" % (first - 1 + len(seqs))])
+        return min(seqs) if ahead is None else min(ahead.seq, *seqs)
 
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox, cb=one, pending_bytes_limit=1 << 31)
-        try:
-            ask = _encode({"multi_last": [_SUBJECT + k for k in keys]})
-            await nc.publish(_DIRECT, ask, reply=inbox)
-            status = await asyncio.wait_for(done, _TIMEOUT_S)
-        except TimeoutError:
-            status = "timeout"
-        finally:
-            await sub.unsubscribe()
-        if status == "204":  # the end of the batch
-            return found
-        if status == "404":  # none of them there
-            return {}
-        if status in ("timeout", "503"):  # not answered, or no direct gets on the bucket: never again here
-            log.warning("response store: batched direct gets unanswered (%s); reading one key at a time", status)
-            self._batched = False
-        return None
-
-    async def _last_one(self, nc: NATS, key: str) -> dict[str, Got] | None:
-        """One key's last value: a direct get of its subject (one reply, through the shared inbox)."""
-        msg = await nc.request(f"{_DIRECT}.{_SUBJECT}{key}", b"", timeout=_TIMEOUT_S)
-        headers = msg.headers or {}
-        status = headers.get("Status")
-        if status is not None:
-            return {} if status == "404" else None
-        if headers.get("KV-Operation") is not None:  # a DEL or PURGE marker: the key is gone
-            return {}
-        return {key: (msg.data, int(headers.get("Nats-Sequence", -1)), _time(headers.get("Nats-Time-Stamp")))}
-
-    async def _put(self, key: str, data: bytes) -> int:
-        """Write `key` (in parts when it is large); the stream sequence of its first message."""
-        put = self._put_one
-        if len(data) < self.max_value:
-            return await put(key, [b"=", data])
-        view = memoryview(data)  # the parts are views of `data`, never copies
-        chunks = [view[i : i + self.max_value] for i in range(0, len(data), self.max_value)]
-        seqs = await asyncio.gather(*(put(f"{key}.{n}", [c]) for n, c in enumerate(chunks, 1)))
-        await put(key, [b"#%d" % len(chunks)])
-        return min(seqs)
+    def _parts(self, key: str, view: memoryview, first: int) -> Awaitable[list[int]]:
+        step = self.max_value
+        chunks = [view[i : i + step] for i in range(0, len(view), step)]
+        return asyncio.gather(*(self._put_one(f"{key}.{n}", [c]) for n, c in enumerate(chunks, first)))
 
     async def _put_one(self, key: str, pieces: list[bulk.Buffer]) -> int:
         if self.acked is None:
@@ -460,6 +431,19 @@ class ResponseStore:
         await self.kv.purge(key)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ahead:
+    """A record's first parts, written before its answer (`ResponseStore.write_ahead`)."""
+
+    key: str
+    data: bytes
+    parts: int
+    seq: int
+    """The stream sequence of its first message."""
+    stamp: float
+    """When it was written (Unix time)."""
+
+
 def _cacheable(state: Any) -> bool:
     """A record no edge writes again (a background response may still be cancelled or taken over):
     `state` the record (`Stored`), or its response's state as its items were read."""
@@ -468,11 +452,3 @@ def _cacheable(state: Any) -> bool:
     else:
         status, background = state.status, state.background
     return not background and not (isinstance(status, str) and status in _CHANGING)
-
-
-def _time(stamp: str | None) -> float:
-    """A message's `Nats-Time-Stamp` as Unix time; 0.0 (long expired) when there is none."""
-    try:
-        return datetime.fromisoformat(stamp).timestamp() if stamp else 0.0
-    except ValueError:
-        return 0.0

@@ -83,8 +83,9 @@ class KeepingSend:
         response["store"] = self.turn.store
         response["previous_response_id"] = self.turn.previous
         response["background"] = self.turn.background
-        if self.turn.response_id is not None:
-            response["id"] = self.turn.response_id
+        own = self.turn.response_id or self.turn.own_id
+        if own is not None:
+            response["id"] = own
 
     async def _whole(self, data: bytes) -> bytes:
         try:

@@ -1,0 +1,116 @@
+"""A kept turn's large input is written to the store while its answer is made, under an id the edge
+gives the answer; the record reads back whole, and an answer that is never kept leaves nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+
+from iop import edgeconf
+from iop.nats import connection
+from iop.nats.server import EmbeddedNats
+from iop.responses import records
+from iop.responses.keys import bucket_keys
+from iop.responses.records import Stored
+from iop.responses.store import BUCKET, ResponseStore, owner_of
+from tests.fakes import fake_upstream
+from tests.harness import deployment, deployment_running, eventually
+from tests.test_responses_store import KEY_A, auth, one_provider
+from tests.test_responses_store import keys as keys  # the fixture: the edge's key variables
+
+# A history of 1.6 MB: past the size whose input is written ahead (AHEAD_BYTES).
+HISTORY = [
+    {"type": "function_call_output", "call_id": f"c{n}", "output": f"{n} " + "source line\\n\u00e9 " * 4000}
+    for n in range(24)
+]
+
+
+async def _parts(nc: Any) -> list[str]:
+    """The record parts in the bucket (keys `r.<owner>.<id>.<n>`), deleted ones left out."""
+    found, _ = await bucket_keys(nc, BUCKET, "r.*.*.*", 100, 5.0)
+    return found
+
+
+async def test_responses_ahead_input_is_stored_before_the_answer_and_read_back_whole(
+    nats_server: EmbeddedNats,
+) -> None:
+    gate = asyncio.Event()
+    async with (
+        fake_upstream(api="responses", gate=gate) as up,
+        deployment_running(deployment(one_provider(up.url, "responses")), nats_server.url) as h,
+        h.http() as http,
+    ):
+        body = {"model": "m", "input": [*HISTORY, {"type": "message", "role": "user", "content": "go on"}]}
+        answer = asyncio.create_task(http.post("/v1/responses", json=body, headers=auth(KEY_A), timeout=30))
+        await up.wait_for(lambda u: u.in_flight == 1)
+        # The model has not answered yet, and the input is already in the store, in parts.
+        await eventually(lambda: _has_parts(h.edge.nc, 1))
+        gate.set()
+        made = (await answer).json()
+        rid = made["id"]
+        assert rid.startswith("resp_") and not rid.startswith("resp_fake"), rid  # the edge's, not the upstream's
+        # Read through the edge (its cache joins the two halves) and from NATS alone (another edge).
+        listed = await http.get(f"/v1/responses/{rid}/input_items?order=asc&limit=100", headers=auth(KEY_A))
+        assert [i.get("output") for i in listed.json()["data"]][:24] == [i["output"] for i in HISTORY]
+        assert (await http.get(f"/v1/responses/{rid}", headers=auth(KEY_A))).json() == made
+        nc = await connection.connect(nats_server.url, "test-reader", wait_s=5)
+        try:
+            store = await ResponseStore.open(nc, edgeconf.ResponsesSettings(cache_mb=0))
+            stored = await store.response(owner_of(KEY_A.encode()), rid)
+            assert stored is not None and stored.input == body["input"] and stored.response == made
+            # A second turn, the same upstream: an answer of its own.
+            again = await http.post("/v1/responses", json=body, headers=auth(KEY_A), timeout=30)
+            assert again.json()["id"] != rid
+            # Deleted, every part goes with it.
+            assert (await http.delete(f"/v1/responses/{rid}", headers=auth(KEY_A))).status_code == 200
+            assert not [k for k in await _parts(nc) if f".{rid}." in k]
+        finally:
+            await nc.close()
+
+
+async def _has_parts(nc: Any, n: int) -> bool:
+    return len(await _parts(nc)) >= n
+
+
+async def test_responses_ahead_parts_of_an_answer_never_kept_are_removed(nats_server: EmbeddedNats) -> None:
+    gate = asyncio.Event()
+    async with (
+        fake_upstream(api="responses", gate=gate) as up,
+        deployment_running(deployment(one_provider(up.url, "responses")), nats_server.url) as h,
+        h.http() as http,
+    ):
+        body = {"model": "m", "input": HISTORY, "stream": True}
+        answer = asyncio.create_task(http.post("/v1/responses", json=body, headers=auth(KEY_A), timeout=30))
+        await up.wait_for(lambda u: u.in_flight == 1)
+        await eventually(lambda: _has_parts(h.edge.nc, 1))
+        up.fail_status = 500  # the model fails: there is no answer to keep
+        gate.set()
+        failed = await answer
+        assert failed.status_code >= 400 or "error" in failed.text
+        await eventually(lambda: _no_parts(h.edge.nc))
+
+
+async def _no_parts(nc: Any) -> bool:
+    return not await _parts(nc)
+
+
+@pytest.mark.parametrize("max_value", [2048, 1 << 20])
+async def test_responses_ahead_a_record_written_in_two_reads_as_one(nats_server: EmbeddedNats, max_value: int) -> None:
+    nc = await connection.connect(nats_server.url, "test-store", wait_s=5)
+    try:
+        store = await ResponseStore.open(nc, edgeconf.ResponsesSettings(cache_mb=0))
+        store.max_value = max_value  # 2 KiB: several parts ahead and after
+        items = [{"type": "message", "role": "user", "content": "x" * 5000, "id": "msg_a"}]
+        ahead = await store.write_ahead("o", "resp_a", records.ahead(msgspec.json.encode(items)))
+        response = {"id": "resp_a", "object": "response", "output": [{"type": "message", "id": "msg_o"}]}
+        assert await store.keep("o", Stored(response, [], None, [], 7), [], ahead=ahead)
+        got = await store.response("o", "resp_a")
+        assert got is not None and got.input == items and got.response == response and got.size == 7
+        assert await store.delete("o", "resp_a")
+        assert await store.response("o", "resp_a") is None
+        assert not await _parts(nc)
+    finally:
+        await nc.close()
