@@ -85,6 +85,9 @@ async def test_a_turn_kept_as_sent_dispatches_and_keeps_what_its_expansion_would
     assert responses.store is not None
     ids = {"head": head.ids, "scan": None, "a head of another length": [*(head.ids or []), "fc_9"]}[ids_from]
     fast = responses.as_sent(body, head.lead, head.as_sent == "rewrite", ids)
+    # Its items are read after its dispatch, not before: then they are what the keep writes.
+    assert fast.unread is not None and fast.items_json is None and not fast.index
+    responses.read_sent(fast)
     slow = await responses.expand(json.loads(body), OWNER)
     sent = fast.encoded()
     assert json.loads(sent) == {**json.loads(body), "store": False}

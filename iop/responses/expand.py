@@ -106,6 +106,8 @@ class Turn:
     their JSON array, or each item's own bytes."""
     index: list[tuple[str, bytes]] = field(default_factory=list)
     """Of those, the ones with an id, by id (`as_sent`): what `keep` indexes in place of `items`."""
+    unread: tuple[bytes, list[Any] | None] | None = None
+    """A turn kept as sent whose items are not read yet: its body, and its items' ids if known."""
     own_id: str | None = None
     """The id this edge gives the answer it keeps, for its whole life (`Responses.dispatched`)."""
     ahead: asyncio.Task[Ahead | None] | None = None
@@ -227,18 +229,9 @@ class Responses:
         when `lead` says where it ends, so the node still finds it there), its input is kept as the
         bytes it came in, and only its items that name an `id` are read, for their index entries.
         `rewrite`: the body gave `store`, set false among its top-level members instead.
-        `ids`: each input item's `id`, as the head's decode of this body read them."""
-        # One scan at msgspec's speed, no Python object per item: each item's bytes. Their ids
-        # come from the head's decode (`ids`), or a second scan.
-        items = _sent_items(body).input
-        items_json: bytes | list[msgspec.Raw]
-        if isinstance(items, str):
-            items_json, index = _encode(_input_items(items)), []  # a user message of that text
-        else:
-            if ids is None or len(ids) != len(items):
-                ids = [i.id for i in _sent_ids(body).input]
-            index = [(i, bytes(raw)) for i, raw in zip(ids, items, strict=True) if valid_id(i)]
-            items_json = items  # written as they came, by the record's encode: not joined here first
+        `ids`: each input item's `id`, as the head's decode of this body read them. The items
+        themselves are read after the dispatch (`read_sent`): while the model works when the input
+        is large (`dispatched`), else when the answer is kept."""
         if rewrite:
             # Every top-level member once, `store` false, the rest as they came (a key given
             # twice once, with its last value, as it is read).
@@ -252,8 +245,25 @@ class Responses:
             at = lead if lead else (space.end() if space is not None else 0) + 1
             sent = b"".join((body[:at], b',"store":false' if lead else b'"store":false,', memoryview(body)[at:]))
         turn = Turn({}, [], None, self.store is not None)
-        turn.sent, turn.lead, turn.items_json, turn.index = sent, lead, items_json, index
+        turn.sent, turn.lead, turn.unread = sent, lead, (body, ids)
         return turn
+
+    @staticmethod
+    def read_sent(turn: Turn) -> None:
+        """A turn kept as sent: its input items as the bytes they came in, and those with an id."""
+        if turn.unread is None:
+            return
+        (body, ids), turn.unread = turn.unread, None
+        # One scan at msgspec's speed, no Python object per item: each item's bytes. Their ids
+        # come from the head's decode (`ids`), or a second scan.
+        items = _sent_items(body).input
+        if isinstance(items, str):
+            turn.items_json = _encode(_input_items(items))  # a user message of that text
+            return
+        if ids is None or len(ids) != len(items):
+            ids = [i.id for i in _sent_ids(body).input]
+        turn.index = [(i, bytes(raw)) for i, raw in zip(ids, items, strict=True) if valid_id(i)]
+        turn.items_json = items  # written as they came, by the record's encode: not joined here first
 
     def dispatched(self, owner: str, turn: Turn) -> None:
         """The turn's work is on its way to a node. An answer to keep gets its id here (the upstream's
@@ -262,11 +272,13 @@ class Responses:
         if not turn.store or self.store is None or turn.background or turn.own_id is not None:
             return
         turn.own_id = new_id("resp_")
-        large = turn.items_json is not None and records.json_size(turn.items_json) >= AHEAD_BYTES
-        if large or (turn.items_json is None and turn.size >= AHEAD_BYTES):
+        # The body's size for a turn kept as sent; a conversation's whole input for another (its
+        # own items may be fewer: `_write_ahead` measures them).
+        if (len(turn.unread[0]) if turn.unread is not None else turn.size) >= AHEAD_BYTES:
             turn.ahead = asyncio.create_task(self._write_ahead(self.store, owner, turn, turn.own_id))
 
     async def _write_ahead(self, store: ResponseStore, owner: str, turn: Turn, response_id: str) -> Ahead | None:
+        self.read_sent(turn)
         if turn.items_json is None:
             turn.items_json = _encode(turn.items)  # encoded here, off the answer's path; `keep` reuses it
             if len(turn.items_json) < AHEAD_BYTES:
@@ -302,7 +314,12 @@ class Responses:
         new += [i for i in response.get("output") or [] if isinstance(i, dict)]
         output = response.get("output") or []
         if turn.ahead is not None:
-            await asyncio.wait([turn.ahead])  # it encodes `items_json` first, when it was not
+            await asyncio.wait([turn.ahead])  # it reads or encodes `items_json` first, when it was not
+        try:
+            self.read_sent(turn)
+        except msgspec.DecodeError:  # (its head's decode read every item: not seen)
+            log.warning("response store: %s not kept: its input could not be read", response.get("id"))
+            return
         # Measured and written on the same bytes: the input encoded once, or as it was sent.
         encoded = turn.items_json if turn.items_json is not None else _encode(turn.items)
         size = (turn.size or records.json_size(encoded)) + len(_encode(output))
