@@ -62,6 +62,10 @@ class BodiesOptions:
     waiting_sizes: list[int] = field(default_factory=lambda: [800_000, 3_000_000])
     storage: str = "file"
     archive: Path | None = None
+    latency: str = "0"
+    """The upstream's delay before its first byte (bench/upstream.py's spec), as a model's prefill of
+    a long input would take: what iop does meanwhile (a kept turn's input written ahead) is then
+    off the client's path. Both arms pay it, so `added` still compares them."""
 
 
 def _size_name(n: int) -> str:
@@ -70,7 +74,7 @@ def _size_name(n: int) -> str:
 
 def run_bodies(owned: Owned, workdir: Path, opts: BodiesOptions) -> dict[str, Any]:
     port = free_port()
-    upstream = start_upstream(owned, "bodies-upstream", [port], "--tokens", "16")
+    upstream = start_upstream(owned, "bodies-upstream", [port], "--tokens", "16", "--latency", opts.latency)
     node = {
         "id": "bodies-node",
         "adapters": [

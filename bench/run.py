@@ -134,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         help="bodies: direct/iop pairs per cell (20, quick 10); messages: triples (100, quick 30)",
     )
     ap.add_argument(
+        "--body-latency",
+        default="0",
+        help="bodies: the upstream's delay before its first byte, e.g. fixed:100 (default 0)",
+    )
+    ap.add_argument(
         "--chain-lengths",
         default=None,
         help="chain: turns of each chain, comma-separated (default 1,10,50; 400 is ~850 KB of input)",
@@ -276,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 bo.sizes = [int(x) for x in a.body_sizes.split(",") if x.strip()]
             if body_apis:
                 bo.apis = body_apis
+            bo.latency = a.body_latency
             attempt("bodies", lambda: run_bodies(owned, workdir, bo))
         if "tracing" in only:
             to = TracingOptions(rounds=1 if a.quick else 3, seconds=1.5 if a.quick else 3.0, archive=a.archive)
