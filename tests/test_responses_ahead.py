@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from iop import edgeconf
+from iop.errors import Unavailable
 from iop.nats import connection
 from iop.nats.server import EmbeddedNats
 from iop.responses import records
@@ -17,7 +18,7 @@ from iop.responses.keys import bucket_keys
 from iop.responses.records import Stored
 from iop.responses.store import BUCKET, ResponseStore, owner_of
 from tests.fakes import fake_upstream
-from tests.harness import deployment, deployment_running, eventually
+from tests.harness import deployment, deployment_running, eventually, sse_events
 from tests.test_responses_store import KEY_A, auth, one_provider
 from tests.test_responses_store import keys as keys  # the fixture: the edge's key variables
 
@@ -26,6 +27,7 @@ HISTORY = [
     {"type": "function_call_output", "call_id": f"c{n}", "output": f"{n} " + "source line\\n\u00e9 " * 4000}
     for n in range(24)
 ]
+AUTH = auth(KEY_A)
 
 
 async def _parts(nc: Any) -> list[str]:
@@ -44,7 +46,7 @@ async def test_responses_ahead_input_is_stored_before_the_answer_and_read_back_w
         h.http() as http,
     ):
         body = {"model": "m", "input": [*HISTORY, {"type": "message", "role": "user", "content": "go on"}]}
-        answer = asyncio.create_task(http.post("/v1/responses", json=body, headers=auth(KEY_A), timeout=30))
+        answer = asyncio.create_task(http.post("/v1/responses", json=body, headers=AUTH, timeout=30))
         await up.wait_for(lambda u: u.in_flight == 1)
         # The model has not answered yet, and the input is already in the store, in parts.
         await eventually(lambda: _has_parts(h.edge.nc, 1))
@@ -53,19 +55,19 @@ async def test_responses_ahead_input_is_stored_before_the_answer_and_read_back_w
         rid = made["id"]
         assert rid.startswith("resp_") and not rid.startswith("resp_fake"), rid  # the edge's, not the upstream's
         # Read through the edge (its cache joins the two halves) and from NATS alone (another edge).
-        listed = await http.get(f"/v1/responses/{rid}/input_items?order=asc&limit=100", headers=auth(KEY_A))
+        listed = await http.get(f"/v1/responses/{rid}/input_items?order=asc&limit=100", headers=AUTH)
         assert [i.get("output") for i in listed.json()["data"]][:24] == [i["output"] for i in HISTORY]
-        assert (await http.get(f"/v1/responses/{rid}", headers=auth(KEY_A))).json() == made
+        assert (await http.get(f"/v1/responses/{rid}", headers=AUTH)).json() == made
         nc = await connection.connect(nats_server.url, "test-reader", wait_s=5)
         try:
             store = await ResponseStore.open(nc, edgeconf.ResponsesSettings(cache_mb=0))
             stored = await store.response(owner_of(KEY_A.encode()), rid)
             assert stored is not None and stored.input == body["input"] and stored.response == made
             # A second turn, the same upstream: an answer of its own.
-            again = await http.post("/v1/responses", json=body, headers=auth(KEY_A), timeout=30)
+            again = await http.post("/v1/responses", json=body, headers=AUTH, timeout=30)
             assert again.json()["id"] != rid
             # Deleted, every part goes with it.
-            assert (await http.delete(f"/v1/responses/{rid}", headers=auth(KEY_A))).status_code == 200
+            assert (await http.delete(f"/v1/responses/{rid}", headers=AUTH)).status_code == 200
             assert not [k for k in await _parts(nc) if f".{rid}." in k]
         finally:
             await nc.close()
@@ -83,7 +85,7 @@ async def test_responses_ahead_parts_of_an_answer_never_kept_are_removed(nats_se
         h.http() as http,
     ):
         body = {"model": "m", "input": HISTORY, "stream": True}
-        answer = asyncio.create_task(http.post("/v1/responses", json=body, headers=auth(KEY_A), timeout=30))
+        answer = asyncio.create_task(http.post("/v1/responses", json=body, headers=AUTH, timeout=30))
         await up.wait_for(lambda u: u.in_flight == 1)
         await eventually(lambda: _has_parts(h.edge.nc, 1))
         up.fail_status = 500  # the model fails: there is no answer to keep
@@ -114,3 +116,53 @@ async def test_responses_ahead_a_record_written_in_two_reads_as_one(nats_server:
         assert not await _parts(nc)
     finally:
         await nc.close()
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+async def test_responses_ahead_a_kept_answer_has_one_id_of_the_edges_in_every_event(
+    nats_server: EmbeddedNats, api: str
+) -> None:
+    async with (
+        fake_upstream(api=api) as up,
+        deployment_running(deployment(one_provider(up.url, api)), nats_server.url) as h,
+        h.http() as http,
+    ):
+        ids = set()
+        for _ in range(2):
+            r = await http.post("/v1/responses", json={"model": "m", "input": "hi", "stream": True}, headers=AUTH)
+            lifecycle = [e["response"]["id"] for e in sse_events(r.text) if "response" in e]
+            assert len(lifecycle) >= 2 and len(set(lifecycle)) == 1, lifecycle  # created ... completed
+            ids.add(lifecycle[0])
+            got = await http.get(f"/v1/responses/{lifecycle[0]}", headers=AUTH)
+            assert got.status_code == 200 and got.json()["id"] == lifecycle[0]
+        assert len(ids) == 2 and not any(i.startswith("resp_fake") for i in ids), ids
+        whole = (await http.post("/v1/responses", json={"model": "m", "input": "hi"}, headers=AUTH)).json()
+        assert whole["id"] not in ids and not whole["id"].startswith("resp_fake")
+        # Not kept: the upstream's answer as it is.
+        passed = await http.post("/v1/responses", json={"model": "m", "input": "hi", "store": False}, headers=AUTH)
+        assert api == "chat" or passed.json()["id"].startswith("resp_fake")  # (a chat answer translated: the node's)
+        assert (await http.get(f"/v1/responses/{passed.json()['id']}", headers=AUTH)).status_code == 404
+
+
+async def test_responses_ahead_a_write_ahead_that_failed_leaves_the_answer_kept_whole(
+    nats_server: EmbeddedNats,
+) -> None:
+    async with (
+        fake_upstream(api="responses") as up,
+        deployment_running(deployment(one_provider(up.url, "responses")), nats_server.url) as h,
+        h.http() as http,
+    ):
+        store = h.edge.responses.store
+        assert store is not None
+        failed: list[str] = []
+
+        async def unreachable(owner: str, response_id: str, pieces: list[Any]) -> Any:
+            failed.append(response_id)
+            raise Unavailable("NATS is not reachable")  # as the store's guard turns a lost server into
+
+        store.write_ahead = unreachable  # type: ignore[method-assign]
+        body = {"model": "m", "input": HISTORY}
+        made = await http.post("/v1/responses", json=body, headers=AUTH, timeout=30)
+        assert made.status_code == 200 and failed == [made.json()["id"]]
+        listed = await http.get(f"/v1/responses/{made.json()['id']}/input_items?order=asc&limit=100", headers=AUTH)
+        assert [i.get("output") for i in listed.json()["data"]] == [i["output"] for i in HISTORY]

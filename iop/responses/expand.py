@@ -31,6 +31,7 @@ from iop.responses.takeover import Held, Takeover, new_runner
 
 log = logging.getLogger("iop.responses")
 AHEAD_BYTES = 256 * 1024
+_TIMEOUT_S = 5.0
 """An input to keep at least this large is written while its answer is made (`Responses.dispatched`)."""
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
@@ -163,6 +164,8 @@ class Responses:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._forgetting:
+            await asyncio.wait(self._forgetting, timeout=_TIMEOUT_S)  # parts written ahead for nothing
 
     async def expand(self, body: Mapping[str, Any], owner: str, max_bytes: int | None = None) -> Turn:
         """The stateless request for `body`, its references resolved for `owner`.
@@ -269,8 +272,8 @@ class Responses:
         """The turn's work is on its way to a node. An answer to keep gets its id here (the upstream's
         is replaced: two providers, or one that repeats its ids, could name two answers alike), and
         a large input is written under it now, while the answer is made, not after it."""
-        if not turn.store or self.store is None or turn.background or turn.own_id is not None:
-            return
+        if not turn.store or self.store is None or turn.response_id is not None or turn.own_id is not None:
+            return  # (a background response queued or resumed has its id from before: the client has it)
         turn.own_id = new_id("resp_")
         # The body's size for a turn kept as sent; a conversation's whole input for another (its
         # own items may be fewer: `_write_ahead` measures them).
@@ -326,7 +329,10 @@ class Responses:
         try:
             record = Stored(response, list(turn.items), turn.previous, turn.chain, size)
             task, turn.ahead = turn.ahead, None
-            ahead = await task if task is not None else None
+            ahead = None
+            if task is not None and not task.cancelled() and task.exception() is None:
+                ahead = task.result()
+            # (A write ahead that failed: the whole record is written now, over the same part keys.)
             kept = await self.store.keep(owner, record, new, encoded, turn.index, ahead)
         except Exception as exc:  # NATS down, a bucket at its limit: the answer still goes out
             log.warning("response store: %s not kept: %s", response.get("id"), type(exc).__name__)

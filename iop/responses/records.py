@@ -54,12 +54,17 @@ class Rest(msgspec.Struct):
     size: int
 
 
-def ahead(items: bytes | list[msgspec.Raw]) -> bytes:
+def ahead(items: bytes | list[msgspec.Raw]) -> list[bytes | msgspec.Raw]:
     """A record's first bytes, its input, as they can be written before its answer exists: the
-    JSON of a `Stored` with `input` its first member (the rest follows from `rest`)."""
+    JSON of a `Stored` with `input` its first member (the rest follows from `rest`). As pieces,
+    the items themselves among them (views of the body they came in): joined only to be written."""
     if isinstance(items, bytes):
-        return b"".join((b'{"input":', items))
-    return b"".join((b'{"input":[', b",".join(items), b"]"))
+        return [b'{"input":', items]
+    pieces: list[bytes | msgspec.Raw] = [b'{"input":[']
+    for item in items:
+        pieces += (item, b",")
+    pieces[-1] = b"]" if items else pieces[-1] + b"]"
+    return pieces
 
 
 def rest(stored: Stored) -> bytes:

@@ -221,10 +221,10 @@ class ResponseStore:
         index = dict(encoded_items or ())
         index.update((item["id"], _encode(item)) for item in items if valid_id(item.get("id")))
         key = f"r.{owner}.{response_id}"
-        data: bytes | tuple[bytes, bytes]
+        data: bytes | tuple[Any, ...]
         if ahead is not None:
             written = records.rest(stored)  # after the parts written ahead
-            data, size, since = (ahead.data, written), len(ahead.data) + len(written), ahead.stamp
+            data, size, since = (*ahead.pieces, written), ahead.size + len(written), ahead.stamp
         else:
             if encoded_input is None:
                 written = _encode(stored)
@@ -267,12 +267,13 @@ class ResponseStore:
         return True
 
     @_reachable
-    async def write_ahead(self, owner: str, response_id: str, data: bytes) -> Ahead:
+    async def write_ahead(self, owner: str, response_id: str, pieces: list[Any]) -> Ahead:
         """A record's first bytes (`records.ahead`: its input) written before its answer exists, as
-        its first parts: `keep` writes the rest and then its head, which makes it readable."""
-        key, stamp = f"r.{owner}.{response_id}", time.time()
+        its first parts: `keep` writes the rest and then its head, which makes it readable. Their
+        join lives while they are written; the pieces stay (the cache's copy, joined if read)."""
+        key, stamp, data = f"r.{owner}.{response_id}", time.time(), b"".join(pieces)
         seqs = await self._parts(key, memoryview(data), 1)
-        return Ahead(key, data, len(seqs), min(seqs), stamp)
+        return Ahead(key, tuple(pieces), len(data), len(seqs), min(seqs), stamp)
 
     async def forget_ahead(self, ahead: Ahead) -> None:
         """Parts written ahead for an answer that was never kept (it failed, its client left)."""
@@ -436,7 +437,9 @@ class Ahead:
     """A record's first parts, written before its answer (`ResponseStore.write_ahead`)."""
 
     key: str
-    data: bytes
+    pieces: tuple[Any, ...]
+    """Its bytes, as `records.ahead` gave them."""
+    size: int
     parts: int
     seq: int
     """The stream sequence of its first message."""
