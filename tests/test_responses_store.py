@@ -478,3 +478,28 @@ async def test_responses_store_listing_pages_past_deleted_keys_and_says_when_the
         assert await store.owners_of("resp_p0") == [] and await store.owners_of("resp_p4") == ["b"]
     finally:
         await nc.close()
+
+
+async def test_responses_store_a_full_bucket_drops_its_oldest_turns_not_the_new_one(nats_server: EmbeddedNats) -> None:
+    from nats.js import api as js_api
+
+    from iop import edgeconf
+
+    nc = await connection.connect(nats_server.url, "test-store", wait_s=5)
+    try:
+        js = nc.jetstream()
+        # A bucket as an earlier iop made it (nats-py's own: a full bucket refuses every write).
+        await js.create_key_value(
+            js_api.KeyValueConfig(bucket="iop_responses", history=1, max_bytes=1 << 20, direct=True)
+        )
+        store = await ResponseStore.open(nc, edgeconf.ResponsesSettings(max_bytes=1 << 20, cache_mb=0))
+        items = [{"type": "message", "role": "user", "content": "x" * 200_000}]
+        for n in range(12):  # 2.4 MB into a bucket of 1 MiB
+            response = {"id": f"resp_{n}", "object": "response", "output": []}
+            assert await store.keep("o", Stored(response, items), [])
+        assert await store.response("o", "resp_11") is not None
+        assert await store.response("o", "resp_0") is None
+        assert (await js.stream_info("KV_iop_responses")).config.discard == js_api.DiscardPolicy.OLD
+    finally:
+        await js.delete_key_value("iop_responses")
+        await nc.close()

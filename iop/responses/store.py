@@ -126,9 +126,15 @@ class ResponseStore:
         )
         kv = await streams.ensure_bucket(js, cfg, replicas=replicas, sized_by="edge.responses.max_bytes")
         info = await js.stream_info(f"KV_{BUCKET}")
-        if info.config.max_age != settings.max_age or info.config.max_bytes != settings.max_bytes:
+        old = js_api.DiscardPolicy.OLD
+        if (info.config.max_age, info.config.max_bytes, info.config.discard) != (
+            settings.max_age,
+            settings.max_bytes,
+            old,
+        ):
             # Several edges share the bucket; each brings it to its own limits at start (as the ledger).
-            new = dataclasses.replace(info.config, max_age=settings.max_age, max_bytes=settings.max_bytes)
+            # A full bucket drops its oldest turns: nats-py makes a KV bucket refuse every write instead.
+            new = dataclasses.replace(info.config, max_age=settings.max_age, max_bytes=settings.max_bytes, discard=old)
             try:
                 await js.update_stream(new)
             except nats.js.errors.APIError as exc:
