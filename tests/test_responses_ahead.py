@@ -10,6 +10,8 @@ import msgspec
 import pytest
 
 from iop import edgeconf
+from iop.edge.ledger import RequestRecord
+from iop.edge.usage_query import follow
 from iop.errors import Unavailable
 from iop.nats import connection
 from iop.nats.server import EmbeddedNats
@@ -18,7 +20,7 @@ from iop.responses.keys import bucket_keys
 from iop.responses.records import Stored
 from iop.responses.store import BUCKET, ResponseStore, owner_of
 from tests.fakes import fake_upstream
-from tests.harness import deployment, deployment_running, eventually, sse_events
+from tests.harness import deployment, deployment_running, eventually, sse_events, until
 from tests.test_responses_store import KEY_A, auth, one_provider
 from tests.test_responses_store import keys as keys  # the fixture: the edge's key variables
 
@@ -166,3 +168,62 @@ async def test_responses_ahead_a_write_ahead_that_failed_leaves_the_answer_kept_
         assert made.status_code == 200 and failed == [made.json()["id"]]
         listed = await http.get(f"/v1/responses/{made.json()['id']}/input_items?order=asc&limit=100", headers=AUTH)
         assert [i.get("output") for i in listed.json()["data"]] == [i["output"] for i in HISTORY]
+
+
+@pytest.mark.parametrize("size", ["small", "written ahead"])
+async def test_responses_ahead_a_client_that_leaves_while_its_answer_is_kept_leaves_it_kept(
+    nats_server: EmbeddedNats, size: str
+) -> None:
+    async with (
+        fake_upstream(api="responses") as up,
+        deployment_running(deployment(one_provider(up.url, "responses")), nats_server.url) as h,
+        h.http() as http,
+    ):
+        ended: list[RequestRecord] = []
+        finished = asyncio.Event()
+
+        def written(records: list[RequestRecord]) -> None:
+            ended.extend(records)
+            finished.set()
+
+        sub = await follow(h.edge.js, None, written)
+        store = h.edge.responses.store
+        assert store is not None
+        keep, entered, release = store.keep, asyncio.Event(), asyncio.Event()
+
+        async def held(*args: Any, **kwargs: Any) -> bool:
+            entered.set()
+            await release.wait()
+            return await keep(*args, **kwargs)
+
+        store.keep = held  # type: ignore[method-assign]
+        body = {"model": "m", "input": HISTORY if size != "small" else "hi", "stream": True}
+        ids: list[str] = []
+
+        async def client() -> None:
+            async with http.stream("POST", "/v1/responses", json=body, headers=AUTH, timeout=30) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and '"response.created"' in line:
+                        ids.append(msgspec.json.decode(line[6:])["response"]["id"])
+
+        task = asyncio.create_task(client())
+        await asyncio.wait_for(entered.wait(), 10)  # the answer is whole; its record is on its way
+        task.cancel()  # and the client leaves
+        await asyncio.gather(task, return_exceptions=True)
+        await until(lambda: bool(ended), finished, timeout_s=10)  # the edge ended the request
+        assert ended[0].error == "client_cancelled" and ids
+        release.set()
+        got = await eventually_status(http, f"/v1/responses/{ids[0]}/input_items", 200)
+        assert got.json()["data"]
+        await sub.unsubscribe()
+
+
+async def eventually_status(http: Any, path: str, status: int) -> Any:
+    found: list[Any] = []
+
+    async def check() -> bool:
+        found[:] = [await http.get(path, headers=AUTH)]
+        return bool(found[0].status_code == status)
+
+    await eventually(check)
+    return found[0]

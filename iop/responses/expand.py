@@ -12,9 +12,9 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import msgspec
 
@@ -32,6 +32,7 @@ from iop.responses.takeover import Held, Takeover, new_runner
 log = logging.getLogger("iop.responses")
 AHEAD_BYTES = 256 * 1024
 _TIMEOUT_S = 5.0
+_T = TypeVar("_T")
 """An input to keep at least this large is written while its answer is made (`Responses.dispatched`)."""
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
@@ -144,7 +145,8 @@ class Responses:
         self.takeover: Takeover | None = None
         """Takes over the background responses of edges that are gone (started with the store)."""
         self.stopping = False
-        self._forgetting: set[asyncio.Task[None]] = set()
+        self._finishing: set[asyncio.Future[Any]] = set()
+        """Writes that end even when their request is cancelled (a kept answer, parts no answer took)."""
 
     def lost(self, response_id: str) -> None:
         """Another edge took over a background response this edge runs: its run here stops, unkept."""
@@ -164,8 +166,8 @@ class Responses:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._forgetting:
-            await asyncio.wait(self._forgetting, timeout=_TIMEOUT_S)  # parts written ahead for nothing
+        if self._finishing:
+            await asyncio.wait(self._finishing, timeout=_TIMEOUT_S)
 
     async def expand(self, body: Mapping[str, Any], owner: str, max_bytes: int | None = None) -> Turn:
         """The stateless request for `body`, its references resolved for `owner`.
@@ -292,12 +294,11 @@ class Responses:
         """The request is over: an input written ahead that no kept answer took is removed."""
         task, turn.ahead = turn.ahead, None
         if task is not None and self.store is not None:
-            forget = asyncio.create_task(_forget_ahead(self.store, task))
-            self._forgetting.add(forget)
-            forget.add_done_callback(self._forgetting.discard)
+            self._finish(_forget_ahead(self.store, task))
 
     async def keep(self, owner: str, turn: Turn, response: dict[str, Any]) -> None:
-        """Keep an answered turn (when it is to be kept); a store that cannot is logged, never raised."""
+        """Keep an answered turn (when it is to be kept); a store that cannot is logged, never raised.
+        Its answer is whole: a client that leaves meanwhile does not cut its record in half."""
         if not turn.store or self.store is None:
             return
         if turn.response_id is not None:
@@ -309,6 +310,19 @@ class Responses:
             if turn.lease is not None and not await turn.lease.commit():
                 log.warning("background %s: taken over by another edge; this answer is not kept", turn.response_id)
                 return
+            await self._keep(self.store, owner, turn, response, None)
+            return
+        ahead, turn.ahead = turn.ahead, None  # this keep's now: `settle` leaves it
+        await asyncio.shield(self._finish(self._keep(self.store, owner, turn, response, ahead)))
+
+    async def _keep(
+        self,
+        store: ResponseStore,
+        owner: str,
+        turn: Turn,
+        response: dict[str, Any],
+        written: asyncio.Task[Ahead | None] | None,
+    ) -> None:
         # Items with ids are indexed for item_reference: those the client sent (but not the ones
         # that came from a reference, already there) and every output item.
         # (An id that is not a string was never a reference, nor is it indexed: not hashable either.)
@@ -316,8 +330,8 @@ class Responses:
         new = [i for i in turn.items if isinstance(i, dict) and not _among(i.get("id"), referenced)]
         new += [i for i in response.get("output") or [] if isinstance(i, dict)]
         output = response.get("output") or []
-        if turn.ahead is not None:
-            await asyncio.wait([turn.ahead])  # it reads or encodes `items_json` first, when it was not
+        if written is not None:
+            await asyncio.wait([written])  # it reads or encodes `items_json` first, when it was not
         try:
             self.read_sent(turn)
         except msgspec.DecodeError:  # (its head's decode read every item: not seen)
@@ -326,19 +340,26 @@ class Responses:
         # Measured and written on the same bytes: the input encoded once, or as it was sent.
         encoded = turn.items_json if turn.items_json is not None else _encode(turn.items)
         size = (turn.size or records.json_size(encoded)) + len(_encode(output))
+        ahead = None
+        if written is not None and not written.cancelled() and written.exception() is None:
+            ahead = written.result()  # (one that failed: the whole record now, over the same part keys)
         try:
             record = Stored(response, list(turn.items), turn.previous, turn.chain, size)
-            task, turn.ahead = turn.ahead, None
-            ahead = None
-            if task is not None and not task.cancelled() and task.exception() is None:
-                ahead = task.result()
-            # (A write ahead that failed: the whole record is written now, over the same part keys.)
-            kept = await self.store.keep(owner, record, new, encoded, turn.index, ahead)
+            kept = await store.keep(owner, record, new, encoded, turn.index, ahead)
         except Exception as exc:  # NATS down, a bucket at its limit: the answer still goes out
             log.warning("response store: %s not kept: %s", response.get("id"), type(exc).__name__)
             return
         if not kept:
             log.warning("response store: an answer without a usable response id is not kept")
+
+    def _finish(self, write: Awaitable[_T]) -> asyncio.Future[_T]:
+        """`write` in a task of its own that its caller's cancellation does not end (the edge's
+        stop waits for it a while)."""
+        task = asyncio.ensure_future(write)
+        self._finishing.add(task)
+        task.add_done_callback(_finished)
+        task.add_done_callback(self._finishing.discard)
+        return task
 
     async def _resolve(self, items: list[Any], owner: str) -> list[tuple[Any, bool]]:
         """Each input item, an `item_reference` replaced by the item it names (all read at once),
@@ -388,6 +409,13 @@ class Responses:
             history += turn.parts
             compacted = compacted or turn.compacted
         return history, chain, compacted
+
+
+def _finished(task: asyncio.Future[Any]) -> None:
+    """A write whose request may have ended meanwhile: a failure is its own to log (`_keep`,
+    `_forget_ahead` do); this only marks one retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _forget_ahead(store: ResponseStore, task: asyncio.Task[Ahead | None]) -> None:
