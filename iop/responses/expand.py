@@ -31,9 +31,9 @@ from iop.responses.takeover import Held, Takeover, new_runner
 
 log = logging.getLogger("iop.responses")
 AHEAD_BYTES = 256 * 1024
+"""An input to keep at least this large is written while its answer is made (`Responses.dispatched`)."""
 _TIMEOUT_S = 5.0
 _T = TypeVar("_T")
-"""An input to keep at least this large is written while its answer is made (`Responses.dispatched`)."""
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 
@@ -258,17 +258,18 @@ class Responses:
         """A turn kept as sent: its input items as the bytes they came in, and those with an id."""
         if turn.unread is None:
             return
-        (body, ids), turn.unread = turn.unread, None
+        body, ids = turn.unread
         # One scan at msgspec's speed, no Python object per item: each item's bytes. Their ids
         # come from the head's decode (`ids`), or a second scan.
         items = _sent_items(body).input
         if isinstance(items, str):
             turn.items_json = _encode(_input_items(items))  # a user message of that text
-            return
-        if ids is None or len(ids) != len(items):
-            ids = [i.id for i in _sent_ids(body).input]
-        turn.index = [(i, bytes(raw)) for i, raw in zip(ids, items, strict=True) if valid_id(i)]
-        turn.items_json = items  # written as they came, by the record's encode: not joined here first
+        else:
+            if ids is None or len(ids) != len(items):
+                ids = [i.id for i in _sent_ids(body).input]
+            turn.index = [(i, bytes(raw)) for i, raw in zip(ids, items, strict=True) if valid_id(i)]
+            turn.items_json = items  # written as they came, by the record's encode: not joined here first
+        turn.unread = None  # (read: a body that could not be read is read again, and refused, by `keep`)
 
     def dispatched(self, owner: str, turn: Turn) -> None:
         """The turn's work is on its way to a node. An answer to keep gets its id here (the upstream's
