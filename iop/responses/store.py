@@ -227,6 +227,8 @@ class ResponseStore:
         index = dict(encoded_items or ())
         index.update((item["id"], _encode(item)) for item in items if valid_id(item.get("id")))
         key = f"r.{owner}.{response_id}"
+        if ahead is not None and ahead.key != key:
+            ahead = None  # written under another id: this record is written whole, its own parts
         data: bytes | tuple[Any, ...]
         if ahead is not None:
             written = records.rest(stored)  # after the parts written ahead
