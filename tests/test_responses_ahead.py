@@ -21,7 +21,7 @@ from iop.responses.records import Stored
 from iop.responses.store import BUCKET, ResponseStore, owner_of
 from tests.fakes import fake_upstream
 from tests.harness import deployment, deployment_running, eventually, sse_events, until
-from tests.test_responses_store import KEY_A, auth, one_provider
+from tests.test_responses_store import KEY_A, KEY_B, auth, one_provider
 from tests.test_responses_store import keys as keys  # the fixture: the edge's key variables
 
 # A history of 1.6 MB: past the size whose input is written ahead (AHEAD_BYTES).
@@ -60,6 +60,13 @@ async def test_responses_ahead_input_is_stored_before_the_answer_and_read_back_w
         listed = await http.get(f"/v1/responses/{rid}/input_items?order=asc&limit=100", headers=AUTH)
         assert [i.get("output") for i in listed.json()["data"]][:24] == [i["output"] for i in HISTORY]
         assert (await http.get(f"/v1/responses/{rid}", headers=AUTH)).json() == made
+        # Its parts are no response of anyone's, and the record is its owner's alone.
+        for path in (f"/v1/responses/{rid}.1", f"/v1/responses/{rid}.1/input_items"):
+            assert (await http.get(path, headers=AUTH)).status_code == 404, path
+        assert (await http.get(f"/v1/responses/{rid}", headers=auth(KEY_B))).status_code == 404
+        assert (await http.delete(f"/v1/responses/{rid}.1", headers=AUTH)).status_code == 404
+        assert (await http.delete(f"/v1/responses/{rid}", headers=auth(KEY_B))).status_code == 404
+        assert (await http.get(f"/v1/responses/{rid}", headers=AUTH)).json() == made  # nothing was removed
         nc = await connection.connect(nats_server.url, "test-reader", wait_s=5)
         try:
             store = await ResponseStore.open(nc, edgeconf.ResponsesSettings(cache_mb=0))
