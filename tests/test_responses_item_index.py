@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError
 
+from iop.responses import cache
 from iop.responses.expand import Responses
 from tests.test_responses_cache import edge
 from tests.test_responses_cache import ncs as ncs  # the fixture: two edges' connections
@@ -94,3 +96,36 @@ async def test_an_item_a_deletion_took_is_written_again_when_it_is_sent_again(nc
     await turn(on_a, 2, history)
     assert await on_a.store.item(OWNER, "fc_0") == call(0)
     assert await on_a.store.item(OWNER, "fc_1") == call(1)
+
+
+async def test_a_turn_that_resends_its_history_needs_no_round_trip_of_its_own(
+    ncs: tuple[NATS, NATS], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whether the items it skips are still stored is known once every deletion announced before
+    # the turn was heard: the record's own ack says so (`Freshness.passed`), no PING of its own.
+    monkeypatch.setattr(cache, "_INFO_EVERY_S", 600.0)  # the bucket's first sequence, read once
+    a, b = ncs
+    on_a, on_b = await edge(a), await edge(b)
+    assert on_a.store is not None and on_a.store.fresh is not None and on_b.store is not None
+    trips = 0
+    round_trip = on_a.store.fresh._round_trip
+
+    async def counted(began: float) -> bool:
+        nonlocal trips
+        trips += 1
+        return await round_trip(began)
+
+    monkeypatch.setattr(on_a.store.fresh, "_round_trip", counted)
+    history = await turn(on_a, 0, [])
+    for n in range(1, 5):
+        history = await turn(on_a, n, history)
+    assert trips == 1  # the first turn with items to skip read the bucket's first sequence
+    # A deletion announced by another edge is heard before the next turn's ack: the owner's
+    # remembered items go with it and are written again, still without a round trip of their own.
+    assert await on_b.store.delete(OWNER, "resp_0")
+    writes = Writes(on_a, ["fc_0", "fc_1"])
+    await writes.since()
+    await turn(on_a, 5, history)
+    assert await writes.since() == ["fc_0", "fc_1"]
+    assert await on_a.store.item(OWNER, "fc_0") == call(0)
+    assert trips == 1

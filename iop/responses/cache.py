@@ -286,6 +286,20 @@ class Freshness:
                 self._running = None
         return ok
 
+    def passed(self, began: float) -> bool | None:
+        """After an answer on this connection to something sent at `began` (monotonic) or later,
+        such as a write's ack: True, as `check(began)` would be; None when only `check` can tell
+        (the connection broke meanwhile, or the bucket's first sequence is due to be read again).
+
+        The server sends its answers and the announcements it took before the request down one
+        connection in order, and nats-py hands each subscription's messages to its callback in
+        that order, each in its own task woken in turn: `_heard` (no await) has run for every
+        announcement before the answer's waiter resumes, as for a check's own round trip."""
+        if not self.nc.is_connected or self._reconnects != self.reconnects or began - self._info_at >= _INFO_EVERY_S:
+            return None
+        self._checked_from = max(self._checked_from, began)
+        return True
+
     async def _round_trip(self, began: float) -> bool:
         try:
             if began - self._info_at >= _INFO_EVERY_S:

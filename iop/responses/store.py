@@ -248,19 +248,19 @@ class ResponseStore:
         known = [i for i in index if fresh is not None and fresh.cache.indexed_still(owner, i, digests[i], stamp)]
         skipped = set(known)
         writes = [i for i in index if i not in skipped]
-        checked = [fresh.check(time.monotonic())] if fresh is not None and known else []
+        began = time.monotonic()
         # The response and its items at once: one round trip to the bucket before the answer goes
         # out, not two. A client learns the ids from that answer, sent once every write is acked.
-        seq, *done = await asyncio.gather(
-            self._put(key, written, ahead),
-            *(self._put(f"i.{owner}.{i}", index[i]) for i in writes),
-            *checked,
-        )
-        seqs = dict(zip(writes, done[: len(writes)], strict=True))
+        puts = [self._put(key, written, ahead), *(self._put(f"i.{owner}.{i}", index[i]) for i in writes)]
+        seq, *done = await asyncio.gather(*puts) if len(puts) > 1 else [await puts[0]]
+        seqs = dict(zip(writes, done, strict=True))
         if fresh is not None and known:
             # Still there once every deletion announced before this turn was heard (a deletion
             # takes its owner's remembered items with it) and the bucket's first sequence read.
-            ok = bool(done[-1])
+            # The record's ack is that round trip (`Freshness.passed`), unless only a check can tell.
+            ok = fresh.passed(began)
+            if ok is None:
+                ok = await fresh.check(began)
             again = [i for i in known if not (ok and fresh.cache.indexed_still(owner, i, digests[i], stamp))]
             if again:
                 more = await asyncio.gather(*(self._put(f"i.{owner}.{i}", index[i]) for i in again))
