@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -191,14 +192,28 @@ def chat_events(model: str, n: int, usage: bool) -> list[bytes]:
     return out
 
 
+_RESP_ID = "resp_" + "0" * 24
+_ITEM_ID = "msg_" + "0" * 24
+"""A Responses answer's ids as built once; each answer gets its own (`unique_ids`), as from a real server."""
+_ANSWERS = itertools.count(1)
+
+
+def unique_ids(pieces: list[bytes]) -> list[bytes]:
+    """A Responses answer's pieces with a response id and an output item id no other answer has:
+    a server mints new ones every time, and an edge that keeps turns indexes each item by its id."""
+    n = b"%024x" % next(_ANSWERS)
+    rid, iid = _RESP_ID.encode(), _ITEM_ID.encode()
+    return [p.replace(rid, b"resp_" + n).replace(iid, b"msg_" + n) for p in pieces]
+
+
 def _response(model: str, status: str, text: str | None, n: int) -> dict[str, Any]:
     output = []
     if text is not None:
         part = {"type": "output_text", "text": text, "annotations": []}
-        output = [{"type": "message", "id": "msg_bench", "status": "completed", "role": "assistant", "content": [part]}]
+        output = [{"type": "message", "id": _ITEM_ID, "status": "completed", "role": "assistant", "content": [part]}]
     done = status == "completed"
     return {
-        "id": "resp_bench",
+        "id": _RESP_ID,
         "object": "response",
         "created_at": _CREATED,
         "status": status,
@@ -220,10 +235,10 @@ def responses_events(model: str, n: int) -> list[bytes]:
         seq += 1
         return f"event: {kind}\ndata: {_dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n".encode()
 
-    at = {"item_id": "msg_bench", "output_index": 0, "content_index": 0}
+    at = {"item_id": _ITEM_ID, "output_index": 0, "content_index": 0}
     text = "".join(answer_words(n))
     part = {"type": "output_text", "text": text, "annotations": []}
-    item = {"type": "message", "id": "msg_bench", "role": "assistant"}
+    item = {"type": "message", "id": _ITEM_ID, "role": "assistant"}
     out = [
         event("response.created", response=_response(model, "in_progress", None, 0)),
         event("response.in_progress", response=_response(model, "in_progress", None, 0)),
@@ -452,6 +467,8 @@ class Handler(asyncio.Protocol):
             self._write(_json_response("400 Bad Request", error))
             return
         pieces = answer(api, stream, model, n, usage)
+        if api == "responses":
+            pieces = unique_ids(pieces)
         s = self.settings
         self.stats.enter(stream)
         if s.latency.zero and not (stream and (s.write_each or s.token_interval_s > 0)):
