@@ -40,5 +40,31 @@ async def test_acked_publishes_give_the_revision_and_nats_py_s_errors(nats_serve
         await nc.close()
 
 
+async def test_publishes_sent_together_give_their_revisions_in_order_and_the_first_refusal(
+    nats_server: EmbeddedNats,
+) -> None:
+    nc = await connection.connect(nats_server.url, "test-acked-many")
+    try:
+        kv = await nc.jetstream().create_key_value(js_api.KeyValueConfig(bucket="many", history=1))
+        acked = AckedPublishes(nc, timeout_s=2.0)
+        await acked.start()
+        seqs = await acked.publish_many([(f"$KV.many.k{n}", [b"v", b"%d" % n]) for n in range(5)])
+        for n, seq in enumerate(seqs):
+            entry = await kv.get(f"k{n}")
+            assert (entry.revision, entry.value) == (seq, b"v%d" % n)
+        assert seqs == sorted(seqs) and len(set(seqs)) == 5
+        with pytest.raises(nats.errors.NoRespondersError):  # one of them stored nowhere
+            await acked.publish_many([("$KV.many.k9", [b"x"]), ("no.stream.stores.this", [b"x"])])
+        assert (await kv.get("k9")).value == b"x"  # the others are written all the same
+        await nc.subscribe("silent.listener", cb=_ignore)
+        slow = AckedPublishes(nc, timeout_s=0.2)
+        await slow.start()
+        with pytest.raises(nats.errors.TimeoutError):  # an answer missing: the wait ends at the timeout
+            await slow.publish_many([("silent.listener", [b"x"]), ("silent.listener", [b"y"])])
+        assert acked.waiting == 0 and slow.waiting == 0
+    finally:
+        await nc.close()
+
+
 async def _ignore(msg: Msg) -> None:
     pass

@@ -251,8 +251,7 @@ class ResponseStore:
         began = time.monotonic()
         # The response and its items at once: one round trip to the bucket before the answer goes
         # out, not two. A client learns the ids from that answer, sent once every write is acked.
-        puts = [self._put(key, written, ahead), *(self._put(f"i.{owner}.{i}", index[i]) for i in writes)]
-        seq, *done = await asyncio.gather(*puts) if len(puts) > 1 else [await puts[0]]
+        seq, *done = await self._put_all([(key, written), *((f"i.{owner}.{i}", index[i]) for i in writes)], ahead)
         seqs = dict(zip(writes, done, strict=True))
         if fresh is not None and known:
             # Still there once every deletion announced before this turn was heard (a deletion
@@ -418,6 +417,14 @@ class ResponseStore:
         seqs = await self._parts(key, memoryview(data), first)  # views of `data`, never copies
         await self._put_one(key, [b"#%d" % (first - 1 + len(seqs))])
         return min(seqs) if ahead is None else min(ahead.seq, *seqs)
+
+    async def _put_all(self, writes: list[tuple[str, bytes]], ahead: Ahead | None = None) -> list[int]:
+        """Every (key, data) of `writes` at once, the first after its parts written `ahead`: their
+        sequences (`_put`'s), in order. Small values without parts go out in one coroutine."""
+        if self.acked is not None and ahead is None and all(len(data) < self.max_value for _, data in writes):
+            return await self.acked.publish_many([(f"$KV.{BUCKET}.{key}", [b"=", data]) for key, data in writes])
+        (key, data), *rest = writes
+        return await asyncio.gather(self._put(key, data, ahead), *(self._put(k, d) for k, d in rest))
 
     def _parts(self, key: str, view: memoryview, first: int) -> Awaitable[list[int]]:
         step = self.max_value
