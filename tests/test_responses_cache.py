@@ -4,6 +4,7 @@ owner's. Two edges are two connections to one real nats-server, each with its ow
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from collections.abc import AsyncIterator
@@ -184,6 +185,21 @@ def test_a_read_that_raced_a_deletion_or_a_reconnect_keeps_nothing() -> None:
     old = Entry(entry.stored, 10, time.time() - 61.0, 5)  # written 61 s ago, kept 60
     cache.put(owner, "resp_3", old, cache.ticket(1), 1)
     assert (owner, "resp_3") in cache.entries and cache.get(owner, "resp_3") is None and cache.bytes == 0
+
+
+async def test_the_turns_an_edge_keeps_add_nothing_to_a_full_collection(ncs: tuple[NATS, NATS]) -> None:
+    # A cache of many small turns is tens of thousands of entries: were they tracked, every full
+    # collection of the edge would walk them while its requests wait.
+    responses = await edge(ncs[0])
+    assert responses.store is not None and responses.store.fresh is not None
+    for n in range(50):
+        t = await responses.expand({"model": "m", "input": f"turn {n}"}, OWNER)
+        await responses.keep(OWNER, t, {"id": f"resp_gc{n}", "output": []})
+    entries = list(responses.store.fresh.cache.entries.values())
+    assert len(entries) == 50
+    gc.collect()  # the keys' tuples of strings are left untracked by the collection that sees them
+    assert not any(gc.is_tracked(e) for e in entries)
+    assert not any(gc.is_tracked(k) for k in responses.store.fresh.cache.entries)
 
 
 async def test_over_http_a_delete_on_one_edge_breaks_the_chain_on_another_at_once(
