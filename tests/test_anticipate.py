@@ -59,6 +59,23 @@ async def test_the_slot_of_a_tenant_that_asks_again_at_once_is_kept_for_its_next
     backlog.cancel()
 
 
+async def test_a_tenants_first_request_keeps_its_slot_for_the_second_but_a_late_one_loses_it() -> None:
+    # Nothing says yet whether a new session's client asks again at once: its second turn is
+    # kept a slot as its later ones will be. Once it came back late, it is kept none.
+    s = scheduler({"p": 2})
+    await s.acquire_grant("m", soon(), tenant="flood")
+    first = await s.acquire_grant("m", soon(), tenant="quiet")
+    backlog = asyncio.create_task(s.acquire_grant("m", soon(), tenant="flood"))
+    assert not await settled(backlog)
+    s.release(first.slot, first)  # quiet's first request ends while flood waits
+    assert not await settled(backlog) and list(s.pools["m"].kept) == ["quiet"]
+    s.anticipate_s = 1e-9  # from now on nobody is back in time
+    second = await s.acquire_grant("m", soon(), tenant="quiet")  # takes the kept slot, but late
+    assert s.pools["m"].kept_outcomes == {"taken": 1}
+    s.release(second.slot, second)
+    assert await settled(backlog) and not s.pools["m"].kept
+
+
 async def test_a_kept_slot_goes_to_the_next_waiter_when_its_tenant_does_not_come_back() -> None:
     s = scheduler({"p": 2})
     quiet, backlog = await quiet_back_in_time(s)
