@@ -11,9 +11,11 @@ import asyncio
 from typing import Any
 
 import httpx
+import pytest
 from nats.aio.msg import Msg
 
 from iop import wire
+from iop.edge import anticipate
 from iop.edge.fairshare import loads
 from iop.edge.keys import EdgeKeys, Key
 from iop.edge.scheduler import Scheduler
@@ -73,6 +75,23 @@ async def test_a_tenants_first_request_keeps_its_slot_for_the_second_but_a_late_
     second = await s.acquire_grant("m", soon(), tenant="quiet")  # takes the kept slot, but late
     assert s.pools["m"].kept_outcomes == {"taken": 1}
     s.release(second.slot, second)
+    assert await settled(backlog) and not s.pools["m"].kept
+
+
+async def test_once_the_pool_forgot_a_tenant_one_with_no_return_is_kept_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A tenant forgotten (past TENANTS) that comes back has no return on record: it may be one that
+    # never came back in time, so it is not given the benefit of the doubt a new one gets.
+    monkeypatch.setattr(anticipate, "TENANTS", 2)
+    s = scheduler({"p": 2})
+    for name in ("a", "b", "c"):  # three tenants end a request each: the first is forgotten
+        g = await s.acquire_grant("m", soon(), tenant=name)
+        s.release(g.slot, g)
+    assert s.pools["m"].returns_forgot and "a" not in s.pools["m"].returns
+    await s.acquire_grant("m", soon(), tenant="flood")
+    first = await s.acquire_grant("m", soon(), tenant="d")
+    backlog = asyncio.create_task(s.acquire_grant("m", soon(), tenant="flood"))
+    assert not await settled(backlog)
+    s.release(first.slot, first)
     assert await settled(backlog) and not s.pools["m"].kept
 
 

@@ -9,7 +9,8 @@ that is a whole hold of one.
 So when a tenant's last request running in a pool ends while others wait, the slot stays free for
 it up to `edge.queue.anticipate_ms` if the tenant
 - came back within that time after most of its recent requests (`RETURNS`, measured here), or has
-  not come back yet at all (its first request here: nothing says it will not),
+  not come back yet at all (its first request here: nothing says it will not; unless the pool has
+  had more tenants than it remembers, `TENANTS`, so that it may be one it forgot),
 - would be first in the fair order when it comes (iop/edge/fairqueue.py `FairQueue.leads`; between
   edges, no tenant another edge announces waiting is of a higher class or, of its class, runs none),
 - and has a fair share of at least one slot: its weight over the weights of the tenants active in
@@ -78,10 +79,13 @@ def ended(
     pool.returns[name] = (monotonic(), share)  # idle from now; the most recently seen last
     if len(pool.returns) > TENANTS:
         pool.returns.pop(next(iter(pool.returns)))
+        pool.returns_forgot = True
     # A tenant with no return to judge by yet (its first request here, or none came back since) is
     # kept one: the second turn of a session waits no more than the later ones. One that does not
     # come back in time shows it then, and is kept none until most of its returns are in time.
-    if 0.0 <= share < RETURNS or name in pool.kept or not slot.usable(monotonic()):
+    # Once the pool has forgotten a tenant, one with nothing here may be one that came back late.
+    unproven = share < 0.0 and pool.returns_forgot
+    if unproven or 0.0 <= share < RETURNS or name in pool.kept or not slot.usable(monotonic()):
         return False
     queue = pool.waiters
     remote = elsewhere(pool) if elsewhere is not None else ()

@@ -161,6 +161,9 @@ class PoolQueue:
     returns: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Tenant: since when it has had nothing here (-1: it has), and the share of its recent requests
     that came back within `edge.queue.anticipate_ms`, -1 before the first (iop/edge/anticipate.py)."""
+    returns_forgot: bool = False
+    """`returns` has forgotten a tenant (it holds at most iop/edge/anticipate.py's `TENANTS`): a
+    tenant with no return there may be one that did not come back in time."""
     kept_outcomes: dict[str, int] = field(default_factory=dict)
     """Kept slots by what became of them: `taken` by their tenant, `lapsed` to the next waiter."""
     peak_running: int = 0
