@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
+from typing import Any
+
 import nats.errors
 import nats.js.errors
 import pytest
@@ -44,6 +48,8 @@ async def test_publishes_sent_together_give_their_revisions_in_order_and_the_fir
     nats_server: EmbeddedNats,
 ) -> None:
     nc = await connection.connect(nats_server.url, "test-acked-many")
+    stray: list[dict[str, Any]] = []  # "Future exception was never retrieved" goes to the loop's handler
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: stray.append(context))
     try:
         kv = await nc.jetstream().create_key_value(js_api.KeyValueConfig(bucket="many", history=1))
         acked = AckedPublishes(nc, timeout_s=2.0)
@@ -61,8 +67,16 @@ async def test_publishes_sent_together_give_their_revisions_in_order_and_the_fir
         await slow.start()
         with pytest.raises(nats.errors.TimeoutError):  # an answer missing: the wait ends at the timeout
             await slow.publish_many([("silent.listener", [b"x"]), ("silent.listener", [b"y"])])
+        waiting = asyncio.create_task(slow.publish_many([("silent.listener", [b"z"])] * 2))
+        await asyncio.sleep(0)
+        waiting.cancel()  # its client left
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
         assert acked.waiting == 0 and slow.waiting == 0
+        gc.collect()
+        assert not stray  # no failed wait behind the first, nor a cancelled one, left unread
     finally:
+        asyncio.get_running_loop().set_exception_handler(None)
         await nc.close()
 
 

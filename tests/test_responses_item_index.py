@@ -120,11 +120,19 @@ async def test_a_turn_that_resends_its_history_needs_no_round_trip_of_its_own(
     for n in range(1, 5):
         history = await turn(on_a, n, history)
     assert trips == 1  # the first turn with items to skip read the bucket's first sequence
-    # A deletion announced by another edge is heard before the next turn's ack: the owner's
-    # remembered items go with it and are written again, still without a round trip of their own.
-    assert await on_b.store.delete(OWNER, "resp_0")
+    # A deletion announced by another edge after the turn chose what to skip, before its writes,
+    # is heard before their ack: the owner's remembered items go with it and are written again,
+    # still without a round trip of their own.
     writes = Writes(on_a, ["fc_0", "fc_1"])
     await writes.since()
+    put_all = on_a.store._put_all
+
+    async def deleted_meanwhile(*args: Any, **kwargs: Any) -> list[int]:
+        monkeypatch.setattr(on_a.store, "_put_all", put_all)
+        assert on_b.store is not None and await on_b.store.delete(OWNER, "resp_0")
+        return await put_all(*args, **kwargs)
+
+    monkeypatch.setattr(on_a.store, "_put_all", deleted_meanwhile)
     await turn(on_a, 5, history)
     assert await writes.since() == ["fc_0", "fc_1"]
     assert await on_a.store.item(OWNER, "fc_0") == call(0)
