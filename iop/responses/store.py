@@ -262,7 +262,7 @@ class ResponseStore:
                 ok = await fresh.check(began)
             again = [i for i in known if not (ok and fresh.cache.indexed_still(owner, i, digests[i], stamp))]
             if again:
-                more = await asyncio.gather(*(self._put(f"i.{owner}.{i}", index[i]) for i in again))
+                more = await self._put_all([(f"i.{owner}.{i}", index[i]) for i in again])
                 seqs.update(zip(again, more, strict=True))
         if fresh is not None and ticket is not None:
             for i, at in seqs.items():
