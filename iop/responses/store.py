@@ -284,7 +284,7 @@ class ResponseStore:
 
     async def forget_ahead(self, ahead: Ahead) -> None:
         """Parts written ahead for an answer that was never kept (it failed, its client left)."""
-        await asyncio.gather(*(self.kv.purge(f"{ahead.key}.{n}") for n in range(1, ahead.parts + 1)))
+        await self._purge_parts(ahead.key, ahead.parts)
 
     @_reachable
     async def keep_events(self, owner: str, response_id: str, events: bytes) -> None:
@@ -443,8 +443,12 @@ class ResponseStore:
             return
         value: bytes = entry.value or b""
         if value[:1] == b"#":
-            await asyncio.gather(*(self.kv.purge(f"{key}.{n}") for n in range(1, int(value[1:]) + 1)))
+            await self._purge_parts(key, int(value[1:]))
         await self.kv.purge(key)
+
+    async def _purge_parts(self, key: str, parts: int) -> None:
+        """The parts `key.1` .. `key.<parts>` of a record, gone from the bucket."""
+        await asyncio.gather(*(self.kv.purge(f"{key}.{n}") for n in range(1, parts + 1)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
