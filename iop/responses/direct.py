@@ -50,7 +50,7 @@ class DirectGets:
                     done.set_result(status)
             elif headers.get("KV-Operation") is None:  # a DEL or PURGE marker: the key is gone
                 key = headers.get("Nats-Subject", "")[len(self.subject) :]
-                found[key] = (msg.data, int(headers.get("Nats-Sequence", -1)), _time(headers.get("Nats-Time-Stamp")))
+                found[key] = _got(msg.data, headers)
 
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox, cb=one, pending_bytes_limit=1 << 31)
@@ -80,7 +80,12 @@ class DirectGets:
             return {} if status == "404" else None
         if headers.get("KV-Operation") is not None:  # a DEL or PURGE marker: the key is gone
             return {}
-        return {key: (msg.data, int(headers.get("Nats-Sequence", -1)), _time(headers.get("Nats-Time-Stamp")))}
+        return {key: _got(msg.data, headers)}
+
+
+def _got(data: bytes, headers: dict[str, str]) -> Got:
+    """A direct get's value with its message's sequence and time, from the reply's headers."""
+    return (data, int(headers.get("Nats-Sequence", -1)), _time(headers.get("Nats-Time-Stamp")))
 
 
 def _time(stamp: str | None) -> float:
