@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 from iop import edgeconf
 from iop.nats import connection
 from iop.nats.server import EmbeddedNats
-from iop.responses.cache import Entry, TurnCache
+from iop.responses.cache import Entry, TurnCache, key
 from iop.responses.expand import PreviousResponseNotFound, Responses
 from iop.responses.records import Stored
 from iop.responses.store import ResponseStore, owner_of
@@ -82,7 +82,7 @@ async def test_a_turn_deleted_on_one_edge_is_refused_at_once_on_another_that_had
     assert isinstance(refused, PreviousResponseNotFound) and ids[3] in str(refused)
     assert await on_b.store.response(OWNER, ids[3]) is None
     # And the other way round; the deleting edge itself forgets before it answers.
-    assert on_a.store.fresh is not None and (OWNER, ids[6]) in on_a.store.fresh.cache.entries  # A wrote it
+    assert on_a.store.fresh is not None and key(OWNER, ids[6]) in on_a.store.fresh.cache.entries  # A wrote it
     assert await on_b.store.delete(OWNER, ids[6])
     for responses in (on_a, on_b):
         with pytest.raises(PreviousResponseNotFound, match=ids[6]):
@@ -111,7 +111,7 @@ async def test_an_edge_that_reconnects_serves_nothing_it_held(nats_server: Embed
         gets, refused = await direct_gets(a, on_a, body(ids[-1]), OWNER)
         assert isinstance(refused, PreviousResponseNotFound) and ids[2] in str(refused) and gets > 0
         assert on_a.store.fresh is not None
-        assert {i for _, i in on_a.store.fresh.cache.entries} == {*ids} - {ids[2]}  # as read again
+        assert {k.split(".", 1)[1] for k in on_a.store.fresh.cache.entries} == {*ids} - {ids[2]}  # as read again
     finally:
         await a.close()
 
@@ -146,7 +146,7 @@ async def test_the_cache_stays_within_its_bound_and_the_chain_whole(ncs: tuple[N
         ids.append(f"resp_{n}")
         assert cache.bytes <= 1 << 20
     assert cache.bytes == sum(e.size for e in cache.entries.values()) > (1 << 20) - 70_000
-    assert (OWNER, ids[-1]) in cache.entries and len(cache.entries) < 40  # the least recently used went
+    assert key(OWNER, ids[-1]) in cache.entries and len(cache.entries) < 40  # the least recently used went
     gets, turn = await direct_gets(a, on_a, body(ids[-1]), OWNER)
     assert gets == 1 and len(json.loads(turn.encoded())["input"]) == 2 * 40 + 1  # the evicted turns read in one batch
     assert cache.bytes <= 1 << 20
@@ -160,12 +160,12 @@ async def test_background_and_unfinished_records_are_never_cached(ncs: tuple[NAT
     await store.keep(OWNER, Stored({"id": "resp_bg", "background": True, "status": "completed"}, []), [])
     await store.keep(OWNER, Stored({"id": "resp_q", "status": "queued"}, []), [])
     await store.keep(OWNER, Stored({"id": "resp_done", "status": "completed"}, []), [])
-    assert set(store.fresh.cache.entries) == {(OWNER, "resp_done")}
+    assert set(store.fresh.cache.entries) == {key(OWNER, "resp_done")}
     assert [s.response["id"] if s else None for s in await store.responses(OWNER, ["resp_bg", "resp_q"])] == [
         "resp_bg",
         "resp_q",
     ]
-    assert set(store.fresh.cache.entries) == {(OWNER, "resp_done")}
+    assert set(store.fresh.cache.entries) == {key(OWNER, "resp_done")}
 
 
 def test_a_read_that_raced_a_deletion_or_a_reconnect_keeps_nothing() -> None:
@@ -184,7 +184,7 @@ def test_a_read_that_raced_a_deletion_or_a_reconnect_keeps_nothing() -> None:
     assert cache.get(owner, "resp_2") is None and cache.bytes == 0
     old = Entry(entry.stored, 10, time.time() - 61.0, 5)  # written 61 s ago, kept 60
     cache.put(owner, "resp_3", old, cache.ticket(1), 1)
-    assert (owner, "resp_3") in cache.entries and cache.get(owner, "resp_3") is None and cache.bytes == 0
+    assert key(owner, "resp_3") in cache.entries and cache.get(owner, "resp_3") is None and cache.bytes == 0
 
 
 async def test_the_turns_an_edge_keeps_add_nothing_to_a_full_collection(ncs: tuple[NATS, NATS]) -> None:
@@ -194,12 +194,16 @@ async def test_the_turns_an_edge_keeps_add_nothing_to_a_full_collection(ncs: tup
     assert responses.store is not None and responses.store.fresh is not None
     for n in range(50):
         t = await responses.expand({"model": "m", "input": f"turn {n}"}, OWNER)
-        await responses.keep(OWNER, t, {"id": f"resp_gc{n}", "output": []})
-    entries = list(responses.store.fresh.cache.entries.values())
-    assert len(entries) == 50
-    gc.collect()  # the keys' tuples of strings are left untracked by the collection that sees them
-    assert not any(gc.is_tracked(e) for e in entries)
-    assert not any(gc.is_tracked(k) for k in responses.store.fresh.cache.entries)
+        item = {"type": "message", "id": f"msg_gc{n}", "role": "assistant", "content": []}
+        await responses.keep(OWNER, t, {"id": f"resp_gc{n}", "output": [item]})
+    cache = responses.store.fresh.cache
+    entries, indexed = cache.entries.values(), cache.indexed.values()
+    assert len(entries) == 50 and len(indexed) == 50
+    gc.collect()  # a tuple of strings (the maps' order) is left untracked by the collection that sees it
+    assert not any(gc.is_tracked(e) for e in [*entries, *indexed])
+    # Nor are the maps that hold them: a full collection has nothing of the cache to walk.
+    held = [v for lru in (cache.entries, cache.indexed) for v in vars(lru).values() if isinstance(v, dict | tuple)]
+    assert len(held) == 6 and not any(gc.is_tracked(v) for v in held)
 
 
 async def test_over_http_a_delete_on_one_edge_breaks_the_chain_on_another_at_once(

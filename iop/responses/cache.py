@@ -33,6 +33,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from iop.lru import Lru
 from iop.nats import connection
 
 log = logging.getLogger("iop.responses")
@@ -53,6 +54,12 @@ def gone_subject(owner: str, response_id: str) -> str:
     return f"{GONE_ROOT}.{owner}.{response_id}"
 
 
+def key(owner: str, some_id: str) -> str:
+    """An owner's response or item id as one string (a tuple would be tracked: iop/lru.py).
+    Owners hold no `.` (`store.owner_of`), so the owner is what comes before the first."""
+    return f"{owner}.{some_id}"
+
+
 class _State(msgspec.Struct):
     first_seq: int = 0
 
@@ -69,6 +76,19 @@ class _Info(msgspec.Struct):
 
 
 _info = msgspec.json.Decoder(_Info).decode
+
+
+class Indexed(msgspec.Struct, gc=False, array_like=True):
+    """An item index entry this edge wrote (`TurnCache.indexed`)."""
+
+    digest: int
+    """Hash of the item's JSON."""
+    seq: int
+    """Its stream sequence."""
+    stamp: float
+    """Unix time of the write."""
+    epoch: int
+    """`TurnCache.epoch` when the write's ticket was taken."""
 
 
 class Entry(msgspec.Struct, gc=False):
@@ -103,6 +123,10 @@ class Entry(msgspec.Struct, gc=False):
         return self.stored
 
 
+def _size(entry: Entry) -> int:
+    return entry.size
+
+
 @dataclass(frozen=True, slots=True)
 class Ticket:
     """Taken before a read: what it finds is kept only if nothing it read was deleted meanwhile."""
@@ -119,19 +143,23 @@ class TurnCache:
         self.max_age_s = max_age_s
         """The bucket's age limit as last read (0: none)."""
         self.first_seq = 0
-        self.entries: OrderedDict[tuple[str, str], Entry] = OrderedDict()
-        self.bytes = 0
+        self.entries: Lru[Entry] = Lru(max_bytes, _size)
+        """By `key(owner, response id)`; its weight is the entries' bytes."""
         self.epoch = 0
         """Counts forgets and clears: a read's ticket older than one that touched its keys keeps nothing."""
         self._forgotten: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._floor = 0
         """Tickets before this epoch keep nothing (the deletions they raced may no longer be remembered)."""
-        self.indexed: OrderedDict[tuple[str, str], tuple[int, int, float, int]] = OrderedDict()
-        """(owner, item id) → (hash of the item's JSON, its stream sequence, Unix time, epoch): the item
-        index entries (`i.<owner>.<id>`) this edge wrote, so that an item a client sends again, the
-        same, is not written again while the store still holds it (`indexed_still`)."""
+        self.indexed: Lru[Indexed] = Lru((max_bytes * INDEXED_PER_MIB) >> 20)
+        """By `key(owner, item id)`: the item index entries (`i.<owner>.<id>`) this edge wrote, so
+        that an item a client sends again, the same, is not written again while the store still
+        holds it (`indexed_still`)."""
         self._owner_forgot: OrderedDict[str, int] = OrderedDict()
         """The epoch of each owner's latest forget: a deletion takes that owner's items with it."""
+
+    @property
+    def bytes(self) -> int:
+        return self.entries.weight
 
     def get(self, owner: str, response_id: str) -> Any:
         """The record, while it may still be in the store; None otherwise."""
@@ -140,37 +168,31 @@ class TurnCache:
 
     def entry(self, owner: str, response_id: str) -> Entry | None:
         """The record's entry, while the record may still be in the store; None otherwise."""
-        key = (owner, response_id)
-        entry = self.entries.get(key)
+        at = key(owner, response_id)
+        entry = self.entries.get(at)
         if entry is None:
             return None
         if entry.seq < self.first_seq or (self.max_age_s > 0 and time.time() >= entry.stamp + self.max_age_s):
-            self._drop(key)
+            self.entries.pop(at)
             return None
-        self.entries.move_to_end(key)
         return entry
 
     def put(self, owner: str, response_id: str, entry: Entry, ticket: Ticket, reconnects: int) -> None:
-        key = (owner, response_id)
         if (
             entry.size > self.max_bytes
             or ticket.reconnects != reconnects
             or ticket.epoch < self._floor
-            or self._forgotten.get(key, -1) >= ticket.epoch
+            or self._forgotten.get((owner, response_id), -1) >= ticket.epoch
         ):
             return
-        self._drop(key)
-        self.entries[key] = entry
-        self.bytes += entry.size
-        while self.bytes > self.max_bytes:
-            self._drop(next(iter(self.entries)))
+        self.entries.put(key(owner, response_id), entry)
 
     def forget(self, owner: str, response_id: str) -> None:
-        key = (owner, response_id)
-        self._drop(key)
+        self.entries.pop(key(owner, response_id))
         self.epoch += 1
-        self._forgotten[key] = self.epoch
-        self._forgotten.move_to_end(key)
+        gone = (owner, response_id)
+        self._forgotten[gone] = self.epoch
+        self._forgotten.move_to_end(gone)
         # A deleted response's items are deleted with it; which ones, an announcement does not say.
         self._owner_forgot[owner] = self.epoch
         self._owner_forgot.move_to_end(owner)
@@ -185,7 +207,6 @@ class TurnCache:
         self._forgotten.clear()
         self.indexed.clear()
         self._owner_forgot.clear()
-        self.bytes = 0
         self.epoch += 1
         self._floor = self.epoch
 
@@ -193,21 +214,19 @@ class TurnCache:
         """Whether the store still holds the item index entry this edge wrote for `item_id`, the
         same item (`digest`), young enough not to expire before a turn written now: at most half
         the bucket's age limit old. Like a cached record, only once a check found the cache fresh."""
-        key = (owner, item_id)
-        got = self.indexed.get(key)
+        at = key(owner, item_id)
+        got = self.indexed.get(at)
         if got is None:
             return False
-        was, seq, stamp, epoch = got
         if (
-            was != digest
-            or seq < self.first_seq
-            or epoch < self._floor
-            or self._owner_forgot.get(owner, -1) > epoch
-            or (self.max_age_s > 0 and now >= stamp + self.max_age_s / 2)
+            got.digest != digest
+            or got.seq < self.first_seq
+            or got.epoch < self._floor
+            or self._owner_forgot.get(owner, -1) > got.epoch
+            or (self.max_age_s > 0 and now >= got.stamp + self.max_age_s / 2)
         ):
-            del self.indexed[key]
+            self.indexed.pop(at)
             return False
-        self.indexed.move_to_end(key)
         return True
 
     def note_indexed(
@@ -218,19 +237,10 @@ class TurnCache:
             return
         if self._owner_forgot.get(owner, -1) > ticket.epoch:
             return  # a deletion of the owner's raced the write: the entry may be gone already
-        key = (owner, item_id)
-        self.indexed[key] = (digest, seq, stamp, ticket.epoch)
-        self.indexed.move_to_end(key)
-        while len(self.indexed) > (self.max_bytes * INDEXED_PER_MIB) >> 20:
-            self.indexed.popitem(last=False)
+        self.indexed.put(key(owner, item_id), Indexed(digest, seq, stamp, ticket.epoch))
 
     def ticket(self, reconnects: int) -> Ticket:
         return Ticket(self.epoch, reconnects)
-
-    def _drop(self, key: tuple[str, str]) -> None:
-        entry = self.entries.pop(key, None)
-        if entry is not None:
-            self.bytes -= entry.size
 
 
 class Freshness:
