@@ -9,8 +9,9 @@ forgotten first, and a forgotten session costs one cache miss, nothing else.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
+
+from iop.lru import Lru
 
 MAX_SESSIONS = 65_536
 """Sessions one edge remembers (about 10 MB at most with long keys); the least recently used go first."""
@@ -33,7 +34,9 @@ class Sessions:
 
     def __init__(self, max_sessions: int = MAX_SESSIONS) -> None:
         self.max_sessions = max_sessions
-        self._last: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._last: Lru[str] = Lru(max_sessions)
+        """By `alias\\nsession key` (an alias holds no whitespace): a string key, so nothing of it is
+        tracked by the cyclic collector (iop/lru.py), however many sessions it holds."""
         self.counts: dict[str, AffinityCounts] = {}
 
     def __len__(self) -> int:
@@ -41,19 +44,11 @@ class Sessions:
 
     def preferred(self, alias: str, session: str) -> str | None:
         """The provider that served this session of `alias` last, if it is remembered."""
-        key = (alias, session[:MAX_KEY_CHARS])
-        provider = self._last.get(key)
-        if provider is not None:
-            self._last.move_to_end(key)
-        return provider
+        return self._last.get(f"{alias}\n{session[:MAX_KEY_CHARS]}")
 
     def served(self, alias: str, session: str, provider: str, preferred: str | None) -> bool:
         """A slot of `provider` was granted to this session; returns whether affinity routed it."""
-        key = (alias, session[:MAX_KEY_CHARS])
-        self._last[key] = provider
-        self._last.move_to_end(key)
-        if len(self._last) > self.max_sessions:
-            self._last.popitem(last=False)
+        self._last.put(f"{alias}\n{session[:MAX_KEY_CHARS]}", provider)
         if preferred is None:
             return False
         counts = self.counts.get(alias)
