@@ -33,6 +33,7 @@ from bench.procs import (
     log,
     machine_ticks,
     rss_bytes,
+    settled_rss,
     wait_until,
 )
 from bench.scale import raise_fd_limit
@@ -251,10 +252,7 @@ def _waiting(stack: Stack, edge_port: int, size: int, n: int) -> dict[str, Any]:
     with asyncio.Runner(loop_factory=load.loop_factory()) as runner:
         got = runner.run(hold())
 
-    def drained() -> bool:
-        return all(int(p["waiting"]) == 0 for p in http_json("GET", stack.url + "/status")["pools"])
-
-    wait_until("held requests gone", drained, 60)
+    after = settled_rss(stack.url, pid)  # once the edge had time to give the burst's memory back
     res = {
         "size": size,
         "sent": n,
@@ -263,7 +261,7 @@ def _waiting(stack: Stack, edge_port: int, size: int, n: int) -> dict[str, Any]:
         "budget_mib": budget_mib,
         "edge_rss_idle_mb": round(idle / 2**20, 1),
         "edge_rss_full_mb": round(got["rss"] / 2**20, 1),
-        "edge_rss_after_mb": round(rss_bytes(pid) / 2**20, 1),
+        "edge_rss_after_mb": round(after / 2**20, 1),
         "nats_rss_mb": round(rss_bytes(stack.nats_pid) / 2**20, 1) if stack.nats_pid else None,
     }
     log(

@@ -322,3 +322,19 @@ def iop_argv(archive: Path | None, *args: str) -> list[str]:
 
 def upstream_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "bench.upstream", *args]
+
+
+def settled_rss(url: str, pid: int, settle_s: float = 4.0) -> int:
+    """The edge's resident memory once the burst has left: no request waits any more, and the edge
+    had `settle_s` to give memory back (it trims 1 s after a burst drains); the lowest reading."""
+
+    def drained() -> bool:
+        return sum(int(p["waiting"]) for p in http_json("GET", url + "/status", timeout=30)["pools"]) == 0
+
+    wait_until("every held request gone from the edge", drained, 120)
+    lowest = rss_bytes(pid)
+    until = time.monotonic() + settle_s
+    while time.monotonic() < until:
+        time.sleep(0.25)
+        lowest = min(lowest, rss_bytes(pid))
+    return lowest

@@ -26,7 +26,7 @@ from typing import Any
 
 from bench import load
 from bench.measure import Measured, run_measured, spread
-from bench.procs import Owned, cpu_s, http, http_json, log, rss_bytes, wait_until
+from bench.procs import Owned, cpu_s, http, http_json, log, rss_bytes, settled_rss, wait_until
 from bench.stack import mock_node, start_stack
 
 
@@ -204,7 +204,7 @@ def run_memory(owned: Owned, workdir: Path, opts: ScaleOptions) -> dict[str, Any
         time.sleep(0.5)  # let the allocator settle after the warm-up
         idle = rss_bytes(pid)
         got = asyncio.run(_hold(stack.url, edge_port, n, pid))
-        after_close = _settled_rss(stack.url, pid)
+        after_close = settled_rss(stack.url, pid)
     finally:
         stack.stop()
     per = (got["rss_full"] - idle) / max(1, got["waiting"])
@@ -222,22 +222,6 @@ def run_memory(owned: Owned, workdir: Path, opts: ScaleOptions) -> dict[str, Any
     }
     log(f"memory: {got['waiting']} waiting, {res['bytes_per_waiting']} B each (idle {res['edge_rss_idle_mb']} MB)")
     return res
-
-
-def _settled_rss(url: str, pid: int, settle_s: float = 4.0) -> int:
-    """The edge's resident memory once the burst has left: no request waits any more, and the edge
-    had `settle_s` to give memory back (it trims 1 s after a burst drains); the lowest reading."""
-
-    def drained() -> bool:
-        return sum(int(p["waiting"]) for p in http_json("GET", url + "/status", timeout=30)["pools"]) == 0
-
-    wait_until("every held request gone from the edge", drained, 120)
-    lowest = rss_bytes(pid)
-    until = time.monotonic() + settle_s
-    while time.monotonic() < until:
-        time.sleep(0.25)
-        lowest = min(lowest, rss_bytes(pid))
-    return lowest
 
 
 async def _hold(url: str, edge_port: int, n: int, pid: int) -> dict[str, Any]:

@@ -181,11 +181,11 @@ class Edge:
         self.summary = SummaryCache(self.status_sources)
         """`/status?view=summary`: built at most once per 0.25 s, whatever the number of readers."""
         self.burst_trim = BurstTrim(self.waiting_requests, self.scheduler.queued_high)
+        """Hands the memory of a drained burst of waiting requests back to the OS (iop/edge/memory.py)."""
         self.bodies = ReceivingBodies(self.scheduler)
         """Request bodies being received, bounded with the waiting ones by edge.queue.max_waiting_mb."""
         self.body_trim = BurstTrim(self.bodies.mib, self.bodies.high, burst=BODY_BURST_MIB)
         """Hands the memory of a drained burst of large bodies back (counted in MiB, not requests)."""
-        """Hands the memory of a drained burst of waiting requests back to the OS (iop/edge/memory.py)."""
 
     # What a request reads (api.py's `Serving`, qualification.py's `Qualified`): from `current`, so a refresh applies.
 
