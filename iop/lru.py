@@ -14,7 +14,14 @@ is itself never tracked, so `Lru` keeps its entries in two of them:
 
 Eviction takes `old`'s entries by `_order`, skipping those used again (moved to `young`) or
 removed; once `old` is empty, `young` turns over into it. The order is exactly least recently used
-first; each operation is a few dict operations, a turnover one pass over the young keys.
+first; each operation is a few dict operations, a turnover one pass over the young keys. `_order`
+holds its keys until the next turnover, evicted ones too: at most one key object per entry more
+than the map holds (65,536 affinity sessions with 250-character keys: 22-43 MiB, where an
+`OrderedDict` held 31).
+
+CPython 3.11-3.13 leave such a dict untracked; 3.14 tracks every dict (and collects the oldest
+generation incrementally), so there the maps are visited again, their values only (string keys
+are not), one cache miss an entry instead of two.
 """
 
 from __future__ import annotations
@@ -73,6 +80,8 @@ class Lru(Generic[V]):
 
     def put(self, key: str, value: V) -> None:
         """Set `key` (the most recently used now), then evict the least recently used past the bound."""
+        if value is None:
+            raise ValueError("an Lru holds no None: get() says None for a missing key")
         self.pop(key)
         self._young[key] = value
         self.weight += self._weigh(value) if self._weigh is not None else 1
