@@ -51,6 +51,28 @@ GB, 2.3-2.7 at 400, for about 50 MB more resident (docs/performance.md, "The emb
 collector"). An operator's own GOGC or GOMEMLIMIT is left as it is."""
 _GO_SETTINGS = ("GOGC", "GOMEMLIMIT")
 
+
+def go_maxprocs(cpus: int) -> str:
+    """The embedded server's GOMAXPROCS on a machine of `cpus` usable cores: half of them, at least one.
+
+    The server shares its machine with the edge's event loop (and often a node's): with a thread per
+    core, Go's scheduler keeps threads spinning for work between messages and hands each message
+    from thread to thread, CPU the Python processes beside it wait for. On 2 cores one thread took a
+    quarter to a third off the server's CPU per request at c=32 and moved latency, agent-sized
+    bodies and slot utilisation by nothing beyond noise (docs/performance.md, "The embedded
+    server's threads"). Above 2 cores half is a judgement, not a measurement. An operator's own
+    GOMAXPROCS is left as it is."""
+    return str(max(1, cpus // 2))
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask where the platform has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    if affinity is not None:
+        return len(affinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 ROUTE_USER = "iop-route"
 """The user cluster members present to each other's route port (password derived like every other)."""
 
@@ -317,11 +339,14 @@ class EmbeddedNats:
         return self.proc.pid if self.proc else None
 
 
-def server_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The embedded server's environment: the edge's, with `GO_GC` unless the operator set Go's own."""
+def server_env(environ: Mapping[str, str], cpus: int | None = None) -> dict[str, str]:
+    """The embedded server's environment: the edge's, with `GO_GC` unless the operator set Go's own
+    collector settings, and `go_maxprocs` unless the operator set GOMAXPROCS."""
     env = dict(environ)
     if not any(name in env for name in _GO_SETTINGS):
         env["GOGC"] = GO_GC
+    if "GOMAXPROCS" not in env:
+        env["GOMAXPROCS"] = go_maxprocs(usable_cpus() if cpus is None else cpus)
     return env
 
 
