@@ -57,11 +57,12 @@ def go_maxprocs(cpus: int) -> str:
 
     The server shares its machine with the edge's event loop (and often a node's): with a thread per
     core, Go's scheduler keeps threads spinning for work between messages and hands each message
-    from thread to thread, CPU the Python processes beside it wait for. On 2 cores one thread took a
-    quarter to a third off the server's CPU per request at c=32 and moved latency, agent-sized
-    bodies and slot utilisation by nothing beyond noise (docs/performance.md, "The embedded
-    server's threads"). Above 2 cores half is a judgement, not a measurement. An operator's own
-    GOMAXPROCS is left as it is."""
+    from thread to thread, on the cores the Python processes beside it wait for. On 2 cores one
+    thread took a fifth off the CPU per request at c=32 of the edge, node and server together (the
+    server's own a third) and raised the rate; latency, agent-sized bodies and slot utilisation
+    moved by nothing beyond noise (docs/performance.md, "The embedded server on half the cores").
+    Above 2 cores half is a judgement, not a measurement. An operator's own GOMAXPROCS is left as
+    it is."""
     return str(max(1, cpus // 2))
 
 
