@@ -248,7 +248,7 @@ def _main(a: argparse.Namespace, url: str, server_cpu: Callable[[], float] | Non
 
 def start_server(owned: Owned, workdir: Path) -> tuple[Proc, str]:
     """A nats-server of the floor's own, configured and stored as the edge's embedded one; Go's
-    runtime at its defaults (the edge sets GOGC and GOMAXPROCS for its own, iop/nats/server.py),
+    runtime at its defaults (the edge sets GOGC and GOMAXPROCS for its own, iop/nats/goruntime.py),
     so that the floor stays the yardstick it has been in every run recorded."""
     from iop.nats.bundle import nats_server_path
 

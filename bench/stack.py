@@ -166,7 +166,8 @@ def start_memory_nats(owned: Owned, workdir: Path, name: str, port: int) -> Proc
     """A nats-server of our own with the work stream created in memory (iop keeps an existing stream)."""
     from iop.nats import connection, streams
     from iop.nats.bundle import nats_server_path
-    from iop.nats.server import MAX_PAYLOAD, server_env
+    from iop.nats.goruntime import server_env
+    from iop.nats.server import MAX_PAYLOAD
 
     conf = workdir / f"{name}-nats.conf"
     store = workdir / f"{name}-nats-mem"

@@ -8,7 +8,7 @@ random bytes under fresh keys, one at a time, each awaiting its ack (iop/nats/ac
 store writes), the stream growing by every round; then the stream purged and 3 rounds more.
 Each line: the put's p50, nats-server CPU-ms and minor page faults per put, its resident memory,
 and the stream's size, with the machine's other busy cores beside it. iop starts its embedded
-server with `GOGC=400` (iop/nats/server.py, `GO_GC`).
+server with `GOGC=400` (iop/nats/goruntime.py, `GO_GC`).
 """
 
 from __future__ import annotations

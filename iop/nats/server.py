@@ -15,7 +15,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
@@ -24,6 +24,7 @@ from iop.errors import BusError
 from iop.nats import auth
 from iop.nats.access import Credentials, NatsAccess
 from iop.nats.bundle import nats_server_path
+from iop.nats.goruntime import server_env
 
 log = logging.getLogger(__name__)
 
@@ -42,37 +43,6 @@ _CLUSTER_CHATTER = (
     b"detected consumer remapping",
 )
 """Warnings a cluster member logs on every start and stop: not news to an operator."""
-
-GO_GC = "400"
-"""The embedded server's GOGC (Go's default is 100). Storing a large message allocates its size
-again in nats-server, and at Go's default the collector runs every few such messages, each run
-marking the store's state: a 3 MB stored turn cost the server 5-7 CPU-ms once its stream held a
-GB, 2.3-2.7 at 400, for about 50 MB more resident (docs/performance.md, "The embedded server's
-collector"). An operator's own GOGC or GOMEMLIMIT is left as it is."""
-_GO_SETTINGS = ("GOGC", "GOMEMLIMIT")
-
-
-def go_maxprocs(cpus: int) -> str:
-    """The embedded server's GOMAXPROCS on a machine of `cpus` usable cores: half of them, at least one.
-
-    The server shares its machine with the edge's event loop (and often a node's): with a thread per
-    core, Go's scheduler keeps threads spinning for work between messages and hands each message
-    from thread to thread, on the cores the Python processes beside it wait for. On 2 cores one
-    thread took a fifth off the CPU per request at c=32 of the edge, node and server together (the
-    server's own a third) and raised the rate; latency, agent-sized bodies and slot utilisation
-    moved by nothing beyond noise (docs/performance.md, "The embedded server on half the cores").
-    Above 2 cores half is a judgement, not a measurement. An operator's own GOMAXPROCS is left as
-    it is."""
-    return str(max(1, cpus // 2))
-
-
-def usable_cpus() -> int:
-    """The cores this process may run on (its affinity mask where the platform has one)."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    if affinity is not None:
-        return len(affinity(0)) or 1
-    return os.cpu_count() or 1
-
 
 ROUTE_USER = "iop-route"
 """The user cluster members present to each other's route port (password derived like every other)."""
@@ -338,17 +308,6 @@ class EmbeddedNats:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
-
-
-def server_env(environ: Mapping[str, str], cpus: int | None = None) -> dict[str, str]:
-    """The embedded server's environment: the edge's, with `GO_GC` unless the operator set Go's own
-    collector settings, and `go_maxprocs` unless the operator set GOMAXPROCS."""
-    env = dict(environ)
-    if not any(name in env for name in _GO_SETTINGS):
-        env["GOGC"] = GO_GC
-    if "GOMAXPROCS" not in env:
-        env["GOMAXPROCS"] = go_maxprocs(usable_cpus() if cpus is None else cpus)
-    return env
 
 
 def _move_global_account(store: Path, *, clustered: bool) -> None:
