@@ -1,10 +1,12 @@
 """CPU and page faults per agent-sized request, for each process on iop's path.
 
-    python -m bench.experiments.body_cpu [--api responses] [--size 3000000] [--store] [-n 100] [--latency fixed:100]
+    python -m bench.experiments.body_cpu [--api responses] [--size 3000000] [--store | --translated] [--stream]
+        [-n 100] [--latency fixed:100]
 
 Starts the bench upstream, an edge and a node (as `python -m bench.spy` does), warms up with 30
 requests, then sends `-n` more of one agent-sized body (bench/fixtures.py; `--store`: a Responses
-body the edge keeps), one at a time, and prints for the edge, the node and nats-server their user
+body the edge keeps; `--translated`: one the node translates for a chat-only upstream; `--stream`:
+asked as a stream), one at a time, and prints for the edge, the node and nats-server their user
 and system CPU-ms and minor page faults per request, with the machine's other busy cores beside
 them. Over 100 requests the CPU clock's 10 ms tick is 0.1 ms a request: finer than the bodies
 scenario's per-cell CPU (20 requests), for telling two commits apart by what one request costs.
@@ -37,22 +39,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api", choices=["chat", "responses"], default="responses")
     ap.add_argument("--size", type=int, default=3_000_000)
     ap.add_argument("--store", action="store_true", help="a Responses body that the edge keeps")
+    ap.add_argument(
+        "--translated", action="store_true", help="a Responses body translated for a chat-only upstream by the node"
+    )
+    ap.add_argument("--stream", action="store_true", help="the request asks for a stream")
     ap.add_argument("-n", type=int, default=100, help="requests measured (at most 120 s of them)")
     ap.add_argument("--latency", default="0", help="the upstream's delay before its first byte: 0, fixed:MS, ...")
     a = ap.parse_args(argv)
-    if a.store and a.api != "responses":
-        sys.exit("body_cpu: --store is for --api responses")
+    if (a.store or a.translated) and a.api != "responses":
+        sys.exit("body_cpu: --store and --translated are for --api responses")
     install_signal_handlers()
     out = Path(tempfile.mkdtemp(prefix="iop-body-cpu-"))
     owned = Owned(out)
     try:
         port = free_port()
         upstream = start_upstream(owned, "upstream", [port], "--latency", a.latency)
-        stack = start_stack(
-            owned, out, "cpu", [{"alias": "bench", "pool": ["fake"]}], [openai_pool_node("n", [("fake", port, 64)])]
-        )
+        node = openai_pool_node("n", [("fake", port, 64)])
+        if a.translated:
+            node["adapters"][0]["api"] = "chat"  # the node translates every Responses request
+        stack = start_stack(owned, out, "cpu", [{"alias": "bench", "pool": ["fake"]}], [node])
         target = load.Target("127.0.0.1", int(stack.url.rsplit(":", 1)[1]), "/v1" + load.endpoint(a.api))
-        body = fixtures.body(a.api, "bench", a.size, False, a.store)
+        body = fixtures.body(a.api, "bench", a.size, a.stream, a.store)
         load.run(load.LoadSpec(target, body, concurrency=1, requests=30, max_seconds=30))
         pids = {"edge": stack.edge.pid, "node": stack.nodes[0].pid}
         if stack.nats_pid:
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         # Foreign: the machine's busy cores less those of everything this run started.
         wall = result.wall_s if result.wall_s > 0 else 1.0
         foreign = max(0.0, busy_cores(ticks0, ticks1) - (own + upstream_s + result.client_cpu_s) / wall)
-        kind = f"{a.api}{' kept' if a.store else ''}, {a.size:,} bytes"
+        kind = f"{a.api}{' kept' if a.store else ''}{' translated' if a.translated else ''}{' stream' if a.stream else ''}, {a.size:,} bytes"
         p50 = (result.latency_ms or {}).get("p50", 0.0)
         print(f"{kind}: {ok} requests, {result.errors or 'no errors'}, p50 {p50:.2f} ms")
         print("\n".join(lines))
