@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         # Foreign: the machine's busy cores less those of everything this run started.
         wall = result.wall_s if result.wall_s > 0 else 1.0
         foreign = max(0.0, busy_cores(ticks0, ticks1) - (own + upstream_s + result.client_cpu_s) / wall)
-        kind = f"{a.api}{' kept' if a.store else ''}{' translated' if a.translated else ''}{' stream' if a.stream else ''}, {a.size:,} bytes"
+        how = "".join(w for w, on in ((" kept", a.store), (" translated", a.translated), (" stream", a.stream)) if on)
+        kind = f"{a.api}{how}, {a.size:,} bytes"
         p50 = (result.latency_ms or {}).get("p50", 0.0)
         print(f"{kind}: {ok} requests, {result.errors or 'no errors'}, p50 {p50:.2f} ms")
         print("\n".join(lines))
