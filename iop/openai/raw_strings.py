@@ -161,11 +161,13 @@ class Placeholders:
         self.raw.append(raw)
         return f"{_MARK}{len(self.raw) - 1}\x00"
 
-    def encode(self, obj: Any) -> bytes | None:
-        """`obj` as JSON with every placeholder replaced by its string; None if one did not survive."""
+    def encode(self, obj: Any) -> list[bytes | memoryview] | None:
+        """`obj` as JSON with every placeholder replaced by its string, as pieces to send in a row
+        (the long strings are views of the client's body: joining them would copy it once more, a
+        fresh buffer of the body's size and its page faults); None if a placeholder did not survive."""
         data = _encode(obj)
         if not self.raw:
-            return data
+            return [data]
         pieces: list[bytes | memoryview] = []
         view = memoryview(data)
         last = 0
@@ -186,7 +188,7 @@ class Placeholders:
         # client's, which then takes the slow path too).
         if data.count(b"\\u0000") != 2 * (len(pieces) // 2):
             return None
-        return b"".join(pieces)
+        return pieces
 
 
 def _starts(raw: msgspec.Raw, prefix: bytes) -> bool:

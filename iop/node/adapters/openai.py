@@ -166,7 +166,7 @@ class OpenAIAdapter:
         request: dict[str, Any] = held.decode(item.body) if held is not None else _decode(item.body)
         name = model or str(request.get("model") or item.alias)
         upstream, tools, headers = self._translate(item, request, name)
-        body = held.encode(upstream) if held is not None else None
+        body: bytes | list[Piece] | None = held.encode(upstream) if held is not None else None
         if body is None:
             if held is not None:
                 # A placeholder did not come through the translation intact: translate it all decoded.
