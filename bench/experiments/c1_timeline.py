@@ -184,12 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         files = {role: Path(f"{out / 'marks'}.{role}") for role in pids}
         while not all(f.exists() for f in files.values()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        marks = {role: [tuple(m) for m in json.loads(f.read_text())] for role, f in files.items()}
+        marks = {role: [(int(t), str(tag)) for t, tag in json.loads(f.read_text())] for role, f in files.items()}
     finally:
         owned.stop_all()
         shutil.rmtree(out, ignore_errors=True)
 
-    rows = _requests(marks["edge"], marks["node"])  # type: ignore[arg-type]
+    rows = _requests(marks["edge"], marks["node"])
     p50 = (result.latency_ms or {}).get("p50", 0.0)
     print(f"{result.count} requests at c=1 ({'stream' if a.stream else 'whole'}), client p50 {p50:.3f} ms;")
     print(f"{len(rows)} with every step marked; µs, p50 over them")
