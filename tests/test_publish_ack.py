@@ -69,7 +69,7 @@ async def test_a_cancelled_wait_leaves_the_ack_for_the_withdraw(nats_server: Emb
         with pytest.raises(asyncio.CancelledError):
             await waiting
         assert ch.publishing is not None and not ch.publishing.done()
-        await p._on_publish_ack(held[0])
+        p._on_publish_ack(held[0])
         assert (await asyncio.wait_for(ch.publishing, 5)).data == held[0].data
     finally:
         await connection.close(p.nc)

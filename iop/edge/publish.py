@@ -26,7 +26,7 @@ from iop import wire
 from iop.edge.channel import Channel
 from iop.edge.storage import WorkStream
 from iop.errors import Unavailable
-from iop.nats import bulk
+from iop.nats import bulk, inline
 from iop.nats.server import MAX_PAYLOAD
 
 PUBLISH_TIMEOUT_S = 2.0
@@ -66,7 +66,7 @@ class Publisher:
 
     async def start(self) -> None:
         self._acks_inbox = self.nc.new_inbox()
-        await self.nc.subscribe(self._acks_inbox + ".*", cb=self._on_publish_ack, pending_msgs_limit=10_000_000)
+        await inline.subscribe(self.nc, self._acks_inbox + ".*", self._on_publish_ack)  # read as it comes
 
     def _framed(self, ch: Channel, item: wire.WorkItem, limit: int, inline_below: int | None = None) -> bytes:
         """The encoded item; a body too large for one message (or of `inline_below` bytes or more)
@@ -197,7 +197,7 @@ class Publisher:
                 self._acks.pop(ch.id, None)
         return _stream_seq(msg)
 
-    async def _on_publish_ack(self, msg: Msg) -> None:
+    def _on_publish_ack(self, msg: Msg) -> None:
         acked = self._acks.pop(msg.subject.rpartition(".")[2], None)
         if acked is not None and not acked.done():
             acked.set_result(msg)

@@ -29,15 +29,13 @@ from iop.edge.publish import ACK_PREFIX, Publisher
 from iop.edge.recovery import Recovery
 from iop.edge.storage import WorkStream
 from iop.errors import NodeLost, RelayGap, Unavailable, error_of, failure_of
-from iop.nats import bulk
+from iop.nats import bulk, inline
 
 log = logging.getLogger("iop.edge")
 
 Answer = wire.Started | wire.Chunk | wire.Done | wire.Failure
 
 _LATE = object()
-LOST_READ_S = 1.0
-"""How long a lost node's requests wait for its replies already queued here before they fail."""
 """Queued on a channel when its request's start deadline passes (`Relay.replies`)."""
 
 
@@ -53,12 +51,6 @@ class Relay:
         self.recovery = Recovery(nc, js, self.channels)
         self._tasks: set[asyncio.Task[None]] = set()
         self._replies: Subscription | None = None
-        self._replying = False
-        """A reply is being handled (taken from the subscription's queue, not done)."""
-        self._handled = 0
-        """Replies handled so far."""
-        self._after: list[tuple[int, asyncio.Event]] = []
-        """Lost nodes' waits for the replies queued before the news (`node_lost`): the count to reach."""
         self.peak_buffered_bytes = 0
         """The most answer bytes one request ever had waiting here for its HTTP client."""
         self.credits_sent = 0
@@ -71,12 +63,9 @@ class Relay:
 
     async def start(self) -> None:
         await self.publish.start()
-        self._replies = await self.nc.subscribe(
-            self.prefix + ".>",
-            cb=self._on_reply,
-            pending_msgs_limit=10_000_000,
-            pending_bytes_limit=2 * 1024 * 1024 * 1024,
-        )
+        # Handled as nats-py reads them (iop/nats/inline.py): no task's turn between a node's
+        # reply and the request it wakes.
+        self._replies = await inline.subscribe(self.nc, self.prefix + ".>", self._on_reply)
 
     def open(self, node: str, holder: Holder | None = None) -> Channel:
         """A channel for one request to `node`; `close()` it when the request is over."""
@@ -104,19 +93,9 @@ class Relay:
             return None
         return ch
 
-    async def _on_reply(self, msg: Msg) -> None:
-        self._replying = True
-        try:
-            await self._reply(msg)
-        finally:
-            self._replying = False
-            self._handled += 1
-            if self._after:
-                for target, read in [w for w in self._after if w[0] <= self._handled]:
-                    self._after.remove((target, read))
-                    read.set()
-
-    async def _reply(self, msg: Msg) -> None:
+    def _on_reply(self, msg: Msg) -> None:
+        """A message on this edge's reply subjects, as it is read (in wire order): an answer goes to
+        its request at once; a node's question is answered by a task of its own."""
         try:
             reply = wire.decode_reply(msg.data)
         except msgspec.DecodeError:
@@ -126,16 +105,16 @@ class Relay:
             ch = self._channel(reply.id, msg.subject)
             go = ch is not None and not ch.started and not ch.ended
             if msg.reply:
-                await self.nc.publish(msg.reply, wire.encode(wire.Verdict(go)))
+                self._spawn(_quietly(self.nc.publish(msg.reply, wire.encode(wire.Verdict(go)))))
             return
         if isinstance(reply, wire.Probe):
             if msg.reply:
-                await self.nc.publish(msg.reply, wire.encode(self._credit_of(reply.id, msg.subject)))
+                self._spawn(_quietly(self.nc.publish(msg.reply, wire.encode(self._credit_of(reply.id, msg.subject)))))
             return
         if isinstance(reply, wire.BodyPart):
             if msg.reply:
                 part = self.publish.body_part(self._channel(reply.id, msg.subject), reply)
-                await bulk.publish(self.nc, msg.reply, [part])  # a view of the body, not copied
+                self._spawn(_quietly(bulk.publish(self.nc, msg.reply, [part])))  # a view of the body, not copied
             return
         if isinstance(reply, wire.Accepted):
             return
@@ -227,23 +206,8 @@ class Relay:
         """Fail every request running on (or sent to) a node that is gone.
 
         Its replies that arrived before the news of its end (a node that stops sends each request
-        it cuts short its failure, then leaves) are read first: they come on another subscription
-        of the same connection, in order on the wire but not across the two subscriptions' tasks."""
-        queued = (self._replies.pending_msgs if self._replies is not None else 0) + self._replying
-        if queued:
-            read = asyncio.Event()
-            self._after.append((self._handled + queued, read))
-            self._spawn(self._lose_after(read, node, reason))
-            return
-        self._lose(node, reason)
-
-    async def _lose_after(self, read: asyncio.Event, node: str, reason: str) -> None:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(LOST_READ_S):
-                await read.wait()
-        self._lose(node, reason)
-
-    def _lose(self, node: str, reason: str) -> None:
+        it cuts short its failure, then leaves) were handled as they were read, before the news's
+        own handler ran: a request the node answered keeps its answer."""
         for ch in list(self.channels.values()):
             if ch.node == node and not ch.ended:
                 ch.end()
@@ -311,3 +275,10 @@ class Relay:
         t = asyncio.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+
+
+async def _quietly(publish: Coroutine[Any, Any, None]) -> None:
+    """An answer to a node's question: lost with the connection, as the question's asker learns
+    by its own timeout (the node asks again)."""
+    with contextlib.suppress(nats.errors.Error, OSError):
+        await publish

@@ -20,7 +20,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from iop.nats import bulk
+from iop.nats import bulk, inline
 
 WRONG_LAST = (10071, 10164)
 """JetStream's error codes for a compare-and-set that lost (the subject's last sequence moved on)."""
@@ -57,7 +57,7 @@ class AckedPublishes:
 
     async def start(self) -> None:
         self.inbox = self.nc.new_inbox()
-        await self.nc.subscribe(self.inbox + ".*", cb=self._on_ack, pending_msgs_limit=10_000_000)
+        await inline.subscribe(self.nc, self.inbox + ".*", self._on_ack)  # read as it comes
 
     async def publish(
         self, subject: str, data: bulk.Buffer | list[bulk.Buffer], headers: dict[str, str] | None = None
@@ -105,7 +105,7 @@ class AckedPublishes:
                     acked.exception()  # looked at: one that failed behind the first is no stray error
         return [_seq(msg) for msg in msgs]
 
-    async def _on_ack(self, msg: Msg) -> None:
+    def _on_ack(self, msg: Msg) -> None:
         acked = self._waiting.pop(msg.subject.rpartition(".")[2], None)
         if acked is not None and not acked.done():
             acked.set_result(msg)

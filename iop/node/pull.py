@@ -12,6 +12,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import Header, StatusCode
 
+from iop.nats import inline
+
 log = logging.getLogger("iop.node")
 
 EXPIRES_MARGIN_S = 0.05
@@ -73,7 +75,8 @@ class SlotPull:
         return self._pulls
 
     async def open(self) -> None:
-        self._sub = await self._nc.subscribe(self._inbox + ".*", cb=self._on_msg)
+        # Read as it comes (iop/nats/inline.py): the item's waiter is woken in the same turn.
+        self._sub = await inline.subscribe(self._nc, self._inbox + ".*", self._on_msg)
 
     async def close(self) -> None:
         if self._sub is None:
@@ -135,7 +138,7 @@ class SlotPull:
         self._started = loop.time()
         self._timer = loop.call_later(self._wait_s, _end, waiter)
 
-    async def _on_msg(self, msg: Msg) -> None:
+    def _on_msg(self, msg: Msg) -> None:
         status = msg.headers.get(Header.STATUS) if msg.headers else None
         waiter = self._waiter
         if not status:
