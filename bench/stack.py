@@ -43,6 +43,13 @@ def openai_pool_node(node_id: str, providers: list[tuple[str, int, int]]) -> dic
     }
 
 
+def start_one_pool(owned: Owned, workdir: Path, name: str, port: int, capacity: int = 8) -> Stack:
+    """An edge and one node `n` whose provider `fake` (of `capacity`) forwards to the bench upstream
+    on `port`: the pool `bench`, for the experiments that watch one request's way through."""
+    node = openai_pool_node("n", [("fake", port, capacity)])
+    return start_stack(owned, workdir, name, [{"alias": "bench", "pool": ["fake"]}], [node])
+
+
 def mock_node(node_id: str, providers: list[str], capacity: int, latency_ms: float, tokens: int) -> dict[str, Any]:
     return {
         "id": node_id,

@@ -161,13 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         up = free_port()
         start_upstream(owned, "upstream", [up])
-        stack = stack_module.start_stack(
-            owned,
-            out,
-            "timeline",
-            [{"alias": "bench", "pool": ["fake"]}],
-            [stack_module.openai_pool_node("n", [("fake", up, 8)])],
-        )
+        stack = stack_module.start_one_pool(owned, out, "timeline", up)
         target = load.Target("127.0.0.1", int(stack.url.rsplit(":", 1)[1]), "/v1/chat/completions")
         body = json.dumps(
             {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "stream": a.stream}

@@ -142,13 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         up = free_port()
         start_upstream(owned, "upstream", [up], "--tokens", str(wsturns.TOKENS))
-        stack = stack_module.start_stack(
-            owned,
-            out,
-            "timeline",
-            [{"alias": "bench", "pool": ["fake"]}],
-            [stack_module.openai_pool_node("n", [("fake", up, 8)])],
-        )
+        stack = stack_module.start_one_pool(owned, out, "timeline", up)
         port = int(stack.url.rsplit(":", 1)[1])
         sessions = {
             "http": lambda: wsturns._http_session(port, "bench", opts),
