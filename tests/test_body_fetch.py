@@ -11,7 +11,7 @@ from nats.aio.msg import Msg
 from iop import wire
 from iop.edge.publish import INLINE_BELOW
 from iop.errors import BodyUnavailable
-from iop.nats import connection
+from iop.nats import connection, inline
 from iop.nats.server import EmbeddedNats
 from iop.node.body import SENT_KEEP_S, SENT_MAX_BYTES, SentBodies, fetch_body
 from tests.fakes import fake_upstream
@@ -152,7 +152,7 @@ async def _sent_bodies(
     node = await connection.connect(nats_url, "test-sent-node", wait_s=5)
     edge = await connection.connect(nats_url, "test-sent-edge", wait_s=5)
     sent = SentBodies(max_bytes, keep_s)
-    await node.subscribe(wire.body_subject("n"), cb=sent.on_part)
+    await inline.subscribe(node, wire.body_subject("n"), sent.on_part)
     await connection.flush(node)
     return node, edge, sent
 

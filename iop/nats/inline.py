@@ -3,9 +3,9 @@
 nats-py puts every message of a subscription on the subscription's queue, which a task of its
 own reads and hands to the callback: one more turn of the event loop, and one more wake-up of a
 task, between the read of a message and its handling. On the request path that is every reply a
-node sends (the edge's relay), every ack of a work item's publish, and every work item a node's
-pull receives: at c=1 each such hop took 40 µs of a 2-core VM's 1.5 ms
-(`python -m bench.experiments.c1_timeline`).
+node sends (the edge's relay), every ack of a work item's publish, every work item a node's pull
+receives and every part of a large body sent to it: at c=1 each such hop took 40 µs of a 2-core
+VM's 1.5 ms (`python -m bench.experiments.c1_timeline`).
 
 Here the handler is a plain function, called by nats-py's reader as it takes the message off the
 wire, in wire order. It must neither block nor await: what has to wait (a publish in answer) it

@@ -65,7 +65,7 @@ class SentBodies:
         self.dropped = 0
         """Parts dropped: over `max_bytes`, malformed, or never taken within `keep_s`."""
 
-    async def on_part(self, msg: Msg) -> None:
+    def on_part(self, msg: Msg) -> None:
         """A part on `wire.body_subject(node)`: `iop.node.<node>.body.<request>.<offset>`."""
         _, _, request, offset_text = msg.subject.rsplit(".", 3)
         if not offset_text.isdigit() or not msg.data or self.held + len(msg.data) > self.max_bytes:

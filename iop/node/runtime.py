@@ -13,7 +13,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from iop import config, wire
-from iop.nats import auth, connection
+from iop.nats import auth, connection, inline
 from iop.nats.access import NatsAccess
 from iop.node import adapters, device, direct, fetch, policy
 from iop.node.adapters.base import Adapter
@@ -152,10 +152,8 @@ class NodeRuntime:
         presence.device = await asyncio.to_thread(device.gather)
         await presence.hello()
         await self.nc.subscribe(wire.cancel_subject(self.node_id), cb=running.on_cancel)
-        bodies = running.bodies
-        await self.nc.subscribe(
-            wire.body_subject(self.node_id), cb=bodies.on_part, pending_bytes_limit=bodies.max_bytes
-        )
+        # A request's body parts, read as they come (iop/nats/inline.py), held up to `max_bytes`.
+        await inline.subscribe(self.nc, wire.body_subject(self.node_id), running.bodies.on_part)
         await self.nc.subscribe(wire.credit_subject(self.node_id), cb=running.on_credit, pending_msgs_limit=1_000_000)
         await self.nc.subscribe(wire.resend_subject(self.node_id), cb=running.on_resend)
         await self.nc.subscribe(wire.received_subject(self.node_id), cb=running.on_received)
