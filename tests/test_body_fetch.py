@@ -157,6 +157,32 @@ async def _sent_bodies(
     return node, edge, sent
 
 
+async def test_the_edge_answers_every_one_of_a_node_s_asks_for_a_body_s_parts(nats_server: EmbeddedNats) -> None:
+    # The relay answers a node's questions one at a time from one task (a part is a 1 MiB publish
+    # that may wait for the connection's buffer): many asks at once all get their own part.
+    large = "b's prompt, \u00e9 " * (3 * 1024 * 1024 // 16)
+    gate = asyncio.Event()
+    async with fake_upstream(gate=gate) as up:
+        dep = deployment(TWO_NODES.replace("UPSTREAM", up.url))
+        await nats_server.authorize(dep.nodes)
+        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
+            held = asyncio.create_task(http.post("/v1/chat/completions", json={**_chat(large), "model": "b-pool"}))
+            await up.wait_for(lambda u: u.in_flight == 1)
+            [ch] = [c for c in h.edge.relay.channels.values() if c.body]
+            body = bytes(ch.body)
+            async with rogue(nats_server, "b") as b:  # node b's own credential: the node it was sent to
+                step = wire.body_part_size(b.nc.max_payload)
+                offsets = [at for at in range(0, len(body), step) for _ in range(8)]
+                subject = wire.reply_subject(h.edge.edge_id, "b", ch.id)
+                answers = await asyncio.gather(
+                    *(b.nc.request(subject, wire.encode(wire.BodyPart(ch.id, at)), timeout=10) for at in offsets)
+                )
+            assert len(offsets) >= 24
+            assert [a.data for a in answers] == [body[at : at + step] for at in offsets]
+            gate.set()
+            assert (await held).status_code == 200
+
+
 async def test_parts_sent_ahead_make_the_body_and_only_the_missing_one_is_fetched(nats_server: EmbeddedNats) -> None:
     node, edge, sent = await _sent_bodies(nats_server.url)
     step = wire.body_part_size(node.max_payload)

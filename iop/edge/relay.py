@@ -12,6 +12,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -51,6 +52,9 @@ class Relay:
         self.recovery = Recovery(nc, js, self.channels)
         self._tasks: set[asyncio.Task[None]] = set()
         self._replies: Subscription | None = None
+        self._answers: deque[tuple[str, bytes]] = deque()
+        """Answers to nodes' questions (Claim, Probe, BodyPart) not yet published: (subject, payload)."""
+        self._answering: asyncio.Task[None] | None = None
         self.peak_buffered_bytes = 0
         """The most answer bytes one request ever had waiting here for its HTTP client."""
         self.credits_sent = 0
@@ -105,16 +109,16 @@ class Relay:
             ch = self._channel(reply.id, msg.subject)
             go = ch is not None and not ch.started and not ch.ended
             if msg.reply:
-                self._spawn(_quietly(self.nc.publish(msg.reply, wire.encode(wire.Verdict(go)))))
+                self._tell_node(msg.reply, wire.encode(wire.Verdict(go)))
             return
         if isinstance(reply, wire.Probe):
             if msg.reply:
-                self._spawn(_quietly(self.nc.publish(msg.reply, wire.encode(self._credit_of(reply.id, msg.subject)))))
+                self._tell_node(msg.reply, wire.encode(self._credit_of(reply.id, msg.subject)))
             return
         if isinstance(reply, wire.BodyPart):
             if msg.reply:
-                part = self.publish.body_part(self._channel(reply.id, msg.subject), reply)
-                self._spawn(_quietly(bulk.publish(self.nc, msg.reply, [part])))  # a view of the body, not copied
+                # A view of the body, not copied.
+                self._tell_node(msg.reply, self.publish.body_part(self._channel(reply.id, msg.subject), reply))
             return
         if isinstance(reply, wire.Accepted):
             return
@@ -271,14 +275,25 @@ class Relay:
             ch.end()
             self._spawn(self.publish.withdraw(ch))
 
+    def _tell_node(self, subject: str, payload: bytes) -> None:
+        """Publish an answer to a node's question after those before it, one at a time: a publish
+        may wait for nats-py's buffer to drain (a body part is 1 MiB), and a node's many questions
+        then wait here, in order, instead of all going into that buffer at once."""
+        self._answers.append((subject, payload))
+        if self._answering is None:
+            self._answering = asyncio.create_task(self._tell_all())
+
+    async def _tell_all(self) -> None:
+        try:
+            while self._answers:
+                subject, payload = self._answers.popleft()
+                # Lost with the connection: the node asks again when its question times out.
+                with contextlib.suppress(nats.errors.Error, OSError):
+                    await bulk.publish(self.nc, subject, [payload])
+        finally:
+            self._answering = None
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         t = asyncio.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
-
-
-async def _quietly(publish: Coroutine[Any, Any, None]) -> None:
-    """An answer to a node's question: lost with the connection, as the question's asker learns
-    by its own timeout (the node asks again)."""
-    with contextlib.suppress(nats.errors.Error, OSError):
-        await publish
