@@ -270,7 +270,7 @@ class RunningRequests:
 
     # --- what the edge says about running requests ----------------------------------------------
 
-    async def on_cancel(self, msg: Msg) -> None:
+    def on_cancel(self, msg: Msg) -> None:
         try:
             cancel = wire.decode_cancel(msg.data)
         except msgspec.DecodeError:
@@ -284,7 +284,7 @@ class RunningRequests:
         if run is not None and run.task is not None:
             run.task.cancel()
 
-    async def on_received(self, msg: Msg) -> None:
+    def on_received(self, msg: Msg) -> None:
         try:
             received = wire.decode_received(msg.data)
         except msgspec.DecodeError:
@@ -292,7 +292,7 @@ class RunningRequests:
             return
         self.replay.received(received.ids)
 
-    async def on_credit(self, msg: Msg) -> None:
+    def on_credit(self, msg: Msg) -> None:
         try:
             credit = wire.decode_credit(msg.data)
         except msgspec.DecodeError:

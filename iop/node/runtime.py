@@ -151,12 +151,14 @@ class NodeRuntime:
         # Once per process, off the event loop: it may run nvidia-smi or sysctl (each time-bounded).
         presence.device = await asyncio.to_thread(device.gather)
         await presence.hello()
-        await self.nc.subscribe(wire.cancel_subject(self.node_id), cb=running.on_cancel)
-        # A request's body parts, read as they come (iop/nats/inline.py), held up to `max_bytes`.
+        # What an edge says of a running request, read as it comes (iop/nats/inline.py) and so in
+        # wire order with the work items themselves: a cancel, a request's body parts (held up to
+        # `max_bytes`), the answer's credit, the replies it has whole.
+        await inline.subscribe(self.nc, wire.cancel_subject(self.node_id), running.on_cancel)
         await inline.subscribe(self.nc, wire.body_subject(self.node_id), running.bodies.on_part)
-        await self.nc.subscribe(wire.credit_subject(self.node_id), cb=running.on_credit, pending_msgs_limit=1_000_000)
+        await inline.subscribe(self.nc, wire.credit_subject(self.node_id), running.on_credit)
+        await inline.subscribe(self.nc, wire.received_subject(self.node_id), running.on_received)
         await self.nc.subscribe(wire.resend_subject(self.node_id), cb=running.on_resend)
-        await self.nc.subscribe(wire.received_subject(self.node_id), cb=running.on_received)
         controls = Controls(self.node_id, lambda: self.resources)
         await self.nc.subscribe(wire.control_subject(self.node_id), cb=controls.on_control)
         await self._apply(self.node)
