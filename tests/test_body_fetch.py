@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from iop import wire
+from iop.edge.channel import Channel
 from iop.edge.publish import INLINE_BELOW
 from iop.errors import BodyUnavailable
 from iop.nats import connection, inline
 from iop.nats.server import EmbeddedNats
 from iop.node.body import SENT_KEEP_S, SENT_MAX_BYTES, SentBodies, fetch_body
 from tests.fakes import fake_upstream
-from tests.harness import deployment, deployment_running, eventually, one_provider_yaml
+from tests.harness import EdgeHandle, deployment, deployment_running, eventually, one_provider_yaml
 from tests.test_security import TWO_NODES, rogue
 
 
@@ -122,27 +125,33 @@ async def test_a_body_the_edge_no_longer_has_is_unavailable(nats_server: Embedde
         await node.close()
 
 
-async def test_another_node_cannot_read_a_body_that_stayed_at_the_edge(nats_server: EmbeddedNats) -> None:
-    # Every agent-sized body now waits at the edge for its node to ask. Node a, with its own
-    # credential, asks for a body sent to node b: under b's id the server refuses the publish
-    # (test_security), under its own id the edge answers nothing and counts a forged reply.
-    large = "b's prompt " * (INLINE_BELOW // 8)
+@contextlib.asynccontextmanager
+async def _kept_for_b(nats_server: EmbeddedNats, text: str) -> AsyncIterator[tuple[EdgeHandle, Channel]]:
+    """A request whose body stayed at the edge, run by node b and held at its upstream meanwhile:
+    the edge and the request's channel; the request answers 200 once the block ends."""
     gate = asyncio.Event()
     async with fake_upstream(gate=gate) as up:
         dep = deployment(TWO_NODES.replace("UPSTREAM", up.url))
         await nats_server.authorize(dep.nodes)
         async with deployment_running(dep, nats_server.url) as h, h.http() as http:
-            held = asyncio.create_task(http.post("/v1/chat/completions", json={**_chat(large), "model": "b-pool"}))
+            held = asyncio.create_task(http.post("/v1/chat/completions", json={**_chat(text), "model": "b-pool"}))
             await up.wait_for(lambda u: u.in_flight == 1)  # node b fetched it, and the upstream holds it
-            assert up.bodies[-1]["messages"][0]["content"] == large
+            assert up.bodies[-1]["messages"][0]["content"] == text
             [ch] = [c for c in h.edge.relay.channels.values() if c.body]  # the one body kept for its node
             assert ch.node == "b"
-            async with rogue(nats_server, "a") as a:
-                ask = wire.encode(wire.BodyPart(ch.id, 0))
-                answer = await a.nc.request(wire.reply_subject(h.edge.edge_id, "a", ch.id), ask, timeout=5)
-                assert answer.data == b"" and h.edge.relay.forged == 1
+            yield h, ch
             gate.set()
             assert (await held).status_code == 200
+
+
+async def test_another_node_cannot_read_a_body_that_stayed_at_the_edge(nats_server: EmbeddedNats) -> None:
+    # Every agent-sized body now waits at the edge for its node to ask. Node a, with its own
+    # credential, asks for a body sent to node b: under b's id the server refuses the publish
+    # (test_security), under its own id the edge answers nothing and counts a forged reply.
+    async with _kept_for_b(nats_server, "b's prompt " * (INLINE_BELOW // 8)) as (h, ch), rogue(nats_server, "a") as a:
+        ask = wire.encode(wire.BodyPart(ch.id, 0))
+        answer = await a.nc.request(wire.reply_subject(h.edge.edge_id, "a", ch.id), ask, timeout=5)
+        assert answer.data == b"" and h.edge.relay.forged == 1
 
 
 async def _sent_bodies(
@@ -161,26 +170,17 @@ async def test_the_edge_answers_every_one_of_a_node_s_asks_for_a_body_s_parts(na
     # The relay answers a node's questions one at a time from one task (a part is a 1 MiB publish
     # that may wait for the connection's buffer): many asks at once all get their own part.
     large = "b's prompt, \u00e9 " * (3 * 1024 * 1024 // 16)
-    gate = asyncio.Event()
-    async with fake_upstream(gate=gate) as up:
-        dep = deployment(TWO_NODES.replace("UPSTREAM", up.url))
-        await nats_server.authorize(dep.nodes)
-        async with deployment_running(dep, nats_server.url) as h, h.http() as http:
-            held = asyncio.create_task(http.post("/v1/chat/completions", json={**_chat(large), "model": "b-pool"}))
-            await up.wait_for(lambda u: u.in_flight == 1)
-            [ch] = [c for c in h.edge.relay.channels.values() if c.body]
-            body = bytes(ch.body)
-            async with rogue(nats_server, "b") as b:  # node b's own credential: the node it was sent to
-                step = wire.body_part_size(b.nc.max_payload)
-                offsets = [at for at in range(0, len(body), step) for _ in range(8)]
-                subject = wire.reply_subject(h.edge.edge_id, "b", ch.id)
-                answers = await asyncio.gather(
-                    *(b.nc.request(subject, wire.encode(wire.BodyPart(ch.id, at)), timeout=10) for at in offsets)
-                )
-            assert len(offsets) >= 24
-            assert [a.data for a in answers] == [body[at : at + step] for at in offsets]
-            gate.set()
-            assert (await held).status_code == 200
+    # Node b's own credential: the node the request was sent to.
+    async with _kept_for_b(nats_server, large) as (h, ch), rogue(nats_server, "b") as b:
+        body = bytes(ch.body)
+        step = wire.body_part_size(b.nc.max_payload)
+        offsets = [at for at in range(0, len(body), step) for _ in range(8)]
+        subject = wire.reply_subject(h.edge.edge_id, "b", ch.id)
+        answers = await asyncio.gather(
+            *(b.nc.request(subject, wire.encode(wire.BodyPart(ch.id, at)), timeout=10) for at in offsets)
+        )
+    assert len(offsets) >= 24
+    assert [a.data for a in answers] == [body[at : at + step] for at in offsets]
 
 
 async def test_parts_sent_ahead_make_the_body_and_only_the_missing_one_is_fetched(nats_server: EmbeddedNats) -> None:
