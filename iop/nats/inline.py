@@ -33,9 +33,9 @@ log = logging.getLogger("iop.nats")
 Handler = Callable[[Msg], None]
 
 
-async def subscribe(nc: NATS, subject: str, handler: Handler, queue: str = "") -> Subscription:
+async def subscribe(nc: NATS, subject: str, handler: Handler) -> Subscription:
     """`nc.subscribe(subject)` with `handler(msg)` called as each message is read."""
-    sub = await nc.subscribe(subject, queue=queue, cb=_unused)
+    sub = await nc.subscribe(subject, cb=_unused)
     pending = sub._pending_queue  # nats-py's: see the module's docstring
     sub._pending_queue = _AtOnce(sub, handler, subject)  # type: ignore[assignment]
     while not pending.empty():  # read while the subscription was being made: none in practice

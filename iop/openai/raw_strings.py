@@ -22,6 +22,8 @@ from typing import Any
 
 import msgspec
 
+from iop.openai.passthrough import Piece
+
 LONG = 512
 """Strings whose JSON is at least this many bytes stay raw."""
 _NONCE = secrets.token_hex(8)
@@ -161,14 +163,14 @@ class Placeholders:
         self.raw.append(raw)
         return f"{_MARK}{len(self.raw) - 1}\x00"
 
-    def encode(self, obj: Any) -> list[bytes | memoryview] | None:
+    def encode(self, obj: Any) -> list[Piece] | None:
         """`obj` as JSON with every placeholder replaced by its string, as pieces to send in a row
-        (the long strings are views of the client's body: joining them would copy it once more, a
-        fresh buffer of the body's size and its page faults); None if a placeholder did not survive."""
+        (the long strings are views of the client's body: joining them would copy the body once
+        more); None if a placeholder did not survive."""
         data = _encode(obj)
         if not self.raw:
             return [data]
-        pieces: list[bytes | memoryview] = []
+        pieces: list[Piece] = []
         view = memoryview(data)
         last = 0
         at = data.find(_ENCODED_MARK)
